@@ -1,0 +1,44 @@
+# agentmw: two commands matter. `make demo` runs the whole system offline; `make test` runs the tests.
+# Every target sets up what it needs (virtual environment, packages, generated stubs) on its own.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PROTOS := $(wildcard protos/agentmw/v1/*.proto)
+STUBS  := agentmw/v1/.stamp
+
+.PHONY: install protos test demo bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip check
+	touch $@
+
+install: $(VENV)/.installed $(STUBS)
+
+# Python stubs for protos/agentmw/v1/*.proto, into the importable package agentmw.v1.
+$(STUBS): $(PROTOS) $(VENV)/.installed
+	$(PY) -m agent_host.protogen
+	touch $@
+
+protos: $(VENV)/.installed
+	$(PY) -m agent_host.protogen
+
+test: install
+	$(PY) -m pytest -q
+
+demo: install
+	$(PY) -m clients.demo
+
+bench: install
+	$(PY) -m bench.run
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) agentmw/v1

@@ -1,0 +1,742 @@
+"""The ReAct agent: reply -> (compress, reasoning, acting)* rounds, with every hook position a chain.
+
+Behavior follows AgentScope 2.0.11 (see shared/reference/agentscope-semantics.md §2); the section
+numbers in comments point there. Middleware are layers of ``Chain``s; in-process and remote
+layers are mixed freely, the first in the list outermost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chain import Chain, transform
+from .data import (
+    AssistantMsg,
+    ChatResponse,
+    ContextConfig,
+    DataBlock,
+    DataBlockDeltaEvent,
+    DataBlockEndEvent,
+    DataBlockStartEvent,
+    ErrorInfo,
+    ErrorType,
+    ExceedMaxItersEvent,
+    ExternalExecutionResultEvent,
+    FinishedReason,
+    HintBlock,
+    ModelCallEndEvent,
+    ModelCallStartEvent,
+    Msg,
+    PermissionBehavior,
+    PermissionDecision,
+    ReplyContext,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    ReplyStartEvent,
+    RequireExternalExecutionEvent,
+    RequireUserConfirmEvent,
+    Role,
+    SystemMsg,
+    TextBlock,
+    TextBlockDeltaEvent,
+    TextBlockEndEvent,
+    TextBlockStartEvent,
+    ThinkingBlock,
+    ThinkingBlockDeltaEvent,
+    ThinkingBlockEndEvent,
+    ThinkingBlockStartEvent,
+    ToolCallBlock,
+    ToolCallDeltaEvent,
+    ToolCallEndEvent,
+    ToolCallStartEvent,
+    ToolCallState,
+    ToolChoice,
+    ToolChunk,
+    ToolResponse,
+    ToolResultBlock,
+    ToolResultDataDeltaEvent,
+    ToolResultEndEvent,
+    ToolResultStartEvent,
+    ToolResultState,
+    ToolResultTextDeltaEvent,
+    UserConfirmResultEvent,
+    UserInterruptEvent,
+    UserMsg,
+    block_text,
+    new_id,
+)
+from .data.state import AgentState
+from .hooks import HOOKS
+from .models import ChatModel, ModelRegistry
+from .tools import Tool, ToolInputError, Toolkit
+
+WAITING_MESSAGE = "I'm waiting for your permission or the external execution to finish."
+INTERRUPTION_MESSAGE = "I notice the interruption. How can I help you?"
+INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by the user.</system-reminder>"
+MAX_ITERS_HINT = (
+    "You have reached the maximum of {n} reasoning-acting iterations. Give your final answer now, "
+    "based on what you have. Do not call any tools."
+)
+MAX_ITERS_SOURCE = '{"label": "System", "sublabel": "Max Iterations Reached"}'
+COMPRESSION_PROMPT = (
+    "<compress-context>Summarize the conversation above for your future self: the task, the current "
+    "state, important discoveries, next steps. Reply with the summary only.</compress-context>"
+)
+
+
+class ReplyError(RuntimeError):
+    """A reply cannot go on; the reply ends with ReplyEndEvent(ERROR) carrying this message."""
+
+    error_type = ErrorType.INTERNAL
+
+
+def implements(layer: Any, hook: str) -> bool:
+    """Whether a layer takes part in a hook position (in-process: overrides it; remote: Describe)."""
+    check = getattr(layer, "implements", None)
+    if check is not None:
+        return check(hook)
+    return type(layer).is_implemented(hook)
+
+
+@dataclass
+class _Action:
+    kind: str  # "reasoning" | "acting" | "exit"
+    tool_choice: ToolChoice | None = None
+    hint: HintBlock | None = None
+    tool_calls: list[ToolCallBlock] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
+    msg: Msg | None = None
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        name: str = "assistant",
+        system_prompt: str = "You are a helpful assistant.",
+        model: ChatModel | str | None = None,
+        models: ModelRegistry | None = None,
+        toolkit: Toolkit | None = None,
+        middlewares: Sequence[Any] = (),
+        state: AgentState | None = None,
+        max_iters: int = 10,
+        context_config: ContextConfig | None = None,
+        description: str = "",
+    ) -> None:
+        self.name = name
+        self.description = description or "No description available"
+        self.system_prompt = system_prompt
+        self.models = models or ModelRegistry()
+        if isinstance(model, ChatModel):
+            if model.id not in self.models.entries:
+                self.models.add(model)
+            self.default_model_id = model.id
+        else:
+            self.default_model_id = model or self.models.default
+        if self.default_model_id is None:
+            raise ValueError("the agent needs a model (a ChatModel or a registered model id)")
+        self.models.get(self.default_model_id)
+        self.toolkit = toolkit or Toolkit()
+        self.state = state or AgentState()
+        self.max_iters = max_iters
+        self.context_config = context_config or ContextConfig()
+        self._receive_reply_end = False
+        self.set_middlewares(middlewares)
+
+    # -- configuration ---------------------------------------------------------------------
+
+    def set_middlewares(self, middlewares: Sequence[Any]) -> None:
+        """Filter the list once into per-hook layer lists and build the chains (between replies)."""
+        self.middlewares = list(middlewares)
+        self.layers = {hook: [m for m in self.middlewares if implements(m, hook)] for hook in HOOKS}
+        self._reply_chain = Chain("on_reply", self.layers["on_reply"], self._reply_impl)
+        self._reasoning_chain = Chain("on_reasoning", self.layers["on_reasoning"], self._reasoning_impl)
+        self._acting_chain = Chain("on_acting", self.layers["on_acting"], self._acting_impl)
+        self._permission_chain = Chain(
+            "on_check_permission", self.layers["on_check_permission"], self._check_permission_impl
+        )
+        self._model_chain = Chain("on_model_call", self.layers["on_model_call"], self._model_call_impl)
+        self._compress_chain = Chain(
+            "on_compress_context", self.layers["on_compress_context"], self._compress_context_impl
+        )
+
+    @property
+    def model(self) -> ChatModel:
+        """The model this reply uses: a middleware's choice (``set_model``) or the default."""
+        return self.models.get(self.state.reply_context.model_id or self.default_model_id)
+
+    def set_model(self, model_id: str) -> None:
+        """Use a registered model for the rest of this reply (unknown ids raise)."""
+        self.models.get(model_id)
+        self.state.reply_context.model_id = model_id
+        self.state.version += 1
+
+    # -- reply -------------------------------------------------------------------------------
+
+    async def reply(self, inputs: Any = None, structured_schema: dict | None = None) -> Msg:
+        final = None
+        async for item in self.reply_stream(inputs, structured_schema):
+            if isinstance(item, Msg):
+                final = item
+        if final is None:
+            raise RuntimeError("Agent did not produce a final message.")
+        return final
+
+    async def reply_stream(self, inputs: Any = None, structured_schema: dict | None = None) -> AsyncIterator[Any]:
+        """Every event of the reply and, last, the final Msg. Failures end the reply with
+        ReplyEndEvent(ERROR) and an error Msg instead of raising."""
+        self._receive_reply_end = False
+        failure: BaseException | None = None
+        try:
+            async with aclosing(self._reply_chain(self, inputs=inputs, structured_schema=structured_schema)) as items:
+                async for item in items:
+                    if isinstance(item, ReplyEndEvent):
+                        self._receive_reply_end = True
+                    yield item
+        except Exception as exc:
+            failure = exc
+        if failure is not None:
+            async for item in self._end_with_error(failure):
+                yield item
+
+    async def _end_with_error(self, exc: BaseException) -> AsyncIterator[Any]:
+        error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=f"{type(exc).__name__}: {exc}")
+        for event in self._close_unfinished_tool_calls(
+            ToolResultState.ERROR, f"<system-reminder>{error.message}</system-reminder>"
+        ):
+            yield event
+        reply_id = self.state.reply_id
+        yield ReplyEndEvent(session_id=self.state.session_id, reply_id=reply_id,
+                            finished_reason=ReplyFinishedReason.ERROR, error=error)  # fmt: skip
+        yield AssistantMsg(f"The reply failed: {error.message}", name=self.name, id=reply_id,
+                           finished_reason=ReplyFinishedReason.ERROR, error=error)  # fmt: skip
+
+    async def _reply_impl(self, inputs: Any = None, structured_schema: dict | None = None) -> AsyncIterator[Any]:
+        state = self.state
+        interrupted = False
+        try:
+            if isinstance(inputs, UserInterruptEvent):  # §2.3.2
+                if self._awaiting_calls():
+                    raise asyncio.CancelledError
+                return
+            if isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
+                self._check_incoming_event(inputs)
+                async for event in self._handle_incoming_event(inputs):
+                    yield event
+            else:
+                self._handle_incoming_messages(inputs)
+                state.reply_context = ReplyContext(reply_id=new_id(), structured_schema=structured_schema)
+                state.version += 1
+                yield ReplyStartEvent(session_id=state.session_id, reply_id=state.reply_id, name=self.name)
+
+            final_msg: Msg | None = None
+            made_progress = True
+            while True:
+                action = self._next_action(final_msg)
+                if action.kind == "exit":
+                    if not action.events:  # parked on HITL / external execution: no ReplyEndEvent
+                        yield action.msg
+                        return
+                    for event in action.events:
+                        yield event
+                    if self._receive_reply_end:
+                        yield action.msg
+                        return
+                    # The ReplyEndEvent was swallowed by a middleware: go another round (§1.3.1).
+                    if not made_progress:
+                        raise ReplyError("the ReplyEndEvent was swallowed twice with no reasoning or acting between")
+                    made_progress, final_msg = False, None
+                    continue
+                made_progress = True
+                if action.kind == "reasoning":
+                    if action.hint is not None:
+                        state.append_context(self.name, [action.hint])
+                    await self.compress_context()
+                    async with aclosing(self._reasoning_chain(self, tool_choice=action.tool_choice)) as items:
+                        async for item in items:
+                            if isinstance(item, Msg):
+                                final_msg = item
+                                continue
+                            yield item
+                            if (
+                                isinstance(item, ModelCallEndEvent)
+                                and item.finished_reason == FinishedReason.INTERRUPTED
+                            ):
+                                raise asyncio.CancelledError
+                else:
+                    async for event in self._acting(action.tool_calls):
+                        yield event
+                if not self._unanswered_calls():
+                    state.cur_iter += 1
+        except asyncio.CancelledError:
+            interrupted = True
+        if interrupted:  # §2.3.8: cleanup still flows out through every on_reply middleware
+            for event in self._close_unfinished_tool_calls(ToolResultState.INTERRUPTED, INTERRUPTED_TOOL_TEXT):
+                yield event
+            yield ReplyEndEvent(session_id=state.session_id, reply_id=state.reply_id,
+                                finished_reason=ReplyFinishedReason.INTERRUPTED)  # fmt: skip
+            reply_msg = state.reply_message(self.name)
+            yield AssistantMsg(INTERRUPTION_MESSAGE, name=self.name, id=state.reply_id,
+                               usage=reply_msg.usage if reply_msg else None,
+                               finished_reason=ReplyFinishedReason.INTERRUPTED)  # fmt: skip
+
+    def _handle_incoming_messages(self, inputs: Any) -> None:
+        msgs = [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
+        for msg in msgs:
+            if not isinstance(msg, Msg):
+                raise ReplyError(f"reply inputs must be Msg objects, got {type(msg).__name__}")
+            if msg.role == Role.SYSTEM:
+                raise ReplyError("a reply input cannot be a system message")
+            if any(b.type in ("tool_call", "tool_result", "thinking") for b in msg.content):
+                raise ReplyError("a reply input cannot carry tool_call, tool_result or thinking blocks")
+            self.state.context.append(copy.deepcopy(msg))
+        self.state.version += 1
+
+    # -- the decision table (§2.4) ---------------------------------------------------------------
+
+    def _tool_calls(self) -> tuple[list[ToolCallBlock], set[str]]:
+        msg = self.state.reply_message(self.name)
+        if msg is None:
+            return [], set()
+        calls = [b for b in msg.content if isinstance(b, ToolCallBlock)]
+        answered = {b.id for b in msg.content if isinstance(b, ToolResultBlock)}
+        return calls, answered
+
+    def _unanswered_calls(self) -> list[ToolCallBlock]:
+        calls, answered = self._tool_calls()
+        return [c for c in calls if c.id not in answered]
+
+    def _awaiting_calls(self) -> list[ToolCallBlock]:
+        return [c for c in self._unanswered_calls() if c.state in (ToolCallState.ASKING, ToolCallState.SUBMITTED)]
+
+    def _next_action(self, final_msg: Msg | None) -> _Action:
+        state = self.state
+        unanswered = self._unanswered_calls()
+        awaiting = [c for c in unanswered if c.state in (ToolCallState.ASKING, ToolCallState.SUBMITTED)]
+        executable = [
+            c for c in unanswered
+            if c.state == ToolCallState.ALLOWED or (c.state == ToolCallState.PENDING and not awaiting)
+        ]  # fmt: skip
+        if executable:
+            return _Action("acting", tool_calls=executable)
+        if awaiting:
+            return _Action("exit", msg=AssistantMsg(WAITING_MESSAGE, name=self.name, id=state.reply_id))
+        end = ReplyEndEvent(session_id=state.session_id, reply_id=state.reply_id)
+        if final_msg is not None:
+            events: list[Any] = [end]
+            if state.cur_iter > self.max_iters:
+                end.finished_reason = final_msg.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
+                events.insert(0, ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name))
+            return _Action("exit", events=events, msg=final_msg)
+        if state.cur_iter == self.max_iters:
+            hint = HintBlock(hint=MAX_ITERS_HINT.format(n=self.max_iters), source=MAX_ITERS_SOURCE)
+            return _Action("reasoning", hint=hint, tool_choice=ToolChoice(mode="none"))
+        if state.cur_iter > self.max_iters:
+            end.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
+            msg = AssistantMsg(f"I stopped after reaching the maximum of {self.max_iters} iterations.",
+                               name=self.name, id=state.reply_id, finished_reason=end.finished_reason)  # fmt: skip
+            return _Action("exit", events=[ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name), end], msg=msg)
+        return _Action("reasoning")
+
+    # -- reasoning (§2.5) ---------------------------------------------------------------------
+
+    async def get_system_prompt(self) -> str:
+        return await transform("on_system_prompt", self.layers["on_system_prompt"], self, self.system_prompt)
+
+    async def prepare_model_input(self, tool_choice: ToolChoice | None) -> tuple[list[Msg], list[dict]]:
+        messages = [SystemMsg(await self.get_system_prompt())]
+        if self.state.summary:
+            messages.append(UserMsg(self.state.summary))
+        messages.extend(self.state.context)
+        only = tool_choice.tools if tool_choice is not None else None
+        return messages, self.toolkit.schemas(only)
+
+    async def _reasoning_impl(self, tool_choice: ToolChoice | None = None) -> AsyncIterator[Any]:
+        state = self.state
+        reply_id = state.reply_id
+        yield ModelCallStartEvent(reply_id=reply_id, model_name=self.model.id)
+        messages, tools = await self.prepare_model_input(tool_choice)
+        result, used = await self._call_model(messages, tools, tool_choice)
+        completed: ChatResponse | None = None
+        converter = _ChunkConverter(reply_id)
+        if isinstance(result, ChatResponse):
+            completed = result
+            for event in converter.convert(result):
+                yield event
+        else:
+            async with aclosing(result) as chunks:
+                async for chunk in chunks:
+                    if chunk.is_last:
+                        completed = chunk
+                        continue
+                    for event in converter.convert(chunk):
+                        yield event
+        for event in converter.close_all():
+            yield event
+        if completed is None:
+            raise ReplyError(f"model {used!r} returned an empty streaming response")
+        usage = completed.usage
+        yield ModelCallEndEvent(
+            reply_id=reply_id,
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+            cache_input_tokens=usage.cache_input_tokens if usage else 0,
+            cache_creation_input_tokens=usage.cache_creation_input_tokens if usage else 0,
+            finished_reason=completed.finished_reason,
+            metadata={"model": used},
+        )
+        saved = self._save_to_context(completed)
+        has_calls = any(isinstance(b, ToolCallBlock) for b in completed.content)
+        thinking_only = bool(completed.content) and all(isinstance(b, ThinkingBlock) for b in completed.content)
+        if completed.finished_reason != FinishedReason.INTERRUPTED and not has_calls and not thinking_only:
+            yield AssistantMsg(copy.deepcopy(completed.content), name=self.name, id=reply_id,
+                               usage=copy.copy(saved.usage) if saved else None,
+                               finished_reason=ReplyFinishedReason.COMPLETED)  # fmt: skip
+
+    def _save_to_context(self, completed: ChatResponse) -> Msg | None:
+        from .data import Usage
+
+        blocks = [
+            copy.deepcopy(b)
+            for b in completed.content
+            if not (isinstance(b, DataBlock) and b.source.media_type.startswith("audio/"))
+        ]
+        msg = self.state.append_context(self.name, blocks)
+        if completed.usage is not None:
+            u = completed.usage
+            msg.append_usage(Usage(input_tokens=u.input_tokens, output_tokens=u.output_tokens,
+                                   cache_input_tokens=u.cache_input_tokens,
+                                   cache_creation_input_tokens=u.cache_creation_input_tokens))  # fmt: skip
+        return msg
+
+    async def _call_model(
+        self, messages: list[Msg], tools: list[dict], tool_choice: ToolChoice | None
+    ) -> tuple[Any, str]:
+        """The retry/fallback loop around the whole on_model_call chain (§1.3.5)."""
+        first = self.model.id
+        candidates = [first, *self.models.entry(first).fallback]
+        last_exc: Exception | None = None
+        for model_id in candidates:
+            model = self.models.get(model_id)
+            for _attempt in range(self.models.entry(model_id).max_retries + 1):
+                self._models_used: list[str] = []
+                try:
+                    result = await self._model_chain(
+                        self, current_model=model, messages=messages, tools=tools, tool_choice=tool_choice
+                    )
+                    return result, (self._models_used[-1] if self._models_used else model_id)
+                except Exception as exc:  # any failure of the chain: next attempt, then next model
+                    last_exc = exc
+                    if not getattr(exc, "retryable", True):
+                        break  # e.g. an auth error: no retry of this model, but fallbacks still run
+        assert last_exc is not None
+        raise last_exc
+
+    async def _model_call_impl(
+        self, current_model: Any, messages: list[Msg], tools: list[dict], tool_choice: ToolChoice | None
+    ) -> Any:
+        model = self.models.resolve(current_model)
+        self._models_used.append(model.id)
+        return await model(messages, tools, tool_choice)
+
+    # -- acting (§2.6) -------------------------------------------------------------------------
+
+    async def _acting(self, tool_calls: list[ToolCallBlock]) -> AsyncIterator[Any]:
+        """Run the executable calls in order; stop after one parks (confirmation / external)."""
+        for call in tool_calls:
+            parked = False
+            async for event in self._execute_tool_call(call):
+                parked = parked or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
+                yield event
+            if parked:
+                return
+
+    async def _execute_tool_call(self, call: ToolCallBlock) -> AsyncIterator[Any]:
+        reply_id = self.state.reply_id
+        tool = self.toolkit.get(call.name)
+        if tool is None:
+            for event in self._error_result(call, f"Error: tool {call.name!r} does not exist.", ToolResultState.ERROR):
+                yield event
+            return
+        try:
+            tool_input = tool.validate(call)
+        except ToolInputError as exc:
+            for event in self._error_result(call, f"Error: {exc}", ToolResultState.ERROR):
+                yield event
+            return
+        decision = await self._permission_chain(
+            self, tool_call=copy.deepcopy(call), tool=tool, tool_input=copy.deepcopy(tool_input)
+        )
+        behavior = getattr(decision, "behavior", None)
+        if behavior in (PermissionBehavior.ASK, PermissionBehavior.PASSTHROUGH):
+            call.state = ToolCallState.ASKING
+            call.suggested_rules = list(decision.suggested_rules)
+            self.state.version += 1
+            yield RequireUserConfirmEvent(reply_id=reply_id, tool_calls=[copy.deepcopy(call)])
+            return
+        if behavior == PermissionBehavior.DENY:
+            message = decision.message or f"Permission to use {call.name!r} was denied."
+            for event in self._error_result(call, message, ToolResultState.DENIED):
+                yield event
+            return
+        if behavior != PermissionBehavior.ALLOW:
+            raise ReplyError(f"on_check_permission returned {decision!r}, not a PermissionDecision")
+        call.state = ToolCallState.ALLOWED
+        yield ToolResultStartEvent(reply_id=reply_id, tool_call_id=call.id, tool_call_name=call.name)
+        if tool.is_external_tool:
+            call.state = ToolCallState.SUBMITTED
+            self.state.version += 1
+            yield RequireExternalExecutionEvent(reply_id=reply_id, tool_calls=[copy.deepcopy(call)])
+            return
+        response: ToolResponse | None = None
+        async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+            async for item in items:
+                if isinstance(item, ToolResponse):
+                    response = item
+                    break
+                if isinstance(item, ToolChunk):
+                    for event in _chunk_events(reply_id, call.id, item):
+                        yield event
+        if response is None:  # §6.3: never loop forever on an on_acting that produced no result
+            response = ToolResponse(
+                content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
+                state=ToolResultState.ERROR,
+                id=call.id,
+            )
+            yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
+        for event in self._save_result(call, response.content, response.state, response.metadata):
+            yield event
+
+    def _save_result(self, call: ToolCallBlock, output: Any, state: ToolResultState, metadata: dict) -> list[Any]:
+        result = ToolResultBlock(id=call.id, name=call.name, output=copy.deepcopy(output), state=state,
+                                 metadata=dict(metadata))  # fmt: skip
+        self.state.append_context(self.name, [result])
+        call.state = ToolCallState.FINISHED
+        return [ToolResultEndEvent(reply_id=self.state.reply_id, tool_call_id=call.id, state=state,
+                                   metadata=dict(metadata))]  # fmt: skip
+
+    def _error_result(self, call: ToolCallBlock, message: str, state: ToolResultState) -> list[Any]:
+        reply_id = self.state.reply_id
+        events: list[Any] = []
+        if call.state not in (ToolCallState.ALLOWED, ToolCallState.SUBMITTED):  # those already had a Start
+            events.append(ToolResultStartEvent(reply_id=reply_id, tool_call_id=call.id, tool_call_name=call.name))
+        events.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=message))
+        return events + self._save_result(call, message, state, {})
+
+    async def _acting_impl(self, tool_call: ToolCallBlock) -> AsyncIterator[Any]:
+        async for item in self.toolkit.call_tool(tool_call, self.state):
+            yield item
+
+    async def _check_permission_impl(
+        self, tool_call: ToolCallBlock, tool: Tool, tool_input: dict
+    ) -> PermissionDecision:
+        if tool_call.state == ToolCallState.ALLOWED:  # the user confirmed it
+            return PermissionDecision(behavior=PermissionBehavior.ALLOW)
+        for rule in self.state.permission_rules:
+            if rule.tool_name == tool_call.name and (rule.rule_content in (None, "", tool_call.input)):
+                return PermissionDecision(behavior=rule.behavior, message=f"by rule ({rule.source})")
+        if tool.needs_confirmation:
+            return PermissionDecision(behavior=PermissionBehavior.ASK, message=f"{tool_call.name} needs confirmation")
+        return PermissionDecision(behavior=PermissionBehavior.ALLOW)
+
+    # -- human in the loop (§2.7, §2.8) -----------------------------------------------------------
+
+    def _check_incoming_event(self, event: Any) -> None:
+        awaiting = {c.id: c for c in self._awaiting_calls()}
+        if not awaiting:
+            raise ReplyError(f"{type(event).__name__}: no tool call is waiting for an answer")
+        if isinstance(event, UserConfirmResultEvent):
+            ids = [r.tool_call.id for r in event.confirm_results]
+            wanted = ToolCallState.ASKING
+        else:
+            ids = [r.id for r in event.execution_results]
+            wanted = ToolCallState.SUBMITTED
+        bad = [i for i in ids if i not in awaiting or awaiting[i].state != wanted]
+        if bad or not ids:
+            raise ReplyError(f"{type(event).__name__}: tool call ids {bad or ids} are not awaiting this answer")
+
+    async def _handle_incoming_event(self, event: Any) -> AsyncIterator[Any]:
+        calls = {c.id: c for c in self._unanswered_calls()}
+        reply_id = self.state.reply_id
+        if isinstance(event, UserConfirmResultEvent):
+            for result in event.confirm_results:
+                call = calls[result.tool_call.id]
+                if result.confirmed:
+                    call.state = ToolCallState.ALLOWED
+                    call.name, call.input = result.tool_call.name, result.tool_call.input
+                    self.state.permission_rules.extend(result.rules)
+                else:
+                    for ev in self._error_result(call, "<system-reminder>The user denied this tool call.</system-reminder>",
+                                                 ToolResultState.DENIED):  # fmt: skip
+                        yield ev
+            self.state.version += 1
+            return
+        for result in event.execution_results:
+            call = calls[result.id]
+            for ev in _output_events(reply_id, call.id, result.output):
+                yield ev
+            for ev in self._save_result(call, result.output, result.state, result.metadata):
+                yield ev
+
+    def _close_unfinished_tool_calls(self, state: ToolResultState, text: str) -> list[Any]:
+        reply_id = self.state.reply_id
+        events: list[Any] = []
+        for call in self._unanswered_calls():
+            if call.state not in (ToolCallState.ALLOWED, ToolCallState.SUBMITTED):
+                events.append(ToolResultStartEvent(reply_id=reply_id, tool_call_id=call.id, tool_call_name=call.name))
+            events.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=text))
+            events.extend(self._save_result(call, text, state, {}))
+        return events
+
+    # -- context compression (§2.10) --------------------------------------------------------------
+
+    async def compress_context(self, context_config: Any = None, instructions: HintBlock | None = None) -> None:
+        await self._compress_chain(self, context_config=context_config, instructions=instructions)
+
+    async def _compress_context_impl(self, context_config: Any = None, instructions: HintBlock | None = None) -> None:
+        cfg = context_config or self.context_config
+        model = self.model
+        messages, _ = await self.prepare_model_input(None)
+        if model.count_tokens(messages) < cfg.trigger_ratio * model.context_size:
+            return
+        context = self.state.context
+        keep_budget = cfg.reserve_ratio * model.context_size
+        split = len(context) - 1  # the newest message (this reply's) is always kept
+        kept = model.count_tokens(context[split:])
+        while split > 0 and kept + model.count_tokens(context[split - 1 : split]) <= keep_budget:
+            split -= 1
+            kept += model.count_tokens(context[split : split + 1])
+        if split <= 0:
+            return
+        old = context[:split]
+        prompt = [SystemMsg(COMPRESSION_PROMPT)]
+        if self.state.summary:
+            prompt.append(UserMsg(f"Earlier summary:\n{self.state.summary}"))
+        prompt.extend(old)
+        prompt.append(UserMsg(COMPRESSION_PROMPT + (f"\n{block_text([instructions])}" if instructions else "")))
+        try:
+            stream = await model(prompt, [], ToolChoice(mode="none"))
+            summary = ""
+            async for chunk in stream:
+                if chunk.is_last:
+                    summary = block_text(chunk.content)
+            if not summary.strip():
+                raise ReplyError("the model returned an empty summary")
+        except Exception:
+            if not cfg.compression_fallback_to_truncation:
+                raise
+            summary = (self.state.summary + "\n" if self.state.summary else "") + (
+                f"({len(old)} earlier messages were truncated.)"
+            )
+        self.state.summary = summary
+        self.state.context = context[split:]
+        self.state.version += 1
+
+
+# -- streaming conversions --------------------------------------------------------------------
+
+
+class _ChunkConverter:
+    """Turns delta ChatResponses into block events (§2.5.4); text/thinking event ids are fresh."""
+
+    def __init__(self, reply_id: str) -> None:
+        self.reply_id = reply_id
+        self.text_id: str | None = None
+        self.thinking_id: str | None = None
+        self.tool_ids: list[str] = []
+        self.open_tools: set[str] = set()
+        self.data_ids: set[str] = set()
+
+    def convert(self, chunk: ChatResponse) -> list[Any]:
+        rid = self.reply_id
+        out: list[Any] = []
+        thinking = "".join(b.thinking for b in chunk.content if isinstance(b, ThinkingBlock))
+        has_data = any(isinstance(b, DataBlock) for b in chunk.content)
+        if thinking:
+            if self.thinking_id is None:
+                self.thinking_id = new_id()
+                out.append(ThinkingBlockStartEvent(reply_id=rid, block_id=self.thinking_id))
+            out.append(ThinkingBlockDeltaEvent(reply_id=rid, block_id=self.thinking_id, delta=thinking))
+        elif self.thinking_id is not None and not has_data:
+            out.append(ThinkingBlockEndEvent(reply_id=rid, block_id=self.thinking_id))
+            self.thinking_id = None
+        text = "".join(b.text for b in chunk.content if isinstance(b, TextBlock))
+        if text:
+            if self.text_id is None:
+                self.text_id = new_id()
+                out.append(TextBlockStartEvent(reply_id=rid, block_id=self.text_id))
+            out.append(TextBlockDeltaEvent(reply_id=rid, block_id=self.text_id, delta=text))
+        elif self.text_id is not None and not has_data:
+            out.append(TextBlockEndEvent(reply_id=rid, block_id=self.text_id))
+            self.text_id = None
+        seen = set()
+        for block in chunk.content:
+            if isinstance(block, ToolCallBlock):
+                seen.add(block.id)
+                if block.id not in self.open_tools and block.id not in self.tool_ids:
+                    self.tool_ids.append(block.id)
+                    self.open_tools.add(block.id)
+                    out.append(ToolCallStartEvent(reply_id=rid, tool_call_id=block.id, tool_call_name=block.name))
+                if block.input:
+                    out.append(ToolCallDeltaEvent(reply_id=rid, tool_call_id=block.id, delta=block.input))
+        for call_id in [i for i in self.tool_ids if i in self.open_tools and i not in seen]:
+            self.open_tools.discard(call_id)
+            out.append(ToolCallEndEvent(reply_id=rid, tool_call_id=call_id))
+        for block in chunk.content:
+            if isinstance(block, DataBlock) and block.source.type == "base64":
+                if block.id not in self.data_ids:
+                    self.data_ids.add(block.id)
+                    out.append(DataBlockStartEvent(reply_id=rid, block_id=block.id,
+                                                   media_type=block.source.media_type, name=block.name))  # fmt: skip
+                out.append(DataBlockDeltaEvent(reply_id=rid, block_id=block.id, media_type=block.source.media_type,
+                                               data=block.source.data))  # fmt: skip
+        return out
+
+    def close_all(self) -> list[Any]:
+        rid = self.reply_id
+        out: list[Any] = []
+        if self.text_id is not None:
+            out.append(TextBlockEndEvent(reply_id=rid, block_id=self.text_id))
+        if self.thinking_id is not None:
+            out.append(ThinkingBlockEndEvent(reply_id=rid, block_id=self.thinking_id))
+        out.extend(ToolCallEndEvent(reply_id=rid, tool_call_id=i) for i in self.tool_ids if i in self.open_tools)
+        out.extend(DataBlockEndEvent(reply_id=rid, block_id=i) for i in sorted(self.data_ids))
+        self.text_id = self.thinking_id = None
+        self.open_tools.clear()
+        self.data_ids.clear()
+        return out
+
+
+def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
+    out: list[Any] = []
+    progress = chunk.metadata.get("mcp_progress")
+    if progress is not None:
+        from .data import CustomEvent
+
+        out.append(CustomEvent(name="mcp_progress", value={**progress, "reply_id": reply_id, "tool_call_id": call_id}))
+    out.extend(_output_events(reply_id, call_id, chunk.content))
+    return out
+
+
+def _output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
+    if isinstance(output, str):
+        return [ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call_id, delta=output)] if output else []
+    out: list[Any] = []
+    for block in output:
+        if isinstance(block, TextBlock):
+            out.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call_id, delta=block.text))
+        elif isinstance(block, DataBlock):
+            src = block.source
+            out.append(ToolResultDataDeltaEvent(
+                reply_id=reply_id, tool_call_id=call_id, block_id=block.id, media_type=src.media_type,
+                data=getattr(src, "data", None), url=getattr(src, "url", None),
+            ))  # fmt: skip
+    return out
+
+
+__all__ = ["Agent", "ReplyError", "implements"]

@@ -1,0 +1,50 @@
+"""One chain mechanism for every hook position, in-process and remote layers alike.
+
+A layer is anything with the hook's method, ``hook(agent=, input_kwargs=, next_handler=)`` for
+onions and ``hook(agent, prompt)`` for the transformer: an in-process ``MiddlewareBase`` or a
+``RemoteMiddleware`` proxy. The first layer is outermost. ``next_handler(**overrides)`` merges
+the overrides over the kwargs dict the layer received (as it is at call time, so in-place edits
+count) and runs the rest of the chain anew each time it is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .hooks import HOOKS, HookSpec
+
+
+class Chain:
+    def __init__(self, hook: str, layers: Sequence[Any], core: Callable[..., Any]) -> None:
+        self.spec: HookSpec = HOOKS[hook]
+        self.layers = list(layers)
+        self.core = core
+
+    def __call__(self, agent: Any, **params: Any) -> Any:
+        """Run the chain: returns what the outermost layer returns (generator, awaitable)."""
+        if not self.layers:  # no middleware: the core, with no wrapping at all
+            return self.core(**params)
+        return self._run(agent, 0, params)
+
+    def _run(self, agent: Any, index: int, params: dict[str, Any]) -> Any:
+        if index == len(self.layers):
+            return self.core(**params)
+        input_kwargs = dict(params)
+        spec = self.spec
+
+        def next_handler(**overrides: Any) -> Any:
+            unknown = overrides.keys() - spec.params
+            if unknown:
+                raise TypeError(f"{spec.name}: next_handler() got unexpected kwargs {sorted(unknown)}")
+            return self._run(agent, index + 1, {**input_kwargs, **overrides})
+
+        method = getattr(self.layers[index], spec.name)
+        return method(agent=agent, input_kwargs=input_kwargs, next_handler=next_handler)
+
+
+async def transform(hook: str, layers: Sequence[Any], agent: Any, value: Any) -> Any:
+    """The transformer pipeline (on_system_prompt): each layer gets the previous one's output."""
+    for layer in layers:
+        value = await getattr(layer, hook)(agent, value)
+    return value

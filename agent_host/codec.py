@@ -1,0 +1,390 @@
+"""The one codec between the data model (agent_host.data) and the protos (agentmw.v1).
+
+Table-driven: a proto message and a Python class correspond when they share a name, and their
+fields correspond by name. Each message type is compiled once into a plan of per-field
+converters chosen from the proto descriptor:
+
+* a message with a single ``oneof`` and nothing else (ContentBlock, Item) is a *union*: the
+  member is chosen by the Python value's class;
+* a message with a single repeated field (BlockList, MsgList, ...) is a *list wrapper*;
+* a ``oneof`` named like a Python attribute (HintBlock.hint, DataBlock.source, ...) holds a
+  union-typed value; the member is chosen by the value's type;
+* Struct / Value are JSON; enums map ``TOOL_CALL_STATE_PENDING`` <-> ``ToolCallState.PENDING``;
+* an unset field (presence, or enum 0) decodes to the Python default.
+
+Records that are dicts in Python (the hooks' input kwargs) use the same plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+from google.protobuf import struct_pb2
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+
+from agentmw.v1 import events_pb2, hooks_pb2, types_pb2
+
+from . import data as d
+
+_PROTO_MODULES = (types_pb2, events_pb2, hooks_pb2)
+_ENUMS: tuple[type[Enum], ...] = (
+    d.Role,
+    d.ToolCallState,
+    d.ToolResultState,
+    d.ReplyFinishedReason,
+    d.FinishedReason,
+    d.ErrorType,
+    d.PermissionBehavior,
+)
+_DATACLASSES: tuple[type, ...] = (
+    d.TextBlock, d.ThinkingBlock, d.Base64Source, d.URLSource, d.DataBlock, d.HintBlock,
+    d.PermissionRule, d.ToolCallBlock, d.ToolResultBlock, d.Usage, d.ErrorInfo, d.Msg,
+    d.ChatUsage, d.ChatResponse, d.ToolChoice, d.ToolDescriptor, d.ToolChunk, d.ToolResponse,
+    d.PermissionDecision, d.ModelRef, d.ContextConfig, d.ConfirmResult, *d.EVENT_CLASSES,
+)  # fmt: skip
+
+_STRUCT = struct_pb2.Struct.DESCRIPTOR.full_name
+_VALUE = struct_pb2.Value.DESCRIPTOR.full_name
+
+
+class CodecError(ValueError):
+    """A value does not fit the wire contract (or a received message does not fit the model)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON <-> Struct / Value (ints stay ints when integral: JSON does not tell them apart).
+
+
+def json_to_value(value: Any, out: struct_pb2.Value) -> None:
+    if value is None:
+        out.null_value = struct_pb2.NULL_VALUE
+    elif isinstance(value, bool):
+        out.bool_value = value
+    elif isinstance(value, (int, float)):
+        out.number_value = value
+    elif isinstance(value, str):
+        out.string_value = value
+    elif isinstance(value, dict):
+        out.struct_value.update(value)
+    elif isinstance(value, (list, tuple)):
+        out.list_value.extend(value)
+    elif isinstance(value, Enum):
+        out.string_value = value.value
+    else:
+        raise CodecError(f"not JSON: {type(value).__name__}")
+
+
+def value_to_json(value: struct_pb2.Value) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        n = value.number_value
+        return int(n) if n.is_integer() and abs(n) < 2**53 else n
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return struct_to_dict(value.struct_value)
+    if kind == "list_value":
+        return [value_to_json(v) for v in value.list_value.values]
+    return None
+
+
+def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
+    return {k: value_to_json(v) for k, v in struct.fields.items()}
+
+
+def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:
+    try:
+        out.update(value)
+    except (ValueError, TypeError) as exc:  # non-JSON leaves, e.g. an enum or a dataclass
+        import json
+
+        out.update(json.loads(json.dumps(value, default=_json_default)))
+        del exc
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    raise CodecError(f"not JSON: {type(obj).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans.
+
+
+def _upper_snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+class _EnumMap:
+    def __init__(self, py: type[Enum], descriptor: Any) -> None:
+        prefix = _upper_snake(descriptor.name) + "_"
+        self.to_number = {m: descriptor.values_by_name[prefix + m.name].number for m in py}
+        self.to_py = {n: m for m, n in self.to_number.items()}
+
+
+Encoder = Callable[[Message, Any], None]
+Decoder = Callable[[Message, dict[str, Any]], None]
+
+
+class Codec:
+    """Converts data-model objects to proto messages and back. Use the module-level ``codec``."""
+
+    def __init__(self) -> None:
+        self.py_by_proto: dict[str, type] = {}
+        self.proto_by_py: dict[type, type[Message]] = {}
+        for cls in _DATACLASSES:
+            proto = self._find_proto(cls.__name__)
+            self.py_by_proto[proto.DESCRIPTOR.full_name] = cls
+            self.proto_by_py[cls] = proto
+        self.enums: dict[str, _EnumMap] = {}
+        for py_enum in _ENUMS:
+            desc = types_pb2.DESCRIPTOR.enum_types_by_name[py_enum.__name__]
+            self.enums[desc.full_name] = _EnumMap(py_enum, desc)
+        self._plans: dict[str, tuple[list[tuple[str, Encoder]], list[Decoder]]] = {}
+        # The Item union, by Python class; chat responses and messages included.
+        self.item_field_by_py: dict[type, str] = {}
+        for f in events_pb2.Item.DESCRIPTOR.fields:
+            self.item_field_by_py[self.py_by_proto[f.message_type.full_name]] = f.name
+        self.block_field_by_py: dict[type, str] = {
+            self.py_by_proto[f.message_type.full_name]: f.name for f in types_pb2.ContentBlock.DESCRIPTOR.fields
+        }
+
+    @staticmethod
+    def _find_proto(name: str) -> type[Message]:
+        for module in _PROTO_MODULES:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise CodecError(f"no proto message for data class {name}")
+
+    # -- public API -------------------------------------------------------------------------
+
+    def encode(self, obj: Any, out: Message | None = None) -> Message:
+        """A data-model object (dataclass) as its proto message."""
+        if out is None:
+            out = self.proto_by_py[type(obj)]()
+        self._encode_into(out, obj, getattr)
+        return out
+
+    def decode(self, msg: Message) -> Any:
+        """A proto message as its data-model object."""
+        cls = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
+        if cls is None:
+            raise CodecError(f"{msg.DESCRIPTOR.full_name} has no data class")
+        kwargs: dict[str, Any] = {}
+        for decoder in self._plan(msg.DESCRIPTOR)[1]:
+            decoder(msg, kwargs)
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise CodecError(f"{msg.DESCRIPTOR.name}: {exc}") from exc
+
+    def encode_record(self, values: dict[str, Any], out: Message) -> Message:
+        """A dict of kwargs into a record message (fields named like the keys); None = unset."""
+        self._encode_into(out, values, _dict_get)
+        return out
+
+    def decode_record(self, msg: Message) -> dict[str, Any]:
+        """A record message as a dict; unset fields are left out."""
+        out: dict[str, Any] = {}
+        for decoder in self._plan(msg.DESCRIPTOR)[1]:
+            decoder(msg, out)
+        return out
+
+    def encode_item(self, obj: Any, out: events_pb2.Item | None = None) -> events_pb2.Item:
+        out = out if out is not None else events_pb2.Item()
+        name = self.item_field_by_py.get(type(obj))
+        if name is None:
+            raise CodecError(f"{type(obj).__name__} cannot flow through a hook")
+        self._encode_into(getattr(out, name), obj, getattr)
+        return out
+
+    def decode_item(self, msg: events_pb2.Item) -> Any:
+        name = msg.WhichOneof("item")
+        if name is None:
+            raise CodecError("empty Item")
+        return self.decode(getattr(msg, name))
+
+    # -- plans ------------------------------------------------------------------------------
+
+    def _encode_into(self, out: Message, obj: Any, get: Callable[[Any, str, Any], Any]) -> None:
+        for name, encoder in self._plan(out.DESCRIPTOR)[0]:
+            value = get(obj, name, None)
+            if value is not None:
+                encoder(out, value)
+
+    def _plan(self, desc: Descriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
+        plan = self._plans.get(desc.full_name)
+        if plan is None:
+            plan = self._plans[desc.full_name] = self._compile(desc)
+        return plan
+
+    def _compile(self, desc: Descriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
+        encoders: list[tuple[str, Encoder]] = []
+        decoders: list[Decoder] = []
+        done_oneofs: set[str] = set()
+        for field in desc.fields:
+            oneof = field.containing_oneof
+            if oneof is not None and not oneof.name.startswith("_"):  # a real (non-optional) oneof
+                if oneof.name in done_oneofs:
+                    continue
+                done_oneofs.add(oneof.name)
+                enc, dec = self._oneof_converters(oneof)
+                encoders.append((oneof.name, enc))
+                decoders.append(dec)
+                continue
+            enc, dec = self._field_converters(field)
+            encoders.append((field.name, enc))
+            decoders.append(dec)
+        return encoders, decoders
+
+    def _oneof_converters(self, oneof: Any) -> tuple[Encoder, Decoder]:
+        members = {f.name: self._value_converters(f) for f in oneof.fields}
+        by_kind: dict[Any, str] = {}
+        for f in oneof.fields:
+            if f.type == FieldDescriptor.TYPE_STRING:
+                by_kind[str] = f.name
+            elif f.type == FieldDescriptor.TYPE_MESSAGE:
+                py = self.py_by_proto.get(f.message_type.full_name)
+                by_kind[py if py is not None else list] = f.name
+        oname = oneof.name
+
+        def encode(out: Message, value: Any) -> None:
+            kind = str if isinstance(value, str) else list if isinstance(value, list) else type(value)
+            member = by_kind.get(kind)
+            if member is None:
+                raise CodecError(f"{oname}: {type(value).__name__} is not one of {sorted(members)}")
+            members[member][0](out, member, value)
+
+        def decode(msg: Message, kwargs: dict[str, Any]) -> None:
+            member = msg.WhichOneof(oname)
+            if member is not None:
+                kwargs[oname] = members[member][1](getattr(msg, member))
+
+        return encode, decode
+
+    def _field_converters(self, field: FieldDescriptor) -> tuple[Encoder, Decoder]:
+        name = field.name
+        set_value, get_value = self._value_converters(field)
+        if field.label == FieldDescriptor.LABEL_REPEATED:
+
+            def decode(msg: Message, kwargs: dict[str, Any]) -> None:
+                kwargs[name] = get_value(getattr(msg, name))
+
+            return lambda out, value: set_value(out, name, value), decode
+        if field.type == FieldDescriptor.TYPE_ENUM:
+
+            def decode_enum(msg: Message, kwargs: dict[str, Any]) -> None:
+                number = getattr(msg, name)
+                if number:
+                    kwargs[name] = get_value(number)
+
+            return lambda out, value: set_value(out, name, value), decode_enum
+        if field.has_presence:
+
+            def decode_present(msg: Message, kwargs: dict[str, Any]) -> None:
+                if msg.HasField(name):
+                    kwargs[name] = get_value(getattr(msg, name))
+
+            return lambda out, value: set_value(out, name, value), decode_present
+
+        def decode_plain(msg: Message, kwargs: dict[str, Any]) -> None:
+            kwargs[name] = getattr(msg, name)
+
+        return lambda out, value: set_value(out, name, value), decode_plain
+
+    def _value_converters(
+        self, field: FieldDescriptor
+    ) -> tuple[Callable[[Message, str, Any], None], Callable[[Any], Any]]:
+        """(set(out, field_name, python_value), get(proto_field_value) -> python_value)."""
+        repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        if field.type == FieldDescriptor.TYPE_ENUM:
+            emap = self.enums[field.enum_type.full_name]
+
+            def set_enum(out: Message, name: str, value: Any) -> None:
+                try:
+                    setattr(out, name, emap.to_number[value])
+                except KeyError:
+                    raise CodecError(f"{name}: {value!r} is not a {field.enum_type.name}") from None
+
+            return set_enum, emap.to_py.__getitem__
+        if field.type != FieldDescriptor.TYPE_MESSAGE:
+            if repeated:
+                return (lambda out, name, value: getattr(out, name).extend(value)), list
+            return setattr, _identity
+        full = field.message_type.full_name
+        if full == _STRUCT:
+            if repeated:
+                return (
+                    lambda out, name, value: [dict_to_struct(v, getattr(out, name).add()) for v in value],
+                    lambda seq: [struct_to_dict(s) for s in seq],
+                )
+            return (lambda out, name, value: dict_to_struct(value, getattr(out, name))), struct_to_dict
+        if full == _VALUE:
+            return (lambda out, name, value: json_to_value(value, getattr(out, name))), value_to_json
+        msg_desc = field.message_type
+        if full not in self.py_by_proto and _is_list_wrapper(msg_desc):
+            inner = msg_desc.fields[0]
+            set_inner, get_inner = self._value_converters(inner)
+            inner_name = inner.name
+            return (
+                lambda out, name, value: set_inner(getattr(out, name), inner_name, value),
+                lambda wrapper: get_inner(getattr(wrapper, inner_name)),
+            )
+        if full not in self.py_by_proto and _is_union(msg_desc):
+            union_enc, union_dec = self._plan(msg_desc)[0][0][1], self._plan(msg_desc)[1][0]
+            oname = msg_desc.oneofs[0].name
+
+            def get_union(msg: Message) -> Any:
+                holder: dict[str, Any] = {}
+                union_dec(msg, holder)
+                return holder.get(oname)
+
+            if repeated:
+                return (
+                    lambda out, name, value: [union_enc(getattr(out, name).add(), v) for v in value],
+                    lambda seq: [get_union(m) for m in seq],
+                )
+            return (lambda out, name, value: union_enc(getattr(out, name), value)), get_union
+        if full in self.py_by_proto:
+            if repeated:
+                return (
+                    lambda out, name, value: [self.encode(v, getattr(out, name).add()) for v in value],
+                    lambda seq: [self.decode(m) for m in seq],
+                )
+            return (lambda out, name, value: self.encode(value, getattr(out, name))), self.decode
+        # A record message without a data class (e.g. hook kwargs): a dict.
+        if repeated:
+            return (
+                lambda out, name, value: [self.encode_record(v, getattr(out, name).add()) for v in value],
+                lambda seq: [self.decode_record(m) for m in seq],
+            )
+        return (lambda out, name, value: self.encode_record(value, getattr(out, name))), self.decode_record
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _dict_get(obj: dict[str, Any], name: str, default: Any) -> Any:
+    return obj.get(name, default)
+
+
+def _is_list_wrapper(desc: Descriptor) -> bool:
+    return len(desc.fields) == 1 and desc.fields[0].label == FieldDescriptor.LABEL_REPEATED
+
+
+def _is_union(desc: Descriptor) -> bool:
+    return len(desc.oneofs) == 1 and len(desc.oneofs[0].fields) == len(desc.fields)
+
+
+codec = Codec()

@@ -1,0 +1,85 @@
+"""AgentState: everything the host persists per session. Middleware change it only through Mutations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._common import new_id
+from .blocks import ContentBlock, PermissionRule
+from .enums import Role
+from .messages import Msg
+
+
+@dataclass(slots=True, kw_only=True)
+class ReplyContext:
+    reply_id: str = ""
+    cur_iter: int = 0
+    structured_schema: dict[str, Any] | None = None
+    structured_output: dict[str, Any] | None = None
+    # A model id a middleware chose for this reply (``set_model``); cleared when the reply ends.
+    model_id: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class AgentState:
+    session_id: str = field(default_factory=new_id)
+    summary: str = ""
+    context: list[Msg] = field(default_factory=list)
+    reply_context: ReplyContext = field(default_factory=ReplyContext)
+    middle_context: dict[str, Any] = field(default_factory=dict)
+    permission_rules: list[PermissionRule] = field(default_factory=list)
+    # block id -> key of the middleware that added it (only its adder may remove it)
+    block_owners: dict[str, str] = field(default_factory=dict)
+    # Bumped on every change a middleware could observe; remote layers resend their view when it moves.
+    version: int = 0
+
+    @property
+    def reply_id(self) -> str:
+        return self.reply_context.reply_id
+
+    @property
+    def cur_iter(self) -> int:
+        return self.reply_context.cur_iter
+
+    @cur_iter.setter
+    def cur_iter(self, value: int) -> None:
+        self.reply_context.cur_iter = value
+        self.version += 1
+
+    def reply_message(self, name: str) -> Msg | None:
+        """The tail message if it is this reply's assistant message."""
+        tail = self.context[-1] if self.context else None
+        if tail and tail.role == Role.ASSISTANT and tail.name == name and tail.id == self.reply_id:
+            return tail
+        return None
+
+    def append_context(self, name: str, blocks: list[ContentBlock]) -> Msg:
+        """Append blocks to this reply's assistant message, creating it when the tail is not it."""
+        msg = self.reply_message(name)
+        if msg is None:
+            msg = Msg(name=name, content=[], role=Role.ASSISTANT, id=self.reply_id)
+            self.context.append(msg)
+        msg.content.extend(blocks)
+        self.version += 1
+        return msg
+
+    def append_to_last_assistant(self, name: str, blocks: list[ContentBlock]) -> Msg:
+        """Append to the tail if it is an assistant message by ``name`` (any reply), else start this
+        reply's message. (AgentScope's budget middleware uses this looser rule.)"""
+        tail = self.context[-1] if self.context else None
+        if tail is None or tail.role != Role.ASSISTANT or tail.name != name:
+            tail = Msg(name=name, content=[], role=Role.ASSISTANT, id=self.reply_id)
+            self.context.append(tail)
+        tail.content.extend(blocks)
+        self.version += 1
+        return tail
+
+    def remove_block(self, block_id: str) -> bool:
+        for msg in reversed(self.context):
+            for i, block in enumerate(msg.content):
+                if block.id == block_id:
+                    del msg.content[i]
+                    self.version += 1
+                    return True
+        return False

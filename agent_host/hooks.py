@@ -1,0 +1,48 @@
+"""The seven hook positions: one table that the chain, the remote client and the SDK all read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from agentmw.v1 import hooks_pb2
+
+
+class Kind(Enum):
+    STREAM = "stream"  # async generator of items (on_reply, on_reasoning, on_acting)
+    CALL = "call"  # coroutine returning a value (on_check_permission, on_compress_context)
+    MODEL = "model"  # coroutine returning a ChatResponse or a stream of them (on_model_call)
+    TRANSFORM = "transform"  # pipeline over a value (on_system_prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class HookSpec:
+    name: str
+    kind: Kind
+    params: frozenset[str]
+    service: str  # the gRPC service of this hook position
+    number: int  # agentmw.v1.Hook
+
+    @property
+    def has_items(self) -> bool:
+        return self.kind in (Kind.STREAM, Kind.MODEL)
+
+
+def _spec(name: str, kind: Kind, *params: str) -> HookSpec:
+    service = "".join(part.title() for part in name.split("_"))
+    return HookSpec(name, kind, frozenset(params), service, hooks_pb2.Hook.Value("HOOK_" + name.upper()))
+
+
+HOOKS: dict[str, HookSpec] = {
+    s.name: s
+    for s in (
+        _spec("on_reply", Kind.STREAM, "inputs", "structured_schema"),
+        _spec("on_reasoning", Kind.STREAM, "tool_choice"),
+        _spec("on_acting", Kind.STREAM, "tool_call"),
+        _spec("on_check_permission", Kind.CALL, "tool_call", "tool", "tool_input"),
+        _spec("on_model_call", Kind.MODEL, "current_model", "messages", "tools", "tool_choice"),
+        _spec("on_compress_context", Kind.CALL, "context_config", "instructions"),
+        _spec("on_system_prompt", Kind.TRANSFORM, "prompt"),
+    )
+}
+HOOKS_BY_NUMBER: dict[int, HookSpec] = {s.number: s for s in HOOKS.values()}

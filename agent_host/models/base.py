@@ -1,0 +1,150 @@
+"""The host's model interface: every provider streams delta ChatResponses, then one complete one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..data import (
+    ChatResponse,
+    ChatUsage,
+    DataBlock,
+    ErrorType,
+    FinishedReason,
+    ModelRef,
+    Msg,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    ToolChoice,
+)
+
+
+class ModelError(Exception):
+    """A model call failed. ``retryable`` errors (throttling, 5xx, connection) may be retried."""
+
+    def __init__(self, message: str, *, error_type: ErrorType = ErrorType.UNKNOWN, retryable: bool = False,
+                 status: int | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.error_type = error_type
+        self.retryable = retryable
+        self.status = status
+
+
+class ChatModel:
+    """Base of every chat model. Subclasses implement ``_open`` (raise call-time errors there)."""
+
+    provider = "unknown"
+
+    def __init__(self, *, id: str, model_name: str = "", context_size: int = 131072, stream: bool = True,
+                 parameters: dict[str, Any] | None = None, base_url: str = "") -> None:  # fmt: skip
+        self.id = id
+        self.model_name = model_name or id
+        self.context_size = context_size
+        self.stream = stream
+        self.parameters = dict(parameters or {})
+        self.base_url = base_url
+
+    @property
+    def ref(self) -> ModelRef:
+        return ModelRef(
+            id=self.id,
+            provider=self.provider,
+            model_name=self.model_name,
+            base_url=self.base_url,
+            stream=self.stream,
+            context_size=self.context_size,
+            parameters=self.parameters,
+        )
+
+    async def __call__(
+        self, messages: list[Msg], tools: list[dict[str, Any]] | None = None, tool_choice: ToolChoice | None = None
+    ) -> AsyncIterator[ChatResponse]:
+        """Start a call. Errors that happen before the first chunk raise here (so retry and fallback
+        see them); the returned stream yields deltas and ends with one accumulated ``is_last`` chunk."""
+        started = time.monotonic()
+        deltas = await self._open(messages, tools or [], tool_choice)
+        return self._accumulate(deltas, started)
+
+    async def _open(
+        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+    ) -> AsyncIterator[ChatResponse]:
+        raise NotImplementedError
+
+    async def _accumulate(self, deltas: AsyncIterator[ChatResponse], started: float) -> AsyncIterator[ChatResponse]:
+        acc = Accumulator()
+        finished = FinishedReason.COMPLETED
+        try:
+            async for chunk in deltas:
+                if chunk.is_last:  # the provider sent its own complete chunk
+                    yield chunk
+                    return
+                acc.add(chunk)
+                if chunk.content:
+                    yield chunk
+        except BaseException as exc:
+            import asyncio
+
+            if not isinstance(exc, asyncio.CancelledError):
+                raise
+            finished = FinishedReason.INTERRUPTED
+            final = acc.result(finished, started)
+            yield final
+            raise
+        finally:
+            close = getattr(deltas, "aclose", None)
+            if close is not None:
+                await close()
+        yield acc.result(finished, started)
+
+    def count_tokens(self, messages: list[Msg], tools: list[dict[str, Any]] | None = None) -> int:
+        """A cheap estimate: UTF-8 bytes / 4 of all text, as AgentScope's default."""
+        total = 0
+        for msg in messages:
+            for block in msg.content:
+                for attr in ("text", "thinking", "input", "hint", "output"):
+                    value = getattr(block, attr, None)
+                    if isinstance(value, str):
+                        total += len(value.encode())
+        return total // 4
+
+
+class Accumulator:
+    """Merges delta chunks by block id (text/thinking concatenate, tool-call input concatenates)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, Any] = {}
+        self.usage: ChatUsage | None = None
+        self.id = ""
+
+    def add(self, chunk: ChatResponse) -> None:
+        self.id = self.id or chunk.id
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        for block in chunk.content:
+            have = self.blocks.get(block.id)
+            if have is None:
+                self.blocks[block.id] = _copy_block(block)
+            elif isinstance(block, TextBlock):
+                have.text += block.text
+            elif isinstance(block, ThinkingBlock):
+                have.thinking += block.thinking
+            elif isinstance(block, ToolCallBlock):
+                have.input += block.input
+                have.name = have.name or block.name
+            elif isinstance(block, DataBlock):
+                have.source.data += getattr(block.source, "data", "")
+
+    def result(self, finished: FinishedReason, started: float) -> ChatResponse:
+        usage = self.usage or ChatUsage()
+        usage.time = usage.time or round(time.monotonic() - started, 6)
+        kw = {"id": self.id} if self.id else {}
+        return ChatResponse(content=list(self.blocks.values()), is_last=True, usage=usage,
+                            finished_reason=finished, **kw)  # fmt: skip
+
+
+def _copy_block(block: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(block)

@@ -1,0 +1,162 @@
+"""OfflineRuleModel: a deterministic chat model that needs no network and no key.
+
+It is the embedded default of the demo and the tests. Per call it takes, in order:
+
+1. the next scripted turn, if a script is set (``{"text", "thinking", "tool_calls": [{"name",
+   "input"}], "error": {"type", "message", "retryable"}, "delay"}``);
+2. an answer that reports the tool results of the current user turn, once there are any;
+3. tool calls by rule: the user names a known tool ("call get_weather city=Paris", "use add
+   {"a": 1, "b": 2}"), or a configured ``rules`` regex matches (``{"pattern", "tool", "input"}``);
+4. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``).
+
+Text streams word by word; tool-call input streams in two fragments; usage is counted as
+input ≈ UTF-8 bytes / 4 of the prompt and output = streamed words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..data import (
+    ChatResponse,
+    ChatUsage,
+    ErrorType,
+    Msg,
+    Role,
+    TextBlock,
+    ThinkingBlock,
+    ToolCallBlock,
+    ToolChoice,
+    ToolResultBlock,
+    block_text,
+    new_id,
+)
+from .base import ChatModel, ModelError
+
+_KV = re.compile(r"(\w+)=(\"[^\"]*\"|'[^']*'|\S+)")
+
+
+class OfflineRuleModel(ChatModel):
+    provider = "offline"
+
+    def __init__(
+        self,
+        *,
+        id: str = "offline",
+        script: list[dict[str, Any]] | None = None,
+        rules: list[dict[str, Any]] | None = None,
+        reply_template: str = "You said: {text}",
+        delay: float = 0.0,
+        **kw: Any,
+    ) -> None:
+        super().__init__(id=id, model_name=kw.pop("model_name", "offline-rule-model"), **kw)
+        self.script = list(script or [])
+        self.rules = [dict(r, regex=re.compile(r["pattern"], re.I)) for r in rules or []]
+        self.reply_template = reply_template
+        self.delay = delay
+        self.calls = 0
+
+    async def _open(
+        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+    ) -> AsyncIterator[ChatResponse]:
+        self.calls += 1
+        turn = self.script.pop(0) if self.script else self._by_rule(messages, tools, tool_choice)
+        if "error" in turn:
+            err = turn["error"]
+            kind = ErrorType(err.get("type", "upstream"))
+            raise ModelError(
+                err.get("message", f"scripted {kind.value} error"),
+                error_type=kind,
+                retryable=err.get("retryable", kind in (ErrorType.RATE_LIMIT, ErrorType.UPSTREAM)),
+            )
+        return self._stream(turn, self.count_tokens(messages))
+
+    def _by_rule(self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None) -> dict:
+        user_idx = max((i for i, m in enumerate(messages) if m.role == Role.USER and m.text), default=-1)
+        user_text = messages[user_idx].text if user_idx >= 0 else ""
+        results = [b for m in messages[user_idx + 1 :] for b in m.content if isinstance(b, ToolResultBlock)]
+        if results:
+            lines = [f"{r.name} returned {block_text(r.output).strip()}" for r in results]
+            return {"text": "Done: " + "; ".join(lines) + "."}
+        names = {t["function"]["name"] for t in tools if "function" in t}
+        if tool_choice is not None and tool_choice.tools is not None:
+            names &= set(tool_choice.tools)
+        if names and (tool_choice is None or tool_choice.mode != "none"):
+            calls = self._named_calls(user_text, names) or self._rule_calls(user_text, names)
+            if calls:
+                return {"tool_calls": calls}
+        return {"text": self.reply_template.format(text=user_text)}
+
+    @staticmethod
+    def _named_calls(text: str, names: set[str]) -> list[dict[str, Any]]:
+        calls = []
+        for match in re.finditer(r"\b(?:call|use|run)\s+([\w.-]+)(.*?)(?=\b(?:and then|then)\b|$)", text, re.I | re.S):
+            name, rest = match.group(1), match.group(2)
+            if name not in names:
+                continue
+            brace = re.search(r"\{.*\}", rest, re.S)
+            if brace:
+                try:
+                    args = json.loads(brace.group(0))
+                except json.JSONDecodeError:
+                    args = {"raw": brace.group(0)}
+            else:
+                args = {k: _scalar(v) for k, v in _KV.findall(rest)}
+            calls.append({"name": name, "input": args})
+        return calls
+
+    def _rule_calls(self, text: str, names: set[str]) -> list[dict[str, Any]]:
+        calls = []
+        for rule in self.rules:
+            match = rule["regex"].search(text)
+            if match and rule["tool"] in names:
+                args = {k: v.format(*match.groups(), **match.groupdict()) if isinstance(v, str) else v
+                        for k, v in rule.get("input", {}).items()}  # fmt: skip
+                calls.append({"name": rule["tool"], "input": args})
+        return calls
+
+    async def _stream(self, turn: dict[str, Any], input_tokens: int) -> AsyncIterator[ChatResponse]:
+        delay = turn.get("delay", self.delay)
+        words = 0
+        if turn.get("thinking"):
+            block_id = new_id()
+            for piece in _pieces(turn["thinking"]):
+                await _pause(delay)
+                yield ChatResponse(content=[ThinkingBlock(id=block_id, thinking=piece)], is_last=False)
+        if turn.get("text"):
+            block_id = new_id()
+            for piece in _pieces(turn["text"]):
+                await _pause(delay)
+                words += 1
+                yield ChatResponse(content=[TextBlock(id=block_id, text=piece)], is_last=False)
+        for i, call in enumerate(turn.get("tool_calls", [])):
+            raw = call["input"] if isinstance(call["input"], str) else json.dumps(call["input"])
+            call_id = call.get("id") or f"call_{self.calls}_{i}"
+            half = len(raw) // 2
+            for j, part in enumerate((raw[:half], raw[half:])):
+                await _pause(delay)
+                name = call["name"] if j == 0 else ""
+                yield ChatResponse(content=[ToolCallBlock(id=call_id, name=name, input=part)], is_last=False)
+            words += 1
+        yield ChatResponse(content=[], is_last=False, usage=ChatUsage(input_tokens=input_tokens, output_tokens=words))
+
+
+def _pieces(text: str) -> list[str]:
+    return re.findall(r"\S+\s*|\s+", text) or [text]
+
+
+def _scalar(text: str) -> Any:
+    text = text.strip("\"'")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+async def _pause(delay: float) -> None:
+    if delay:
+        await asyncio.sleep(delay)

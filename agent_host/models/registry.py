@@ -1,0 +1,74 @@
+"""ModelRegistry: models by id, each with optional retries and fallback ids (spec §1.3.5)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import ChatModel
+
+
+class UnknownModelError(KeyError):
+    def __str__(self) -> str:
+        return f"unknown model id {self.args[0]!r} (registered: {', '.join(self.args[1]) or 'none'})"
+
+
+@dataclass
+class ModelEntry:
+    model: ChatModel
+    max_retries: int = 0
+    fallback: list[str] = field(default_factory=list)
+
+
+# provider name -> factory(id=..., **config) ; providers register themselves here
+PROVIDERS: dict[str, Callable[..., ChatModel]] = {}
+
+
+class ModelRegistry:
+    def __init__(self, default: str | None = None) -> None:
+        self.entries: dict[str, ModelEntry] = {}
+        self.default = default
+
+    def add(self, model: ChatModel, *, max_retries: int = 0, fallback: list[str] | None = None) -> ChatModel:
+        self.entries[model.id] = ModelEntry(model, max_retries, list(fallback or []))
+        if self.default is None:
+            self.default = model.id
+        return model
+
+    def get(self, model_id: str) -> ChatModel:
+        try:
+            return self.entries[model_id].model
+        except KeyError:
+            raise UnknownModelError(model_id, sorted(self.entries)) from None
+
+    def entry(self, model_id: str) -> ModelEntry:
+        self.get(model_id)
+        return self.entries[model_id]
+
+    def resolve(self, model: ChatModel | str | Any) -> ChatModel:
+        """A model object, or a registered id, or anything with an ``id`` (a ModelRef)."""
+        if isinstance(model, ChatModel):
+            return model
+        return self.get(model if isinstance(model, str) else model.id)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelRegistry:
+        """``{"default": id, "models": {id: {"provider": ..., "max_retries": n, "fallback": [...], ...}}}``"""
+        from .offline import OfflineRuleModel
+
+        PROVIDERS.setdefault("offline", OfflineRuleModel)
+        registry = cls(default=config.get("default"))
+        for model_id, spec in (config.get("models") or {}).items():
+            spec = dict(spec)
+            provider = spec.pop("provider", "offline")
+            if provider not in PROVIDERS:
+                raise ValueError(f"model {model_id!r}: unknown provider {provider!r} (known: {sorted(PROVIDERS)})")
+            retries = int(spec.pop("max_retries", 0))
+            fallback = list(spec.pop("fallback", []) or [])
+            registry.add(PROVIDERS[provider](id=model_id, **spec), max_retries=retries, fallback=fallback)
+        for model_id, entry in registry.entries.items():
+            for fb in entry.fallback:
+                if fb not in registry.entries:
+                    raise ValueError(f"model {model_id!r}: fallback {fb!r} is not a registered model id")
+        return registry

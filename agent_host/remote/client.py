@@ -1,0 +1,247 @@
+"""RemoteMiddleware: a middleware server at an address, used as one layer of the host's chains.
+
+One long-lived channel per address. ``connect()`` runs Describe (the handshake); afterwards the
+object has every hook method of ``MiddlewareBase`` and takes part in exactly the hooks the server
+implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidirectional stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+
+from ..codec import codec, json_to_value
+from ..data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
+from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec
+from ..subscriptions import SubscriptionTable
+from ..tools import Tool
+
+log = logging.getLogger("agentmw.remote")
+
+PROTOCOL_VERSION = "v1"
+CHANNEL_OPTIONS = [
+    # Reconnect quickly after a middleware restart; the default backoff grows to minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 30000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.lb_policy_name", "round_robin"),
+]
+
+
+@dataclass
+class Policy:
+    """Per-middleware failure policy. ``timeout``: seconds the host waits for one message from the
+    middleware (never counted while the host runs the inner pipeline for it)."""
+
+    fail_open: bool = False
+    timeout: float = 10.0
+    connect_timeout: float = 5.0
+
+
+class MiddlewareFailure(RuntimeError):
+    """The middleware could not be used: unreachable, broken stream, timeout, protocol violation."""
+
+    error_type = ErrorType.UPSTREAM
+
+    def __init__(self, middleware: str, hook: str, what: str) -> None:
+        super().__init__(f"middleware {middleware!r} failed in {hook}: {what}")
+        self.middleware, self.hook, self.what = middleware, hook, what
+
+
+class ProtocolError(MiddlewareFailure):
+    """The middleware sent a malformed, out-of-order or forbidden message."""
+
+    def __init__(self, middleware: str, hook: str, what: str) -> None:
+        super().__init__(middleware, hook, f"protocol violation: {what}")
+
+
+class RemoteMiddlewareError(RuntimeError):
+    """The middleware's own code raised; propagated as an in-process middleware's exception would."""
+
+    error_type = ErrorType.UPSTREAM
+
+    def __init__(self, middleware: str, hook: str, type_name: str, message: str) -> None:
+        super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
+        self.middleware, self.hook, self.type_name = middleware, hook, type_name
+
+
+class RemoteMiddleware:
+    def __init__(self, address: str, *, name: str | None = None, policy: Policy | None = None) -> None:
+        self.address = address
+        self.policy = policy or Policy()
+        self.configured_name = name
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stubs = {
+            spec.name: self.channel.stream_stream(
+                f"/agentmw.v1.{spec.service}/Run",
+                request_serializer=hooks_pb2.HostMessage.SerializeToString,
+                response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+            )
+            for spec in HOOKS.values()
+        }
+        self._describe_stub = hooks_pb2_grpc.DescribeStub(self.channel)
+        self._tools_stub = hooks_pb2_grpc.ToolSourceStub(self.channel)
+        self.key = ""
+        self.tables: dict[str, SubscriptionTable] = {}
+        self.provides_tools = False
+        self.described = False
+        self.bypasses = 0  # fail_open skips, for inspection
+        self.prompt_cache: dict[tuple, str] = {}
+
+    @property
+    def name(self) -> str:
+        return self.configured_name or self.key or self.address
+
+    def __repr__(self) -> str:
+        return f"RemoteMiddleware({self.name!r} at {self.address})"
+
+    # -- handshake ------------------------------------------------------------------------------
+
+    async def connect(self) -> RemoteMiddleware:
+        """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure."""
+        try:
+            desc = await self._describe_stub.Describe(
+                hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION),
+                timeout=self.policy.connect_timeout,
+                wait_for_ready=True,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
+        if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
+            raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
+        if not desc.key:
+            raise ProtocolError(self.name, "Describe", "empty middleware key")
+        tables = {}
+        for hook in desc.hooks:
+            spec = HOOKS_BY_NUMBER.get(hook.hook)
+            if spec is None:
+                raise ProtocolError(self.name, "Describe", f"unknown hook number {hook.hook}")
+            try:
+                tables[spec.name] = SubscriptionTable(hook)
+            except ValueError as exc:
+                raise ProtocolError(self.name, "Describe", str(exc)) from None
+        self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
+        self.described = True
+        return self
+
+    def implements(self, hook: str) -> bool:
+        return hook in self.tables
+
+    async def get_middleware_key(self) -> str:
+        return self.key
+
+    async def ensure_described(self, hook: str) -> None:
+        if not self.described:
+            await self.connect()
+
+    def failed(self) -> None:
+        """After a failure, the next call re-runs Describe (the server may have restarted)."""
+        self.described = False
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    # -- hook positions: every one goes through the same HookCall --------------------------------
+
+    def on_reply(self, agent: Any, input_kwargs: dict, next_handler: Any) -> AsyncIterator[Any]:
+        return self._call(HOOKS["on_reply"], agent, input_kwargs, next_handler).items()
+
+    def on_reasoning(self, agent: Any, input_kwargs: dict, next_handler: Any) -> AsyncIterator[Any]:
+        return self._call(HOOKS["on_reasoning"], agent, input_kwargs, next_handler).items()
+
+    def on_acting(self, agent: Any, input_kwargs: dict, next_handler: Any) -> AsyncIterator[Any]:
+        return self._call(HOOKS["on_acting"], agent, input_kwargs, next_handler).items()
+
+    async def on_check_permission(self, agent: Any, input_kwargs: dict, next_handler: Any) -> Any:
+        return await self._call(HOOKS["on_check_permission"], agent, input_kwargs, next_handler).value()
+
+    async def on_compress_context(self, agent: Any, input_kwargs: dict, next_handler: Any) -> None:
+        await self._call(HOOKS["on_compress_context"], agent, input_kwargs, next_handler).value()
+
+    async def on_model_call(self, agent: Any, input_kwargs: dict, next_handler: Any) -> AsyncIterator[Any]:
+        return await self._call(HOOKS["on_model_call"], agent, input_kwargs, next_handler).stream()
+
+    async def on_system_prompt(self, agent: Any, prompt: str) -> str:
+        # At most one call per ReAct iteration: cache by (prompt, reply, iteration, own slot).
+        slot = agent.state.middle_context.get(self.key)
+        key = (hash(prompt), agent.state.session_id, agent.state.reply_id, agent.state.cur_iter, repr(slot))
+        cached = self.prompt_cache.get(key)
+        if cached is None:
+            cached = await self._call(HOOKS["on_system_prompt"], agent, {"prompt": prompt}, None).value()
+            if len(self.prompt_cache) > 256:
+                self.prompt_cache.clear()
+            self.prompt_cache[key] = cached
+        return cached
+
+    def _call(self, spec: HookSpec, agent: Any, input_kwargs: dict, next_handler: Any) -> Any:
+        from .protocol import HookCall
+
+        return HookCall(self, spec, agent, input_kwargs, next_handler)
+
+    # -- tools -------------------------------------------------------------------------------------
+
+    async def list_tools(self) -> list[Tool]:
+        if not self.provides_tools:
+            return []
+        try:
+            reply = await self._tools_stub.ListTools(hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise MiddlewareFailure(self.name, "ListTools", f"{exc.code().name}: {exc.details()}") from None
+        return [RemoteTool(codec.decode(t), self) for t in reply.tools]
+
+
+class RemoteTool(Tool):
+    """A tool that executes in the middleware server that contributed it (ToolSource.CallTool)."""
+
+    def __init__(self, descriptor: ToolDescriptor, middleware: RemoteMiddleware) -> None:
+        super().__init__(descriptor)
+        self.middleware = middleware
+
+    async def call(self, tool_input: dict[str, Any], state: Any = None) -> AsyncIterator[ToolChunk | ToolResponse]:
+        return self._stream(tool_input, state)
+
+    async def _stream(self, tool_input: dict[str, Any], state: Any) -> AsyncIterator[ToolChunk | ToolResponse]:
+        mw = self.middleware
+        request = hooks_pb2.CallToolRequest()
+        codec.encode(ToolCallBlock(id="", name=self.descriptor.name), request.tool_call)
+        request.tool_input.update(tool_input)
+        if state is not None:
+            request.context.session_id = state.session_id
+            request.context.reply_id = state.reply_id
+            slot = state.middle_context.get(mw.key)
+            if slot is not None:
+                json_to_value(slot, request.context.slot)
+        call = mw._tools_stub.CallTool(request, timeout=None)
+        try:
+            while True:
+                try:
+                    async with _timeout(mw.policy.timeout):
+                        msg = await call.read()
+                except TimeoutError:
+                    raise MiddlewareFailure(mw.name, "CallTool", f"no answer within {mw.policy.timeout}s") from None
+                if msg is grpc.aio.EOF:
+                    raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
+                item = codec.decode_item(msg)
+                yield item
+                if isinstance(item, ToolResponse):
+                    return
+        except grpc.aio.AioRpcError as exc:
+            mw.failed()
+            raise MiddlewareFailure(mw.name, "CallTool", f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            call.cancel()
+
+
+def _timeout(seconds: float) -> Any:
+    import asyncio
+
+    return asyncio.timeout(seconds)

@@ -1,0 +1,437 @@
+"""HookCall: the host's side of one hook invocation over a stream (spec: hooks.proto).
+
+The same class serves all seven hooks. ``items()`` is the onion face of STREAM hooks,
+``stream()`` of on_model_call, ``value()`` of CALL and TRANSFORM hooks; all drive ``_run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from agentmw.v1 import hooks_pb2
+
+from ..codec import CodecError, codec, json_to_value, value_to_json
+from ..data import ChatResponse, CustomEvent
+from ..hooks import HookSpec, Kind
+from ..subscriptions import Mode, SubscriptionTable
+from ..wire import decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
+from .client import MiddlewareFailure, ProtocolError, RemoteMiddleware, RemoteMiddlewareError
+
+log = logging.getLogger("agentmw.remote")
+
+_EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
+
+
+class HookCall:
+    def __init__(self, mw: RemoteMiddleware, spec: HookSpec, agent: Any, input_kwargs: dict, next_handler: Any) -> None:
+        self.mw, self.spec, self.agent = mw, spec, agent
+        self.input_kwargs = input_kwargs
+        self.next_handler = next_handler
+        self.table: SubscriptionTable | None = None
+        self.call: Any = None
+        self.inner: AsyncIterator[Any] | None = None  # the open inner pipeline, as items
+        self.inner_done = False
+        self.inner_result: Any = None
+        self.inner_exc: BaseException | None = None
+        self.pending: Any = None  # the intercepted item the middleware holds now
+        self.seq = 0
+        self.generation = 0  # which inner pipeline (call_next count)
+        self.credits = 0
+        self.result: Any = None
+        self.sent_fingerprint: tuple[int, int] | None = None
+        self.stage = "begin"
+
+    # -- faces ------------------------------------------------------------------------------------
+
+    async def items(self) -> AsyncIterator[Any]:
+        async for item in self._guarded():
+            yield item
+
+    async def stream(self) -> AsyncIterator[Any]:
+        """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
+        gen = self._guarded()
+        try:
+            first = await anext(gen)
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await gen.aclose()
+            raise
+        return self._chain_first(first, gen)
+
+    async def _chain_first(self, first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        try:
+            if first is not None:
+                yield first
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()
+
+    async def value(self) -> Any:
+        async for item in self._guarded():
+            raise ProtocolError(self.mw.name, self.spec.name, f"emitted {type(item).__name__} in a hook without items")
+        return self.result
+
+    # -- failure policy ------------------------------------------------------------------------
+
+    async def _guarded(self) -> AsyncIterator[Any]:
+        try:
+            try:
+                async for item in self._run():
+                    yield item
+            except MiddlewareFailure as exc:
+                self.mw.failed()
+                if not self.mw.policy.fail_open:
+                    raise
+                async for item in self._bypass(exc):
+                    yield item
+        finally:
+            await self._close()
+
+    async def _bypass(self, exc: MiddlewareFailure) -> AsyncIterator[Any]:
+        """fail_open: go on as if the middleware were not there (transparent until it changed items)."""
+        self.mw.bypasses += 1
+        log.warning("bypassing %s", exc)
+        if self.spec.name in _EVENT_HOOKS:
+            yield CustomEvent(
+                name="middleware_bypassed",
+                value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
+            )
+        if self.spec.kind is Kind.TRANSFORM:
+            self.result = self.input_kwargs["prompt"]
+            return
+        if self.pending is not None:
+            yield self.pending
+            self.pending = None
+        if self.inner is None and not self.inner_done:
+            self.inner = self._inner_items({})
+        if self.inner is not None:
+            async for item in self.inner:
+                yield item
+        if self.inner_exc is not None:  # the inner pipeline had failed: that error stands
+            raise self.inner_exc
+        self.result = self.inner_result
+
+    async def _close(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        if self.inner is not None:
+            inner, self.inner = self.inner, None
+            await inner.aclose()
+
+    # -- the protocol -----------------------------------------------------------------------------
+
+    async def _run(self) -> AsyncIterator[Any]:
+        mw, spec = self.mw, self.spec
+        await self._ensure_described()
+        self.table = mw.tables.get(spec.name)
+        if self.table is None:  # the server no longer implements this hook (it was restarted)
+            self.inner = self._inner_items({})
+            async for item in self.inner:
+                yield item
+            self.result = self.inner_result if spec.kind is not Kind.TRANSFORM else self.input_kwargs["prompt"]
+            return
+        self.call = mw.stubs[spec.name]()
+        begin = hooks_pb2.HostMessage()
+        self._context(begin.begin.context, force=True)
+        try:
+            encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
+        except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's
+            raise RuntimeError(f"{spec.name}: cannot send kwargs to {mw.name}: {exc}") from exc
+        await self._write(begin)
+        self.stage = "running"
+        while True:
+            msg = await self._read()
+            for action in msg.actions:
+                which = action.WhichOneof("action")
+                if which == "emit":
+                    yield self._emitted(action.emit)
+                elif which == "mutate":
+                    self._mutate(action.mutate)
+                else:
+                    raise self._violation("an empty action")
+            command = msg.WhichOneof("command")
+            if command is None:
+                continue
+            if command == "call_next":
+                if spec.kind is Kind.TRANSFORM:
+                    raise self._violation("call_next in on_system_prompt (a transformer has no inner pipeline)")
+                await self._start_inner(msg.call_next)
+                async for item in self._advance(msg.call_next.credits):
+                    yield item
+            elif command == "pull":
+                if self.inner is None:
+                    raise self._violation("pull before call_next" if not self.inner_done else "pull after inner_done")
+                async for item in self._advance(msg.pull.credits):
+                    yield item
+            elif command == "finish":
+                self.result = self._finish(msg.finish)
+                return
+            else:  # fail
+                fail = msg.fail
+                if fail.from_inner and self.inner_exc is not None:
+                    raise self.inner_exc
+                raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
+
+    async def _ensure_described(self) -> None:
+        if not self.mw.described:
+            await self.mw.connect()
+
+    def _finish(self, finish: hooks_pb2.Finish) -> Any:
+        spec = self.spec
+        try:
+            value = decode_result(finish.result)
+        except CodecError as exc:
+            raise self._violation(f"malformed result: {exc}") from None
+        if spec.kind is Kind.TRANSFORM:
+            if not isinstance(value, str):
+                raise self._violation("on_system_prompt must finish with a prompt")
+        elif spec.name == "on_check_permission":
+            if value is None:
+                raise self._violation("on_check_permission must finish with a permission_decision")
+        elif value is not None:
+            raise self._violation(f"{spec.name} finishes without a result")
+        return value
+
+    async def _start_inner(self, call_next: hooks_pb2.CallNext) -> None:
+        if self.inner is not None:  # a second call_next closes the first inner pipeline
+            inner, self.inner = self.inner, None
+            await inner.aclose()
+        try:
+            overrides = decode_kwargs(self.spec, call_next.overrides, complete=False)
+        except CodecError as exc:
+            raise self._violation(f"malformed call_next overrides: {exc}") from None
+        for name in call_next.cleared:
+            if name not in self.spec.params:
+                raise self._violation(f"call_next clears unknown kwarg {name!r}")
+            overrides[name] = None
+        if "current_model" in overrides and overrides["current_model"] is not None:
+            overrides["current_model"] = model_override(overrides["current_model"])
+        self.pending = None
+        self.inner_done = False
+        self.inner_exc = None
+        self.generation += 1
+        self.inner = self._inner_items(overrides)
+
+    async def _inner_items(self, overrides: dict[str, Any]) -> AsyncIterator[Any]:
+        """The inner pipeline as items, whatever the hook's shape; a CALL hook's value is kept."""
+        kind = self.spec.kind
+        call = self.next_handler(**overrides)
+        if kind is Kind.STREAM:
+            async for item in call:
+                yield item
+            return
+        value = await call
+        if kind is Kind.CALL:
+            self.inner_result = value
+        elif isinstance(value, ChatResponse):
+            yield value
+        else:
+            async for item in value:
+                yield item
+
+    async def _advance(self, credits: int) -> AsyncIterator[Any]:
+        """Run the inner pipeline to the next intercepted item (or its end), forwarding the rest."""
+        self.credits += max(credits, 1)
+        self.pending = None
+        table, inner = self.table, self.inner
+        assert table is not None and inner is not None
+        while True:
+            try:
+                item = await anext(inner)
+            except StopAsyncIteration:
+                self.inner, self.inner_done = None, True
+                done = hooks_pb2.HostMessage()
+                if self.spec.kind is Kind.CALL:
+                    encode_result(self.inner_result, done.inner_done.result)
+                done.inner_done.inner = self.generation
+                self._context(done.inner_done.context)
+                await self._write(done)
+                return
+            except Exception as exc:  # the inner pipeline raised: the middleware decides
+                self.inner, self.inner_done, self.inner_exc = None, True, exc
+                err = hooks_pb2.HostMessage()
+                err.inner_error.type = type(exc).__name__
+                err.inner_error.message = str(exc)
+                err.inner_error.retryable = bool(getattr(exc, "retryable", False))
+                err.inner_error.inner = self.generation
+                self._context(err.inner_error.context)
+                await self._write(err)
+                return
+            mode = table.mode_of(item)
+            if mode is Mode.BYPASS:
+                yield item
+                continue
+            if mode is Mode.OBSERVE:
+                while self.credits <= 0:  # out of credits: read until the middleware grants more
+                    async for emitted in self._absorb_until_pull():
+                        yield emitted
+                self.credits -= 1
+                await self._deliver(item, observed=True)
+                yield item
+                continue
+            self.seq += 1
+            self.pending = item
+            self.credits = 0
+            await self._deliver(item, observed=False)
+            return
+
+    async def _absorb_until_pull(self) -> AsyncIterator[Any]:
+        msg = await self._read()
+        for action in msg.actions:
+            if action.WhichOneof("action") == "emit":
+                yield self._emitted(action.emit)
+            else:
+                self._mutate(action.mutate)
+        command = msg.WhichOneof("command")
+        if command == "pull":
+            self.credits += max(msg.pull.credits, 1)
+        elif command is not None:
+            raise self._violation(f"{command} while observed items are still flowing (expected pull)")
+
+    async def _deliver(self, item: Any, *, observed: bool) -> None:
+        msg = hooks_pb2.HostMessage()
+        delivery = msg.item
+        delivery.seq = self.seq
+        delivery.observed = observed
+        delivery.inner = self.generation
+        codec.encode_item(item, delivery.item)
+        self._context(delivery.context)
+        await self._write(msg)
+
+    def _emitted(self, emit: hooks_pb2.Emit) -> Any:
+        if not self.spec.has_items:
+            raise self._violation(f"emit in {self.spec.name}, which has no items")
+        which = emit.WhichOneof("what")
+        if which == "forward_seq":
+            if self.pending is None or emit.forward_seq != self.seq:
+                raise self._violation(f"forward_seq {emit.forward_seq} is not the item it holds (seq {self.seq})")
+            item, self.pending = self.pending, None
+            return item
+        if which == "item":
+            try:
+                return codec.decode_item(emit.item)
+            except (CodecError, KeyError, ValueError) as exc:
+                raise self._violation(f"malformed item: {exc}") from None
+        raise self._violation("an empty emit")
+
+    # -- state --------------------------------------------------------------------------------------
+
+    def _context(self, ctx: hooks_pb2.HookContext, *, force: bool = False) -> None:
+        """Fill the hook context when host state moved since the last one sent on this stream."""
+        agent, state = self.agent, self.agent.state
+        fingerprint = (state.version, len(state.context))
+        if not force and fingerprint == self.sent_fingerprint:
+            return
+        self.sent_fingerprint = fingerprint
+        ctx.agent_name = agent.name
+        ctx.agent_description = agent.description
+        ctx.session_id = state.session_id
+        ctx.reply_id = state.reply_id
+        ctx.cur_iter = state.cur_iter
+        ctx.max_iters = agent.max_iters
+        ctx.middleware_key = self.mw.key
+        ctx.state_version = state.version
+        slot = state.middle_context.get(self.mw.key)
+        if slot is not None:
+            json_to_value(slot, ctx.slot)
+        else:
+            ctx.slot.null_value = 0
+        codec.encode(agent.model.ref, ctx.model)
+        ctx.structured_output_pending = (
+            state.reply_context.structured_schema is not None and state.reply_context.structured_output is None
+        )
+        if self.table is not None and self.table.wants_context:
+            ctx.context.SetInParent()
+            for msg in state.context:
+                codec.encode(msg, ctx.context.messages.add())
+            ctx.summary = state.summary
+
+    def _mutate(self, mutation: hooks_pb2.Mutation) -> None:
+        """Validate and apply one state change; anything not the middleware's own is a violation."""
+        agent, state, key = self.agent, self.agent.state, self.mw.key
+        op = mutation.WhichOneof("op")
+        try:
+            if op == "set_slot":
+                value = value_to_json(mutation.set_slot)
+                if value is None:
+                    state.middle_context.pop(key, None)
+                else:
+                    state.middle_context[key] = value
+                state.version += 1
+            elif op == "append_message":
+                msg = codec.decode(mutation.append_message)
+                self._own(msg.content)
+                state.context.append(msg)
+                state.version += 1
+            elif op in ("append_blocks", "append_blocks_to_tail"):
+                blocks = [codec.decode(getattr(b, b.WhichOneof("block"))) for b in getattr(mutation, op).blocks]
+                self._own(blocks)
+                if op == "append_blocks":
+                    state.append_context(agent.name, blocks)
+                else:
+                    state.append_to_last_assistant(agent.name, blocks)
+            elif op == "remove_block":
+                block_id = mutation.remove_block
+                if state.block_owners.get(block_id) != key:
+                    raise self._violation(f"remove_block {block_id!r}: not a block this middleware added")
+                state.remove_block(block_id)
+                del state.block_owners[block_id]
+            elif op == "set_model":
+                agent.set_model(mutation.set_model)
+            elif op == "set_cur_iter":
+                if mutation.set_cur_iter < 0:
+                    raise self._violation("set_cur_iter below 0")
+                state.cur_iter = mutation.set_cur_iter
+            elif op == "set_max_iters":
+                if mutation.set_max_iters < 1:
+                    raise self._violation("set_max_iters below 1")
+                agent.max_iters = mutation.set_max_iters
+                state.version += 1
+            else:
+                raise self._violation("an empty mutation")
+        except (CodecError, KeyError, TypeError, ValueError) as exc:
+            raise self._violation(f"invalid {op}: {exc}") from None
+
+    def _own(self, blocks: list[Any]) -> None:
+        owners = self.agent.state.block_owners
+        for block in blocks:
+            owners[block.id] = self.mw.key
+
+    # -- transport -------------------------------------------------------------------------------
+
+    async def _write(self, msg: hooks_pb2.HostMessage) -> None:
+        try:
+            await self.call.write(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise MiddlewareFailure(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
+        except asyncio.InvalidStateError:
+            raise MiddlewareFailure(self.mw.name, self.spec.name, "the stream is closed") from None
+
+    async def _read(self) -> hooks_pb2.MiddlewareMessage:
+        timeout = self.mw.policy.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                msg = await self.call.read()
+        except TimeoutError:
+            raise MiddlewareFailure(self.mw.name, self.spec.name, f"no answer within {timeout}s (timeout)") from None
+        except grpc.aio.AioRpcError as exc:
+            what = f"{exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
+                raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
+            raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
+        if msg is grpc.aio.EOF:
+            raise MiddlewareFailure(self.mw.name, self.spec.name, "the stream ended before finish")
+        return msg
+
+    def _violation(self, what: str) -> ProtocolError:
+        return ProtocolError(self.mw.name, self.spec.name, what)
+
+
+__all__ = ["HookCall"]

@@ -1,0 +1,102 @@
+"""Subscriptions: which items a middleware sees at a hook, and how (intercept / observe / bypass).
+
+Authors declare them with ``subscribe(...)``; the SDK sends them in Describe; the host turns them
+into a ``SubscriptionTable`` whose ``mode_of(item)`` is one dict lookup on the item's class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from agentmw.v1 import events_pb2, hooks_pb2
+
+from .codec import codec
+from .data import ChatResponse
+
+CHAT_DELTA = "chat_response_delta"
+CHAT_FINAL = "chat_response_final"
+
+
+class Mode(IntEnum):
+    INTERCEPT = hooks_pb2.SUBSCRIPTION_MODE_INTERCEPT
+    OBSERVE = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE
+    BYPASS = hooks_pb2.SUBSCRIPTION_MODE_BYPASS
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """Item kinds are data classes (ReplyEndEvent, Msg, ToolChunk, ChatResponse, ...) or the
+    strings "chat_response_delta" / "chat_response_final"; kinds not listed get ``default``."""
+
+    default: Mode = Mode.INTERCEPT
+    modes: dict[Any, Mode] = field(default_factory=dict)
+    wants_context: bool = False
+
+
+def subscribe(
+    *,
+    intercept: Iterable[Any] = (),
+    observe: Iterable[Any] = (),
+    default: Mode = Mode.BYPASS,
+    wants_context: bool = False,
+) -> Subscription:
+    modes = {kind: Mode.INTERCEPT for kind in intercept}
+    modes.update({kind: Mode.OBSERVE for kind in observe})
+    return Subscription(default=default, modes=modes, wants_context=wants_context)
+
+
+def _item_types(kind: Any) -> list[int]:
+    if kind is ChatResponse:
+        return [events_pb2.ITEM_TYPE_CHAT_RESPONSE_DELTA, events_pb2.ITEM_TYPE_CHAT_RESPONSE_FINAL]
+    if kind in (CHAT_DELTA, CHAT_FINAL):
+        return [events_pb2.ItemType.Value("ITEM_TYPE_" + kind.upper())]
+    name = codec.item_field_by_py.get(kind)
+    if name is None:
+        raise ValueError(f"{kind!r} is not an item kind (an event class, Msg, ToolChunk, ToolResponse, ChatResponse)")
+    return [events_pb2.ItemType.Value("ITEM_TYPE_" + name.upper())]
+
+
+def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
+    desc = hooks_pb2.HookDescription(hook=hook_number, default_mode=int(sub.default), wants_context=sub.wants_context)
+    for kind, mode in sub.modes.items():
+        for item_type in _item_types(kind):
+            desc.subscriptions.add(item_type=item_type, mode=int(mode))
+    return desc
+
+
+_CLASS_BY_ITEM_TYPE = {
+    events_pb2.ItemType.Value("ITEM_TYPE_" + name.upper()): cls
+    for cls, name in codec.item_field_by_py.items()
+    if cls is not ChatResponse
+}
+
+
+class SubscriptionTable:
+    """The host's view of one middleware's subscription at one hook."""
+
+    __slots__ = ("by_class", "chat_delta", "chat_final", "default", "wants_context")
+
+    def __init__(self, desc: hooks_pb2.HookDescription) -> None:
+        self.default = Mode(desc.default_mode or Mode.INTERCEPT)
+        self.wants_context = desc.wants_context
+        self.by_class: dict[type, Mode] = {}
+        self.chat_delta = self.chat_final = self.default
+        for sub in desc.subscriptions:
+            mode = Mode(sub.mode or Mode.INTERCEPT)
+            if sub.item_type == events_pb2.ITEM_TYPE_CHAT_RESPONSE_DELTA:
+                self.chat_delta = mode
+            elif sub.item_type == events_pb2.ITEM_TYPE_CHAT_RESPONSE_FINAL:
+                self.chat_final = mode
+            elif sub.item_type in _CLASS_BY_ITEM_TYPE:
+                self.by_class[_CLASS_BY_ITEM_TYPE[sub.item_type]] = mode
+            else:
+                raise ValueError(f"unknown item type {sub.item_type} in a subscription")
+
+    def mode_of(self, item: Any) -> Mode:
+        cls = type(item)
+        if cls is ChatResponse:
+            return self.chat_final if item.is_last else self.chat_delta
+        return self.by_class.get(cls, self.default)

@@ -1,0 +1,181 @@
+"""Tools and the toolkit: lookup, JSON repair-parse, JSON-schema validation, execution as chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import jsonschema
+
+from .data import (
+    TextBlock,
+    ToolCallBlock,
+    ToolChunk,
+    ToolDescriptor,
+    ToolResponse,
+    ToolResultState,
+)
+
+ToolOutput = str | ToolResponse | ToolChunk | AsyncIterator[ToolChunk | ToolResponse]
+
+
+class ToolInputError(ValueError):
+    """The model's input for a tool does not parse or does not fit the tool's schema."""
+
+
+class Tool:
+    """A tool the agent can call. Subclass and implement ``call``, or use ``FunctionTool``."""
+
+    def __init__(self, descriptor: ToolDescriptor) -> None:
+        self.descriptor = descriptor
+
+    # The descriptor's fields read as the tool's own, as on AgentScope's ToolBase.
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["descriptor"], name)
+
+    async def call(self, tool_input: dict[str, Any], state: Any = None) -> ToolOutput:
+        raise NotImplementedError
+
+    def validate(self, tool_call: ToolCallBlock) -> dict[str, Any]:
+        tool_input = parse_input(tool_call.input)
+        try:
+            jsonschema.validate(tool_input, self.descriptor.input_schema)
+        except jsonschema.ValidationError as exc:
+            raise ToolInputError(f"invalid input for tool {self.name!r}: {exc.message}") from None
+        return tool_input
+
+
+class FunctionTool(Tool):
+    """A Python function (sync or async, returning text, a ToolResponse or yielding chunks)."""
+
+    def __init__(self, func: Callable[..., Any], descriptor: ToolDescriptor) -> None:
+        super().__init__(descriptor)
+        self.func = func
+
+    async def call(self, tool_input: dict[str, Any], state: Any = None) -> ToolOutput:
+        result = self.func(**tool_input)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+
+def tool(name: str | None = None, description: str = "", input_schema: dict[str, Any] | None = None,
+         **flags: Any) -> Callable[[Callable[..., Any]], FunctionTool]:  # fmt: skip
+    """Decorator: ``@tool(description=..., input_schema={...})`` over a function."""
+
+    def wrap(func: Callable[..., Any]) -> FunctionTool:
+        schema = input_schema or _schema_from_signature(func)
+        desc = ToolDescriptor(
+            name=name or func.__name__,
+            description=description or (func.__doc__ or "").strip(),
+            input_schema=schema,
+            **flags,
+        )
+        return FunctionTool(func, desc)
+
+    return wrap
+
+
+def _schema_from_signature(func: Callable[..., Any]) -> dict[str, Any]:
+    kinds = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
+    props: dict[str, Any] = {}
+    required = []
+    for param in inspect.signature(func).parameters.values():
+        ann = param.annotation
+        props[param.name] = {"type": kinds[ann]} if ann in kinds else {}
+        if param.default is inspect.Parameter.empty:
+            required.append(param.name)
+    return {"type": "object", "properties": props, "required": required}
+
+
+def parse_input(raw: str) -> dict[str, Any]:
+    """Parse the model's raw input JSON, repairing the common truncations (missing braces)."""
+    text = (raw or "").strip() or "{}"
+    for candidate in (text, text + "}", text + '"}', text.rstrip(",") + "}"):
+        try:
+            value = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+        raise ToolInputError(f"tool input must be a JSON object, got {type(value).__name__}")
+    raise ToolInputError(f"tool input is not valid JSON: {text[:200]!r}")
+
+
+def error_response(message: str, call_id: str, state: ToolResultState = ToolResultState.ERROR) -> ToolResponse:
+    return ToolResponse(content=[TextBlock(text=message)], state=state, id=call_id)
+
+
+class Toolkit:
+    def __init__(self, tools: list[Tool] | None = None) -> None:
+        self.tools: dict[str, Tool] = {}
+        for t in tools or []:
+            self.register(t)
+
+    def register(self, t: Tool, name: str | None = None) -> None:
+        name = name or t.name
+        if name in self.tools:
+            raise ValueError(f"tool {name!r} is already registered")
+        self.tools[name] = t
+
+    def unregister_owner(self, owner: str) -> None:
+        for name in [n for n, t in self.tools.items() if t.descriptor.owner == owner]:
+            del self.tools[name]
+
+    def get(self, name: str) -> Tool | None:
+        return self.tools.get(name)
+
+    def schemas(self, only: list[str] | None = None) -> list[dict[str, Any]]:
+        """OpenAI-style function schemas, optionally filtered by a whitelist."""
+        return [
+            {
+                "type": "function",
+                "function": {"name": name, "description": t.description, "parameters": t.input_schema},
+            }
+            for name, t in self.tools.items()
+            if only is None or name in only
+        ]
+
+    async def call_tool(self, tool_call: ToolCallBlock, state: Any = None) -> AsyncIterator[ToolChunk | ToolResponse]:
+        """Run a call: chunks, then always exactly one ToolResponse (errors and cancellation included)."""
+        t = self.tools.get(tool_call.name)
+        if t is None:
+            yield error_response(f"Error: tool {tool_call.name!r} does not exist.", tool_call.id)
+            return
+        response = ToolResponse(id=tool_call.id)
+        try:
+            result = await t.call(t.validate(tool_call), state)
+            if isinstance(result, str):
+                response.content.append(TextBlock(text=result))
+                yield ToolChunk(content=[TextBlock(text=result)], state=ToolResultState.SUCCESS, is_last=True)
+            elif isinstance(result, ToolResponse):
+                response = result
+                response.id = tool_call.id
+            elif isinstance(result, ToolChunk):
+                response.append_chunk(result)
+                yield result
+            else:
+                async for item in result:
+                    if isinstance(item, ToolResponse):
+                        response = item
+                        response.id = tool_call.id
+                        break
+                    response.append_chunk(item)
+                    yield item
+        except asyncio.CancelledError:
+            chunk = ToolChunk(content=[TextBlock(text="The tool call was interrupted.")],
+                              state=ToolResultState.INTERRUPTED)  # fmt: skip
+            response.append_chunk(chunk)
+            yield chunk
+            yield response
+            raise
+        except ToolInputError as exc:
+            yield error_response(str(exc), tool_call.id)
+            return
+        except Exception as exc:  # the tool's own failure becomes an ERROR result, as in AgentScope
+            yield error_response(f"Error: {type(exc).__name__}: {exc}", tool_call.id)
+            return
+        yield response

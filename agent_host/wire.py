@@ -1,0 +1,68 @@
+"""Hook kwargs and results on the wire, shared by the host's remote client and the SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentmw.v1 import hooks_pb2
+
+from .codec import CodecError, codec
+from .data import ModelRef, PermissionDecision
+from .hooks import HookSpec
+from .models.base import ChatModel
+from .tools import Tool
+
+
+def to_wire(value: Any) -> Any:
+    """Live objects become references: a model its ModelRef, a tool its descriptor."""
+    if isinstance(value, ChatModel):
+        return value.ref
+    if isinstance(value, Tool):
+        return value.descriptor
+    return value
+
+
+def encode_kwargs(spec: HookSpec, kwargs: dict[str, Any], out: hooks_pb2.Kwargs) -> hooks_pb2.Kwargs:
+    record = getattr(out, spec.name)
+    record.SetInParent()
+    codec.encode_record({k: to_wire(v) for k, v in kwargs.items()}, record)
+    return out
+
+
+def decode_kwargs(spec: HookSpec, msg: hooks_pb2.Kwargs, *, complete: bool) -> dict[str, Any]:
+    """``complete``: every parameter present (None when unset), as in Begin; else only those set."""
+    which = msg.WhichOneof("hook")
+    if which is None and not complete:
+        return {}
+    if which != spec.name:
+        raise CodecError(f"kwargs are for {which}, expected {spec.name}")
+    values = codec.decode_record(getattr(msg, which))
+    if complete:
+        return {p: values.get(p) for p in spec.params}
+    return values
+
+
+def encode_result(value: Any, out: hooks_pb2.HookResult) -> hooks_pb2.HookResult:
+    if isinstance(value, PermissionDecision):
+        codec.encode(value, out.permission_decision)
+    elif isinstance(value, str):
+        out.prompt = value
+    elif value is not None:
+        raise CodecError(f"a hook cannot return {type(value).__name__} over the wire")
+    return out
+
+
+def decode_result(msg: hooks_pb2.HookResult) -> Any:
+    which = msg.WhichOneof("value")
+    if which == "permission_decision":
+        return codec.decode(msg.permission_decision)
+    if which == "prompt":
+        return msg.prompt
+    return None
+
+
+def model_override(value: Any) -> ModelRef:
+    """What a middleware may pass as ``current_model``: a registered id, a ModelRef, a model."""
+    if isinstance(value, str):
+        return ModelRef(id=value)
+    return to_wire(value)

@@ -1,0 +1,144 @@
+"""serve(): run a MiddlewareBase as a gRPC middleware server.
+
+Registers one service per implemented hook (all sharing HookSession), Describe, ToolSource,
+grpc.health.v1 and server reflection; stops gracefully on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agent_host.codec import codec
+from agent_host.data import ToolCallBlock
+from agent_host.hooks import HOOKS
+from agent_host.middleware import MiddlewareBase
+from agent_host.remote.client import PROTOCOL_VERSION
+from agent_host.subscriptions import to_proto
+from agent_host.tools import Tool, Toolkit
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+
+from .session import HookSession
+
+log = logging.getLogger("agentmw.sdk")
+
+
+class _Describe(hooks_pb2_grpc.DescribeServicer):
+    def __init__(self, description: hooks_pb2.MiddlewareDescription) -> None:
+        self.description = description
+
+    async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription:
+        return self.description
+
+
+class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
+    def __init__(self, middleware: MiddlewareBase) -> None:
+        self.middleware = middleware
+        self.tools: dict[str, Tool] = {}
+
+    async def _refresh(self) -> None:
+        self.tools = {t.name: t for t in await self.middleware.list_tools()}
+
+    async def ListTools(self, request: Any, context: Any) -> hooks_pb2.ToolDescriptorList:
+        await self._refresh()
+        out = hooks_pb2.ToolDescriptorList()
+        for t in self.tools.values():
+            codec.encode(t.descriptor, out.tools.add())
+        return out
+
+    async def CallTool(self, request: hooks_pb2.CallToolRequest, context: Any) -> Any:
+        name = request.tool_call.name
+        if name not in self.tools:
+            await self._refresh()
+        tool = self.tools.get(name)
+        if tool is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
+        tool_input = codec.decode_record(request)["tool_input"] if request.HasField("tool_input") else {}
+        call = ToolCallBlock(id=request.tool_call.id or "call", name=name, input=json.dumps(tool_input))
+        async for item in Toolkit([tool]).call_tool(call):
+            yield codec.encode_item(item)
+
+
+def _hook_handler(middleware: MiddlewareBase, key: str, hook: str) -> grpc.RpcMethodHandler:
+    spec = HOOKS[hook]
+
+    async def run(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        try:
+            await HookSession(middleware, key, spec, context).run()
+        except Exception:
+            log.exception("%s: the hook session failed", hook)
+            raise
+
+    return grpc.stream_stream_rpc_method_handler(
+        run,
+        request_deserializer=hooks_pb2.HostMessage.FromString,
+        response_serializer=hooks_pb2.MiddlewareMessage.SerializeToString,
+    )
+
+
+async def describe(middleware: MiddlewareBase) -> hooks_pb2.MiddlewareDescription:
+    key = await middleware.get_middleware_key()
+    desc = hooks_pb2.MiddlewareDescription(key=key, protocol_version=PROTOCOL_VERSION)
+    for hook in type(middleware).implemented_hooks():
+        desc.hooks.append(to_proto(HOOKS[hook].number, middleware.subscription(hook)))
+    desc.provides_tools = type(middleware).list_tools is not MiddlewareBase.list_tools
+    return desc
+
+
+async def start(middleware: MiddlewareBase, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+    """Start serving in the running event loop; returns the server and the bound port."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    description = await describe(middleware)
+    services = []
+    for hook in description.hooks:
+        name = next(s.name for s in HOOKS.values() if s.number == hook.hook)
+        service = f"agentmw.v1.{HOOKS[name].service}"
+        services.append(service)
+        handler = grpc.method_handlers_generic_handler(
+            service, {"Run": _hook_handler(middleware, description.key, name)}
+        )
+        server.add_generic_rpc_handlers((handler,))
+    hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(description), server)
+    services.append("agentmw.v1.Describe")
+    if description.provides_tools:
+        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware), server)
+        services.append("agentmw.v1.ToolSource")
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ["", *services]:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    return server, port
+
+
+async def serve_async(middleware: MiddlewareBase, address: str, *, grace: float = 5.0) -> None:
+    server, port = await start(middleware, address)
+    host = address.rsplit(":", 1)[0]
+    # Tests and launchers read this line to learn the port when the address asked for port 0.
+    print(f"agentmw middleware {type(middleware).__name__} listening on {host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace)  # in-flight hook calls get ``grace`` seconds to finish
+
+
+def serve(middleware: MiddlewareBase, address: str = "127.0.0.1:50061", *, grace: float = 5.0) -> None:
+    """Run ``middleware`` as a gRPC server at ``address`` until SIGTERM/SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve_async(middleware, address, grace=grace))
+
+
+__all__ = ["describe", "serve", "serve_async", "start"]

@@ -1,0 +1,202 @@
+"""The ``agent`` a remote middleware receives: a view of host state whose changes become Mutations.
+
+It offers the same names as the host's Agent, so middleware code runs unchanged in either place:
+``agent.name``, ``agent.state.session_id / reply_id / cur_iter``, ``agent.state.middle_context``
+(this middleware's own slot only), ``agent.state.context`` (readable when the hook subscribed with
+``wants_context``; ``append`` always works), ``agent.state.append_context(name, blocks)``,
+``agent.state.append_to_last_assistant(name, blocks)``, ``agent.state.remove_block(id)``,
+``agent.set_model(id)``, ``agent.max_iters = n``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from agent_host.codec import codec, json_to_value, value_to_json
+from agent_host.data import ContentBlock, ModelRef, Msg
+from agentmw.v1 import hooks_pb2
+
+if TYPE_CHECKING:
+    from .session import HookSession
+
+
+class SlotDict(dict):
+    """``middle_context`` seen from a middleware: its own key only; reads mark it for a sync."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__()
+        self.key = key
+        self.touched = False
+        self.synced = "null"
+
+    def load(self, value: Any) -> None:
+        dict.clear(self)
+        if value is not None:
+            dict.__setitem__(self, self.key, value)
+        self.synced = json.dumps(value, sort_keys=True)
+        self.touched = False
+
+    def _check(self, key: str) -> None:
+        if key != self.key:
+            raise KeyError(f"a middleware can only use its own slot middle_context[{self.key!r}], not {key!r}")
+        self.touched = True
+
+    def __getitem__(self, key: str) -> Any:
+        self._check(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self._check(key)
+        return dict.get(self, key, default)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._check(key)
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._check(key)
+        dict.__delitem__(self, key)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self._check(key)
+        return dict.setdefault(self, key, default)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self._check(key)
+        return dict.pop(self, key, *default)
+
+    def changed(self) -> tuple[bool, Any]:
+        """(changed since the last sync, current value); resets the mark."""
+        if not self.touched:
+            return False, None
+        self.touched = False
+        value = dict.get(self, self.key)
+        text = json.dumps(value, sort_keys=True)
+        if text == self.synced:
+            return False, None
+        self.synced = text
+        return True, value
+
+
+class ContextView(list):
+    """``agent.state.context``; appending a message becomes an ``append_message`` mutation."""
+
+    def __init__(self, session: HookSession) -> None:
+        super().__init__()
+        self.session = session
+        self.visible = False
+
+    def append(self, msg: Msg) -> None:
+        super().append(msg)
+        mutation = hooks_pb2.Mutation()
+        codec.encode(msg, mutation.append_message)
+        self.session.mutate(mutation)
+
+    def _require(self) -> None:
+        if not self.visible:
+            raise RuntimeError("agent.state.context is not sent to this hook: subscribe with wants_context=True")
+
+    def __getitem__(self, index: Any) -> Any:
+        self._require()
+        return super().__getitem__(index)
+
+    def __iter__(self) -> Any:
+        self._require()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._require()
+        return super().__len__()
+
+
+class ReplyContextView:
+    def __init__(self) -> None:
+        self.reply_id = ""
+        self.cur_iter = 0
+        self.structured_output_pending = False
+
+
+class StateView:
+    def __init__(self, session: HookSession, key: str) -> None:
+        self._session = session
+        self.session_id = ""
+        self.summary = ""
+        self.reply_context = ReplyContextView()
+        self.middle_context = SlotDict(key)
+        self.context = ContextView(session)
+
+    @property
+    def reply_id(self) -> str:
+        return self.reply_context.reply_id
+
+    @property
+    def cur_iter(self) -> int:
+        return self.reply_context.cur_iter
+
+    @cur_iter.setter
+    def cur_iter(self, value: int) -> None:
+        self.reply_context.cur_iter = value
+        self._session.mutate(hooks_pb2.Mutation(set_cur_iter=value))
+
+    def append_context(self, name: str, blocks: list[ContentBlock]) -> None:
+        mutation = hooks_pb2.Mutation()
+        _blocks(blocks, mutation.append_blocks)
+        self._session.mutate(mutation)
+
+    def append_to_last_assistant(self, name: str, blocks: list[ContentBlock]) -> None:
+        mutation = hooks_pb2.Mutation()
+        _blocks(blocks, mutation.append_blocks_to_tail)
+        self._session.mutate(mutation)
+
+    def remove_block(self, block_id: str) -> None:
+        self._session.mutate(hooks_pb2.Mutation(remove_block=block_id))
+
+
+def _blocks(blocks: list[ContentBlock], out: Any) -> None:
+    for block in blocks:
+        wrapper = out.blocks.add()
+        codec.encode(block, getattr(wrapper, codec.block_field_by_py[type(block)]))
+
+
+class AgentView:
+    def __init__(self, session: HookSession, key: str) -> None:
+        self._session = session
+        self.name = ""
+        self.description = ""
+        self._max_iters = 0
+        self.model: ModelRef | None = None
+        self.state = StateView(session, key)
+
+    @property
+    def max_iters(self) -> int:
+        return self._max_iters
+
+    @max_iters.setter
+    def max_iters(self, value: int) -> None:
+        self._max_iters = value
+        self._session.mutate(hooks_pb2.Mutation(set_max_iters=value))
+
+    def set_model(self, model_id: str) -> None:
+        self._session.mutate(hooks_pb2.Mutation(set_model=model_id))
+
+    def refresh(self, ctx: hooks_pb2.HookContext) -> None:
+        """Take in the host's state as sent with Begin / an item / inner_done."""
+        self.name, self.description = ctx.agent_name, ctx.agent_description
+        self._max_iters = ctx.max_iters
+        if ctx.HasField("model"):
+            self.model = codec.decode(ctx.model)
+        state = self.state
+        state.session_id = ctx.session_id
+        state.reply_context.reply_id = ctx.reply_id
+        state.reply_context.cur_iter = ctx.cur_iter
+        state.reply_context.structured_output_pending = ctx.structured_output_pending
+        state.middle_context.load(value_to_json(ctx.slot) if ctx.HasField("slot") else None)
+        if ctx.HasField("context"):
+            list.clear(state.context)
+            list.extend(state.context, (codec.decode(m) for m in ctx.context.messages))
+            state.context.visible = True
+            state.summary = ctx.summary
+
+
+__all__ = ["AgentView", "json_to_value"]

@@ -275,7 +275,7 @@ class Codec:
     def _field_converters(self, field: FieldDescriptor) -> tuple[Encoder, Decoder]:
         name = field.name
         set_value, get_value = self._value_converters(field)
-        if field.label == FieldDescriptor.LABEL_REPEATED:
+        if field.is_repeated:
 
             def decode(msg: Message, kwargs: dict[str, Any]) -> None:
                 kwargs[name] = get_value(getattr(msg, name))
@@ -306,7 +306,7 @@ class Codec:
         self, field: FieldDescriptor
     ) -> tuple[Callable[[Message, str, Any], None], Callable[[Any], Any]]:
         """(set(out, field_name, python_value), get(proto_field_value) -> python_value)."""
-        repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        repeated = field.is_repeated
         if field.type == FieldDescriptor.TYPE_ENUM:
             emap = self.enums[field.enum_type.full_name]
 
@@ -380,7 +380,7 @@ def _dict_get(obj: dict[str, Any], name: str, default: Any) -> Any:
 
 
 def _is_list_wrapper(desc: Descriptor) -> bool:
-    return len(desc.fields) == 1 and desc.fields[0].label == FieldDescriptor.LABEL_REPEATED
+    return len(desc.fields) == 1 and desc.fields[0].is_repeated
 
 
 def _is_union(desc: Descriptor) -> bool:

@@ -109,6 +109,21 @@ def error_response(message: str, call_id: str, state: ToolResultState = ToolResu
     return ToolResponse(content=[TextBlock(text=message)], state=state, id=call_id)
 
 
+async def add_middleware_tools(toolkit: Toolkit, middleware: Any, name: str | None = None) -> list[str]:
+    """Register the tools a middleware contributes (``list_tools``) as ``<name>__<tool>``.
+
+    ``name`` defaults to the middleware key; the prefix keeps tools of different middleware apart
+    and uses only characters every model API accepts in a function name."""
+    prefix = name or await middleware.get_middleware_key()
+    added = []
+    for t in await middleware.list_tools():
+        t.descriptor.owner = prefix
+        full = f"{prefix}__{t.name}"
+        toolkit.register(t, name=full)
+        added.append(full)
+    return added
+
+
 class Toolkit:
     def __init__(self, tools: list[Tool] | None = None) -> None:
         self.tools: dict[str, Tool] = {}

@@ -2,12 +2,14 @@
 
 It is the embedded default of the demo and the tests. Per call it takes, in order:
 
+0. a summary, when the agent asks to compress its context;
 1. the next scripted turn, if a script is set (``{"text", "thinking", "tool_calls": [{"name",
    "input"}], "error": {"type", "message", "retryable"}, "delay"}``);
 2. an answer that reports the tool results of the current user turn, once there are any;
 3. tool calls by rule: the user names a known tool ("call get_weather city=Paris", "use add
    {"a": 1, "b": 2}"), or a configured ``rules`` regex matches (``{"pattern", "tool", "input"}``);
-4. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``).
+4. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``; ``{system}`` is
+   the system prompt).
 
 Text streams word by word; tool-call input streams in two fragments; usage is counted as
 input ≈ UTF-8 bytes / 4 of the prompt and output = streamed words.
@@ -64,7 +66,12 @@ class OfflineRuleModel(ChatModel):
         self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
     ) -> AsyncIterator[ChatResponse]:
         self.calls += 1
-        turn = self.script.pop(0) if self.script else self._by_rule(messages, tools, tool_choice)
+        if messages and "<compress-context>" in messages[-1].text:  # the agent asks for a summary
+            turn = {"text": self._summary(messages[:-1])}
+        elif self.script:
+            turn = self.script.pop(0)
+        else:
+            turn = self._by_rule(messages, tools, tool_choice)
         if "error" in turn:
             err = turn["error"]
             kind = ErrorType(err.get("type", "upstream"))
@@ -89,7 +96,13 @@ class OfflineRuleModel(ChatModel):
             calls = self._named_calls(user_text, names) or self._rule_calls(user_text, names)
             if calls:
                 return {"tool_calls": calls}
-        return {"text": self.reply_template.format(text=user_text)}
+        system = messages[0].text if messages and messages[0].role == Role.SYSTEM else ""
+        return {"text": self.reply_template.format(text=user_text, system=system)}
+
+    @staticmethod
+    def _summary(messages: list[Msg]) -> str:
+        said = [m.text.strip() for m in messages if m.role == Role.USER and m.text.strip()]
+        return f"Summary of {len(messages)} earlier messages. The user said: " + " / ".join(said)
 
     @staticmethod
     def _named_calls(text: str, names: set[str]) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from agent_host.middleware import MiddlewareBase
 from agent_host.remote.client import PROTOCOL_VERSION
 from agent_host.subscriptions import to_proto
 from agent_host.tools import Tool, Toolkit
-from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession
 
@@ -46,9 +46,9 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
     async def _refresh(self) -> None:
         self.tools = {t.name: t for t in await self.middleware.list_tools()}
 
-    async def ListTools(self, request: Any, context: Any) -> hooks_pb2.ToolDescriptorList:
+    async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList:
         await self._refresh()
-        out = hooks_pb2.ToolDescriptorList()
+        out = types_pb2.ToolDescriptorList()
         for t in self.tools.values():
             codec.encode(t.descriptor, out.tools.add())
         return out

@@ -1,0 +1,289 @@
+"""Middleware used by the conformance suite: each runs in the host's process and, unchanged, in a
+separate process served by ``serve()`` (``python -m mw_servers.sdk tests.conformance_mw:Class``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent_host.data import (
+    AssistantMsg,
+    CustomEvent,
+    HintBlock,
+    ModelCallEndEvent,
+    Msg,
+    ReplyEndEvent,
+    ReplyStartEvent,
+    TextBlock,
+    TextBlockEndEvent,
+    ToolChoice,
+    ToolChunk,
+    ToolResponse,
+    UserMsg,
+)
+from agent_host.middleware import MiddlewareBase, Mode, subscribe
+from agent_host.tools import tool
+
+
+class PassThrough(MiddlewareBase):
+    """Every hook, changing nothing."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler(**input_kwargs):
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        return await next_handler()
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        return await next_handler()
+
+    async def on_compress_context(self, agent, input_kwargs, next_handler):
+        await next_handler()
+
+    async def on_system_prompt(self, agent, prompt):
+        return prompt
+
+
+class Override(MiddlewareBase):
+    """Overrides kwargs: tool_choice in on_reasoning (in place, AgentScope style), messages in on_model_call."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        input_kwargs["tool_choice"] = ToolChoice(mode="none")
+        async for item in next_handler():
+            yield item
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        messages = [*input_kwargs["messages"], UserMsg("the override speaks")]
+        return await next_handler(messages=messages)
+
+
+class ModelFallback(MiddlewareBase):
+    """The docs' ModelFallbackMiddleware: call next again with another model id when it fails."""
+
+    def __init__(self, fallback: str = "backup") -> None:
+        self.fallback = fallback
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        try:
+            return await next_handler()
+        except Exception:
+            return await next_handler(current_model=self.fallback)
+
+
+class ShortCircuitReasoning(MiddlewareBase):
+    """Answers without calling the model."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        yield CustomEvent(name="short_circuit", value={"iter": agent.state.cur_iter})
+        yield AssistantMsg("canned answer", name=agent.name, id=agent.state.reply_id)
+
+
+class ShortCircuitActing(MiddlewareBase):
+    """Answers a tool call without running the tool."""
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        call = input_kwargs["tool_call"]
+        yield ToolChunk(content=[TextBlock(text="stubbed ")])
+        yield ToolResponse(content=[TextBlock(text=f"stubbed {call.name}")], id=call.id)
+
+
+class SwallowFirstEnd(MiddlewareBase):
+    """Swallows the first ReplyEndEvent of a reply, forcing another round (count kept in its slot)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyEndEvent, ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[key] = {"swallowed": 0}
+            if isinstance(item, ReplyEndEvent) and agent.state.middle_context[key]["swallowed"] == 0:
+                agent.state.middle_context[key]["swallowed"] += 1
+                continue
+            yield item
+
+
+class InjectAfterText(MiddlewareBase):
+    """Injects an event after every TextBlockEndEvent."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if isinstance(item, TextBlockEndEvent):
+                yield CustomEvent(name="after_text", value={"block": item.block_id})
+
+
+class PromptTag(MiddlewareBase):
+    """Appends its tag to the system prompt."""
+
+    def __init__(self, tag: str = "A") -> None:
+        self.tag = tag
+
+    async def on_system_prompt(self, agent, prompt):
+        return f"{prompt} +{self.tag}"
+
+    async def get_middleware_key(self) -> str:
+        return f"PromptTag{self.tag}"
+
+
+@tool(description="Shout a text back in capitals.", is_read_only=True)
+def shout(text: str) -> str:
+    return text.upper() + "!"
+
+
+class Tools(MiddlewareBase):
+    """Contributes a tool through list_tools."""
+
+    async def list_tools(self):
+        return [shout]
+
+
+class SlotAcrossHooks(MiddlewareBase):
+    """Writes its slot in on_reply at ReplyStart; on_reasoning of the same reply reads it."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[key] = {item.reply_id: "marked at reply start"}
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        seen = agent.state.middle_context.get(key, {}).get(agent.state.reply_id)
+        yield CustomEvent(name="slot_seen", value={"value": seen, "iter": agent.state.cur_iter})
+        async for item in next_handler():
+            yield item
+
+
+class ActingWithoutResponse(MiddlewareBase):
+    """Forwards tool chunks but drops the ToolResponse: the host must turn that into a tool error."""
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ToolChunk):
+                yield item
+
+
+class Budget(MiddlewareBase):
+    """A token budget in the spirit of AgentScope's ReplyBudgetControlMiddleware: counts usage on
+    ModelCallEndEvent (intercepted, so the count lands before the next step), and once over budget
+    appends a hint and forbids tools."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent, ModelCallEndEvent])}
+
+    def __init__(self, token_budget: float = 10) -> None:
+        self.token_budget = token_budget
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[key] = {item.reply_id: 0}
+            elif isinstance(item, ModelCallEndEvent):
+                agent.state.middle_context[key][item.reply_id] += item.input_tokens + item.output_tokens
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        used = agent.state.middle_context.get(key, {}).get(agent.state.reply_id, 0)
+        if used >= self.token_budget:
+            agent.state.append_to_last_assistant(agent.name, [HintBlock(hint="Budget spent: answer now.")])
+            input_kwargs["tool_choice"] = ToolChoice(mode="none")
+        async for item in next_handler(**input_kwargs):
+            yield item
+
+
+class ObserveCounter(MiddlewareBase):
+    """Observes every item of on_reply (never holds the pipeline) and records what it saw."""
+
+    subscriptions = {"on_reply": subscribe(default=Mode.OBSERVE)}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        kinds: dict[str, int] = {}
+        async for item in next_handler():
+            kinds[type(item).__name__] = kinds.get(type(item).__name__, 0) + 1
+            yield item
+        agent.state.middle_context[await self.get_middleware_key()] = kinds
+
+
+class EndOnlyCounter(MiddlewareBase):
+    """Subscribed to ReplyEndEvent and Msg only: everything else must bypass it."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyEndEvent, Msg])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        seen = []
+        async for item in next_handler():
+            seen.append(type(item).__name__)
+            yield item
+        agent.state.middle_context[await self.get_middleware_key()] = seen
+
+
+class SetModelAtStart(MiddlewareBase):
+    """Chooses the model of the reply at ReplyStartEvent (the model router's move)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    def __init__(self, model: str = "backup") -> None:
+        self.model = model
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.set_model(self.model)
+            yield item
+
+
+class AppendMemory(MiddlewareBase):
+    """Appends a memory message to the context at ReplyStartEvent (Mem0's move)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.context.append(AssistantMsg([HintBlock(hint="Memory: the user likes tea.")], name="memory"))
+            yield item
+
+
+class PermissionDenyShout(MiddlewareBase):
+    """Denies one tool, lets the rest through the inner decision."""
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        from agent_host.data import PermissionBehavior, PermissionDecision
+
+        if input_kwargs["tool"].name == "add":
+            return PermissionDecision(behavior=PermissionBehavior.DENY, message="adding is not allowed here")
+        return await next_handler()
+
+
+class Raises(MiddlewareBase):
+    """Its code raises: propagated like an in-process middleware's exception."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        raise ValueError("budget service says no")
+        yield  # pragma: no cover
+
+
+MIDDLEWARE: dict[str, type[MiddlewareBase]] = {
+    name: obj
+    for name, obj in list(globals().items())
+    if isinstance(obj, type) and issubclass(obj, MiddlewareBase) and obj is not MiddlewareBase
+}
+
+
+def make(name: str, **kwargs: Any) -> MiddlewareBase:
+    return MIDDLEWARE[name](**kwargs)

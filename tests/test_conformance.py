@@ -1,0 +1,234 @@
+"""Conformance: a middleware behaves the same in the host's process and in another process.
+
+Each scenario runs twice — the middleware in-process, then the same class served by ``serve()``
+in its own process over gRPC — and must give the same outward event sequence and the same final
+state. Each scenario also asserts what the behavior is, so that "the same" cannot mean "both broken".
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import Layer, Scenario, Servers, final_text, kinds, run
+
+EVERY_HOOK_SCRIPT = [
+    {"tool_calls": [{"name": "add", "input": {"a": 2, "b": 3}}]},
+    {"text": "The sum is 5.", "thinking": "easy"},
+]
+
+SCENARIOS = [
+    Scenario("pass_through", [Layer("PassThrough")], models={"main": {"script": EVERY_HOOK_SCRIPT}}),
+    Scenario("override_kwargs", [Layer("Override")], message="call add a=1 b=2"),
+    Scenario(
+        "model_fallback_next_twice",
+        [Layer("ModelFallback", {"fallback": "backup"})],
+        models={
+            "main": {"script": [{"error": {"type": "rate_limit", "message": "main is throttled"}}]},
+            "backup": {"reply_template": "backup answered: {text}"},
+        },
+    ),
+    Scenario("short_circuit_reasoning", [Layer("ShortCircuitReasoning")]),
+    Scenario("short_circuit_acting", [Layer("ShortCircuitActing")], message="call add a=1 b=2"),
+    Scenario(
+        "swallow_reply_end",
+        [Layer("SwallowFirstEnd")],
+        models={"main": {"script": [{"text": "first answer"}, {"text": "second answer"}]}},
+    ),
+    Scenario("inject_after_text", [Layer("InjectAfterText")]),
+    Scenario("list_tools_tool", [Layer("Tools")], message="call Tools__shout text=hello"),
+    Scenario("slot_across_hooks", [Layer("SlotAcrossHooks")], message="call add a=4 b=4"),
+    Scenario("acting_without_response", [Layer("ActingWithoutResponse")], message="call add a=1 b=1"),
+    Scenario(
+        "budget_hint_and_tool_choice",
+        [Layer("Budget", {"token_budget": 5})],
+        message="call add a=1 b=1",
+        models={"main": {"script": [{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 1}}]}]}},
+    ),
+    Scenario("observe_counter", [Layer("ObserveCounter")], message="call get_weather city=Paris"),
+    Scenario(
+        "set_model_at_start", [Layer("SetModelAtStart")], models={"main": {}, "backup": {"reply_template": "B: {text}"}}
+    ),
+    Scenario("append_memory_message", [Layer("AppendMemory")]),
+    Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"),
+    Scenario("middleware_raises", [Layer("Raises")]),
+    Scenario(
+        "two_layers_order",
+        [Layer("InjectAfterText"), Layer("SwallowFirstEnd")],
+        models={"main": {"script": [{"text": "one"}, {"text": "two"}]}},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = Servers(SCENARIOS + [PROMPT_ORDER])
+    yield started
+    started.stop()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.id)
+async def test_same_in_process_and_remote(scenario: Scenario, servers: Servers) -> None:
+    local_events, local_state = await run(scenario, ["local"] * len(scenario.layers), None)
+    remote_events, remote_state = await run(scenario, ["remote"] * len(scenario.layers), servers)
+    assert errors_compared(remote_events) == errors_compared(local_events)
+    assert remote_state == local_state
+    CHECKS[scenario.id](local_events, local_state)
+    if scenario.id == "middleware_raises":  # remotely, the error also says which middleware raised
+        assert "middleware 'Raises' raised ValueError in on_reasoning" in remote_events[-2]["error"]["message"]
+
+
+def errors_compared(events: list) -> list:
+    """Error infos reduced to the original message: a remote error adds where it came from."""
+    out = []
+    for event in events:
+        if event.get("error"):
+            tail = event["error"]["message"].rsplit(": ", 1)[-1]
+            event = {**event, "error": tail}
+            if event["class"] == "Msg":
+                event["content"] = tail
+        out.append(event)
+    return out
+
+
+# -- what each scenario must do (asserted on the in-process run; the remote run equals it) -------
+
+
+def _pass_through(events, state):
+    assert kinds(events)[0] == "ReplyStartEvent" and kinds(events)[-2:] == ["ReplyEndEvent", "Msg"]
+    assert "ToolResultEndEvent" in kinds(events) and "ThinkingBlockDeltaEvent" in kinds(events)
+    assert final_text(events) == "The sum is 5."
+
+
+def _override(events, state):
+    assert "ToolCallStartEvent" not in kinds(events)  # tool_choice "none" although the user asked for a tool
+    assert final_text(events) == "You said: the override speaks"
+
+
+def _fallback(events, state):
+    assert final_text(events).startswith("backup answered")
+    end = next(e for e in events if e["class"] == "ModelCallEndEvent")
+    assert end["metadata"] == {"model": "backup"}
+
+
+def _short_reasoning(events, state):
+    assert "ModelCallStartEvent" not in kinds(events)
+    assert final_text(events) == "canned answer"
+
+
+def _short_acting(events, state):
+    deltas = [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"]
+    assert deltas == ["stubbed "]
+    result = state["context"][-1]["content"][1]
+    assert result["class"] == "ToolResultBlock" and result["output"][0]["text"] == "stubbed add"
+
+
+def _swallow(events, state):
+    assert kinds(events).count("ReplyEndEvent") == 1
+    assert kinds(events).count("ModelCallStartEvent") == 2
+    assert final_text(events) == "second answer"
+    assert state["middle_context"]["SwallowFirstEnd"] == {"swallowed": 1}
+
+
+def _inject(events, state):
+    names = kinds(events)
+    i = names.index("TextBlockEndEvent")
+    assert names[i + 1] == "CustomEvent" and events[i + 1]["name"] == "after_text"
+
+
+def _tool(events, state):
+    start = next(e for e in events if e["class"] == "ToolResultStartEvent")
+    assert start["tool_call_name"] == "Tools__shout"
+    assert any(e.get("delta") == "HELLO!" for e in events)
+
+
+def _slot(events, state):
+    seen = [e["value"] for e in events if e["class"] == "CustomEvent" and e["name"] == "slot_seen"]
+    assert seen and all(v["value"] == "marked at reply start" for v in seen)
+    assert [v["iter"] for v in seen] == [0, 1]
+
+
+def _acting_without_response(events, state):
+    end = next(e for e in events if e["class"] == "ToolResultEndEvent")
+    assert end["state"] == "error"
+    assert kinds(events)[-1] == "Msg" and kinds(events).count("ToolResultEndEvent") == 1
+
+
+def _budget(events, state):
+    assert state["middle_context"]["Budget"]  # counted
+    hints = [b for m in state["context"] for b in m["content"] if b["class"] == "HintBlock"]
+    assert [h["hint"] for h in hints] == ["Budget spent: answer now."]
+    assert kinds(events).count("ToolCallStartEvent") == 1  # the second round could not call tools
+
+
+def _observe(events, state):
+    seen = state["middle_context"]["ObserveCounter"]
+    assert seen["ReplyStartEvent"] == 1 and seen["Msg"] == 1 and seen["ToolResultEndEvent"] == 1
+    assert sum(seen.values()) == len(events)
+
+
+def _set_model(events, state):
+    assert final_text(events).startswith("B: ")
+
+
+def _memory(events, state):
+    assert state["context"][1]["name"] == "memory"
+
+
+def _deny(events, state):
+    end = next(e for e in events if e["class"] == "ToolResultEndEvent")
+    assert end["state"] == "denied"
+    assert any(e.get("delta") == "adding is not allowed here" for e in events)
+
+
+def _raises(events, state):
+    end = events[-2]
+    assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
+    assert "budget service says no" in end["error"]["message"]
+
+
+def _two_layers(events, state):
+    # The outer layer injects after each text end it sees; the inner one swallowed the first end,
+    # so both answers pass the outer layer, each followed by its injected event.
+    assert [e["name"] for e in events if e["class"] == "CustomEvent"] == ["after_text", "after_text"]
+    assert final_text(events) == "two"
+
+
+CHECKS = {
+    "pass_through": _pass_through,
+    "override_kwargs": _override,
+    "model_fallback_next_twice": _fallback,
+    "short_circuit_reasoning": _short_reasoning,
+    "short_circuit_acting": _short_acting,
+    "swallow_reply_end": _swallow,
+    "inject_after_text": _inject,
+    "list_tools_tool": _tool,
+    "slot_across_hooks": _slot,
+    "acting_without_response": _acting_without_response,
+    "budget_hint_and_tool_choice": _budget,
+    "observe_counter": _observe,
+    "set_model_at_start": _set_model,
+    "append_memory_message": _memory,
+    "permission_deny": _deny,
+    "middleware_raises": _raises,
+    "two_layers_order": _two_layers,
+}
+
+
+PROMPT_ORDER = Scenario(
+    "system_prompt_order",
+    [Layer("PromptTag", {"tag": "A"}), Layer("PromptTag", {"tag": "B"}), Layer("PromptTag", {"tag": "C"})],
+    models={"main": {"reply_template": "{system}"}},
+)
+
+
+async def test_system_prompt_pipeline_order_mixed(servers: Servers) -> None:
+    """Three on_system_prompt middleware, local-remote-local, apply in list order."""
+    local_events, _ = await run(PROMPT_ORDER, ["local", "local", "local"], None)
+    mixed_events, _ = await run(PROMPT_ORDER, ["local", "remote", "local"], servers)
+    remote_events, _ = await run(PROMPT_ORDER, ["remote", "remote", "remote"], servers)
+    assert final_text(local_events) == "You are a test agent. +A +B +C"
+    assert mixed_events == local_events == remote_events
+
+
+def test_every_check_has_a_scenario() -> None:
+    assert set(CHECKS) == {s.id for s in SCENARIOS}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ from .data.state import AgentState
 from .hooks import HOOKS
 from .models import ChatModel, ModelRegistry
 from .tools import Tool, ToolInputError, Toolkit
+
+log = logging.getLogger("agentmw.agent")
 
 WAITING_MESSAGE = "I'm waiting for your permission or the external execution to finish."
 INTERRUPTION_MESSAGE = "I notice the interruption. How can I help you?"
@@ -199,6 +202,7 @@ class Agent:
                         self._receive_reply_end = True
                     yield item
         except Exception as exc:
+            log.warning("a reply of session %s failed", self.state.session_id, exc_info=True)
             failure = exc
         if failure is not None:
             async for item in self._end_with_error(failure):

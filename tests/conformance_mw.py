@@ -278,6 +278,27 @@ class Raises(MiddlewareBase):
         yield  # pragma: no cover
 
 
+class Sleeper(MiddlewareBase):
+    """Never answers: sleeps before calling next."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        import asyncio
+
+        await asyncio.sleep(3600)
+        async for item in next_handler():
+            yield item
+
+
+class Marker(MiddlewareBase):
+    """Intercepts every item of on_reply and injects a marker event at ReplyStart."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if isinstance(item, ReplyStartEvent):
+                yield CustomEvent(name="marker", value={})
+
+
 MIDDLEWARE: dict[str, type[MiddlewareBase]] = {
     name: obj
     for name, obj in list(globals().items())

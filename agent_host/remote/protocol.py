@@ -428,6 +428,8 @@ class HookCall:
             raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
         if msg is grpc.aio.EOF:
             raise MiddlewareFailure(self.mw.name, self.spec.name, "the stream ended before finish")
+        if msg is None:  # grpc.aio hands over None when the bytes do not parse
+            raise ProtocolError(self.mw.name, self.spec.name, "malformed message (not a MiddlewareMessage)")
         return msg
 
     def _violation(self, what: str) -> ProtocolError:

@@ -1,0 +1,71 @@
+"""A middleware server that breaks the protocol on purpose, written against the raw gRPC API (as
+a server in another language would be). ``python -m tests.raw_mw MODE --address 127.0.0.1:0``.
+
+Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before call_next),
+bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
+unknown_model (asks for a model id the host does not have), early_eof (ends the stream at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import grpc
+
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+
+
+class Describe(hooks_pb2_grpc.DescribeServicer):
+    async def Describe(self, request, context):  # noqa: N802
+        return hooks_pb2.MiddlewareDescription(
+            key="Raw", protocol_version="v1", hooks=[hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
+        )
+
+
+def on_reply(mode: str):
+    async def run(request_iterator, context):
+        await context.read()  # begin
+        if mode == "garbage":
+            await context.write(b"\xff\xff\xff\xff not a protobuf")
+        elif mode == "pull_first":
+            await context.write(hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(credits=1)).SerializeToString())
+        elif mode == "bad_forward":
+            await context.write(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext()).SerializeToString())
+            await context.read()
+            msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
+            msg.actions.add().emit.forward_seq = 99
+            await context.write(msg.SerializeToString())
+        elif mode == "foreign_block":
+            msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
+            msg.actions.add().mutate.remove_block = "not-mine"
+            await context.write(msg.SerializeToString())
+        elif mode == "unknown_model":
+            msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
+            msg.actions.add().mutate.set_model = "no-such-model"
+            await context.write(msg.SerializeToString())
+        elif mode == "early_eof":
+            return
+        await asyncio.sleep(30)  # the host must give up on its own
+
+    return grpc.stream_stream_rpc_method_handler(run, request_deserializer=None, response_serializer=None)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode")
+    parser.add_argument("--address", default="127.0.0.1:0")
+    args = parser.parse_args()
+    server = grpc.aio.server()
+    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(), server)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": on_reply(args.mode)}),)
+    )
+    port = server.add_insecure_port(args.address)
+    await server.start()
+    print(f"raw middleware {args.mode} listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,210 @@
+"""Faults with real processes: a middleware that dies, hangs, lies or restarts.
+
+The host must keep running, end the reply clearly (fail_closed: ReplyEndEvent(ERROR) naming the
+middleware and hook; fail_open: the reply completes and records a bypass), keep the session
+consistent, and use a restarted middleware again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent_host.agent import Agent
+from agent_host.data import (
+    CustomEvent,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    Role,
+    TextBlockDeltaEvent,
+    ToolCallBlock,
+    ToolResultBlock,
+    UserMsg,
+)
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import Policy, RemoteMiddleware
+from agent_host.tools import Toolkit, tool
+
+from .harness import add
+from .procs import ServerProcess, middleware_server
+
+ANSWER = "one two three four five six seven eight nine ten"
+slow_started = asyncio.Event()
+
+
+@tool(description="Takes a while.")
+async def slow() -> str:
+    slow_started.set()
+    await asyncio.sleep(0.5)
+    return "slow result"
+
+
+async def reply(agent: Agent, text: str, *, kill: ServerProcess | None = None) -> list:
+    """All items of a reply; with ``kill``, SIGKILL that process at the first text delta."""
+    items = []
+    async with asyncio.timeout(30):  # never a hung reply
+        async for item in agent.reply_stream(UserMsg(text)):
+            items.append(item)
+            if kill is not None and isinstance(item, TextBlockDeltaEvent):
+                kill.kill()
+                kill = None
+    return items
+
+
+def end_of(items: list) -> ReplyEndEvent:
+    ends = [i for i in items if isinstance(i, ReplyEndEvent)]
+    assert len(ends) == 1, ends
+    assert isinstance(items[-1], Msg)
+    return ends[0]
+
+
+def bypasses(items: list) -> list[CustomEvent]:
+    return [i for i in items if isinstance(i, CustomEvent) and i.name == "middleware_bypassed"]
+
+
+def make_agent(remote: RemoteMiddleware, **model: object) -> Agent:
+    return Agent(
+        model=OfflineRuleModel(reply_template=ANSWER, delay=0.02, **model),
+        toolkit=Toolkit([add]),
+        middlewares=[remote],
+    )
+
+
+@pytest.fixture
+def marker():
+    proc = middleware_server("tests.conformance_mw:Marker").start()
+    yield proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_middleware_killed_mid_reply(marker: ServerProcess, fail_open: bool) -> None:
+    remote = await RemoteMiddleware(marker.address, policy=Policy(fail_open=fail_open, timeout=5)).connect()
+    agent = make_agent(remote)
+    items = await reply(agent, "hi", kill=marker)
+    end = end_of(items)
+    if fail_open:
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED
+        assert items[-1].text == ANSWER  # nothing lost
+        (bypass,) = bypasses(items)
+        assert bypass.value["middleware"] == "Marker" and bypass.value["hook"] == "on_reply"
+    else:
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "middleware 'Marker' failed in on_reply" in end.error.message
+        assert items[-1].error == end.error
+    # The session stays consistent: the user message, then (fail_open) this reply's answer.
+    roles = [m.role for m in agent.state.context]
+    assert roles == ([Role.USER, Role.ASSISTANT] if fail_open else [Role.USER])
+    assert all_calls_answered(agent)
+    await remote.close()
+
+
+def all_calls_answered(agent: Agent) -> bool:
+    blocks = [b for m in agent.state.context for b in m.content]
+    calls = [b.id for b in blocks if isinstance(b, ToolCallBlock)]
+    return calls == [b.id for b in blocks if isinstance(b, ToolResultBlock)]
+
+
+async def test_killed_during_tool_round_closes_open_calls(marker: ServerProcess) -> None:
+    """fail_closed while a tool call is open: the call gets an error result, never left dangling."""
+    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote, script=[{"tool_calls": [{"name": "slow", "input": {}}]}])
+    agent.toolkit.register(slow)
+    task = asyncio.create_task(reply(agent, "go slow"))
+    await asyncio.wait_for(slow_started.wait(), 10)  # the tool call is saved and running
+    marker.kill()
+    items = await task
+    assert end_of(items).finished_reason == ReplyFinishedReason.ERROR
+    assert any(isinstance(b, ToolCallBlock) for b in agent.state.context[-1].content)
+    assert all_calls_answered(agent)  # the open call got an error result, never left dangling
+    await remote.close()
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_middleware_that_never_answers_times_out(fail_open: bool) -> None:
+    proc = middleware_server("tests.conformance_mw:Sleeper").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=fail_open, timeout=0.5)).connect()
+        agent = make_agent(remote)
+        items = await reply(agent, "hi")
+        end = end_of(items)
+        if fail_open:
+            assert end.finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == ANSWER
+            assert "no answer within 0.5s" in bypasses(items)[0].value["error"]
+        else:
+            assert end.finished_reason == ReplyFinishedReason.ERROR
+            assert "middleware 'Sleeper' failed in on_reply: no answer within 0.5s (timeout)" in end.error.message
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_timeout_is_paused_while_the_inner_pipeline_runs(marker: ServerProcess) -> None:
+    """A slow model must not trip the middleware's per-message timeout."""
+    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=0.3)).connect()
+    agent = Agent(model=OfflineRuleModel(reply_template="slow answer", delay=0.5), middlewares=[remote])
+    items = await reply(agent, "hi")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+    assert items[-1].text == "slow answer"
+    await remote.close()
+
+
+LIES = {
+    "garbage": "malformed",
+    "pull_first": "pull before call_next",
+    "bad_forward": "forward_seq 99 is not the item it holds",
+    "foreign_block": "not a block this middleware added",
+    "unknown_model": "unknown model id 'no-such-model'",
+    "early_eof": "the stream ended before finish",
+}
+
+
+@pytest.mark.parametrize("mode", sorted(LIES))
+async def test_protocol_violations_give_a_clear_error(mode: str) -> None:
+    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+        agent = make_agent(remote)
+        items = await reply(agent, "hi")
+        end = end_of(items)
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "middleware 'Raw' failed in on_reply" in end.error.message
+        assert LIES[mode] in end.error.message, end.error.message
+        # The session holds at most the user's message of the failed reply; the host goes on:
+        # the same agent answers the next reply once the liar is detached.
+        assert [m.role for m in agent.state.context] in ([], [Role.USER])
+        agent.set_middlewares([])
+        items = await reply(agent, "again")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+        assert [m.role for m in agent.state.context][-2:] == [Role.USER, Role.ASSISTANT]
+        assert all_calls_answered(agent)
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess) -> None:
+    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=5, connect_timeout=5)).connect()
+    agent = make_agent(remote)
+
+    def marked(items: list) -> bool:
+        return any(isinstance(i, CustomEvent) and i.name == "marker" for i in items)
+
+    assert marked(await reply(agent, "first"))
+    marker.kill()
+    items = await reply(agent, "while it is down")
+    assert end_of(items).finished_reason == ReplyFinishedReason.ERROR
+    marker.restart()  # same port
+    items = await reply(agent, "after the restart")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+    assert marked(items)
+    await remote.close()
+
+
+async def test_unknown_address_fails_to_attach() -> None:
+    remote = RemoteMiddleware("127.0.0.1:1", policy=Policy(connect_timeout=0.5))
+    with pytest.raises(Exception, match=r"failed in Describe: (UNAVAILABLE|DEADLINE_EXCEEDED)"):
+        await remote.connect()
+    await remote.close()

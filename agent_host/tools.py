@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import typing
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -83,8 +84,9 @@ def _schema_from_signature(func: Callable[..., Any]) -> dict[str, Any]:
     kinds = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
     props: dict[str, Any] = {}
     required = []
+    hints = typing.get_type_hints(func)  # resolves string annotations (from __future__ import annotations)
     for param in inspect.signature(func).parameters.values():
-        ann = param.annotation
+        ann = hints.get(param.name)
         props[param.name] = {"type": kinds[ann]} if ann in kinds else {}
         if param.default is inspect.Parameter.empty:
             required.append(param.name)

@@ -1,0 +1,143 @@
+"""The ReAct loop in-process: max_iters, tool validation, HITL, external execution, compression."""
+
+from __future__ import annotations
+
+from agent_host.agent import MAX_ITERS_HINT, Agent
+from agent_host.data import (
+    ConfirmResult,
+    ContextConfig,
+    ExternalExecutionResultEvent,
+    HintBlock,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    ReplyStartEvent,
+    RequireExternalExecutionEvent,
+    RequireUserConfirmEvent,
+    TextBlock,
+    ToolResultBlock,
+    ToolResultEndEvent,
+    ToolResultState,
+    UserConfirmResultEvent,
+    UserMsg,
+)
+from agent_host.middleware import MiddlewareBase
+from agent_host.models import OfflineRuleModel
+from agent_host.tools import Toolkit, tool
+
+from .harness import add
+
+
+async def collect(agent: Agent, inputs: object) -> list:
+    return [item async for item in agent.reply_stream(inputs)]
+
+
+def tool_results(agent: Agent) -> list[ToolResultBlock]:
+    return [b for m in agent.state.context for b in m.content if isinstance(b, ToolResultBlock)]
+
+
+async def test_max_iters_forces_a_final_answer_without_tools() -> None:
+    calls = [{"tool_calls": [{"name": "add", "input": {"a": i, "b": 1}}]} for i in range(5)]
+    model = OfflineRuleModel(script=[*calls[:2], {"text": "giving up"}])
+    agent = Agent(model=model, toolkit=Toolkit([add]), max_iters=2)
+    items = await collect(agent, UserMsg("loop"))
+    end = next(i for i in items if isinstance(i, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.EXCEED_MAX_ITERS
+    assert items[-1].text == "giving up"
+    hints = [b for b in agent.state.context[-1].content if isinstance(b, HintBlock)]
+    assert [h.hint for h in hints] == [MAX_ITERS_HINT.format(n=2)]
+
+
+async def test_invalid_tool_input_and_unknown_tools_become_error_results() -> None:
+    model = OfflineRuleModel(script=[
+        {"tool_calls": [{"name": "add", "input": {"a": "not a number", "b": 1}}, {"name": "nope", "input": {}}]},
+        {"text": "ok"},
+    ])  # fmt: skip
+    agent = Agent(model=model, toolkit=Toolkit([add]))
+    items = await collect(agent, UserMsg("x"))
+    states = [i.state for i in items if isinstance(i, ToolResultEndEvent)]
+    assert states == [ToolResultState.ERROR, ToolResultState.ERROR]
+    outputs = [r.output for r in tool_results(agent)]
+    assert "invalid input for tool 'add'" in outputs[0] and "'nope' does not exist" in outputs[1]
+    assert items[-1].text == "ok"
+
+
+@tool(description="Send an email.", needs_confirmation=True)
+def send_email(to: str, body: str) -> str:
+    return f"sent to {to}: {body}"
+
+
+@tool(description="Look an order up in the shop's system.", is_external_tool=True)
+def lookup_order(order_id: str) -> str:
+    raise AssertionError("external tools never run in the host")
+
+
+async def test_confirmation_parks_and_resumes_with_an_edited_input() -> None:
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    assert not any(isinstance(i, ReplyEndEvent) for i in items)  # parked: no ReplyEndEvent
+    call = ask.tool_calls[0]
+    call.input = '{"to": "alice", "body": "hi"}'
+    resumed = await collect(agent, UserConfirmResultEvent(reply_id=ask.reply_id,
+                                                          confirm_results=[ConfirmResult(confirmed=True, tool_call=call)]))  # fmt: skip
+    assert not any(isinstance(i, ReplyStartEvent) for i in resumed)
+    assert tool_results(agent)[0].output[0].text == "sent to alice: hi"
+    assert resumed[-1].text == "Done: send_email returned sent to alice: hi."
+
+
+async def test_denied_confirmation_is_a_denied_result() -> None:
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    await collect(agent, UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=[
+        ConfirmResult(confirmed=False, tool_call=ask.tool_calls[0])]))  # fmt: skip
+    assert tool_results(agent)[0].state == ToolResultState.DENIED
+
+
+async def test_external_execution_round_trip() -> None:
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([lookup_order]))
+    items = await collect(agent, UserMsg("call lookup_order order_id=A17"))
+    ask = next(i for i in items if isinstance(i, RequireExternalExecutionEvent))
+    result = ToolResultBlock(id=ask.tool_calls[0].id, name="lookup_order", output=[TextBlock(text="shipped")],
+                             state=ToolResultState.SUCCESS)  # fmt: skip
+    resumed = await collect(agent, ExternalExecutionResultEvent(reply_id=ask.reply_id, execution_results=[result]))
+    assert resumed[-1].text == "Done: lookup_order returned shipped."
+
+
+class SwallowEveryEnd(MiddlewareBase):
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if not isinstance(item, ReplyEndEvent):
+                yield item
+
+
+async def test_swallowing_every_end_stops_with_an_error_not_a_loop() -> None:
+    agent = Agent(model=OfflineRuleModel(), middlewares=[SwallowEveryEnd()], max_iters=3)
+    items = await collect(agent, UserMsg("x"))
+    assert isinstance(items[-1], Msg) and items[-1].error is not None
+    assert "swallowed twice" in items[-1].error.message
+
+
+class CountCompress(MiddlewareBase):
+    calls = 0
+
+    async def on_compress_context(self, agent, input_kwargs, next_handler):
+        CountCompress.calls += 1
+        await next_handler()
+
+
+async def test_context_is_compressed_into_a_summary_past_the_trigger() -> None:
+    model = OfflineRuleModel(context_size=400)
+    agent = Agent(model=model, middlewares=[CountCompress()], context_config=ContextConfig(trigger_ratio=0.5))
+    for i in range(6):
+        await collect(agent, UserMsg(f"message number {i} " + "padding " * 20))
+    assert agent.state.summary.startswith("Summary of")
+    assert "message number 0" in agent.state.summary
+    assert len(agent.state.context) < 12 and CountCompress.calls >= 6
+
+
+def test_unimplemented_hooks_are_not_in_any_chain() -> None:
+    agent = Agent(model=OfflineRuleModel(), middlewares=[SwallowEveryEnd()])
+    assert [h for h, layers in agent.layers.items() if layers] == ["on_reply"]
+    assert agent._reasoning_chain.layers == []  # the core is called directly

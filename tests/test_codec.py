@@ -1,0 +1,111 @@
+"""The one codec: every data class survives a trip through its proto unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from agent_host import data as d
+from agent_host.codec import CodecError, codec
+from agent_host.hooks import HOOKS
+from agent_host.wire import decode_kwargs, encode_kwargs
+from agentmw.v1 import hooks_pb2
+
+CALL = d.ToolCallBlock(id="c1", name="add", input='{"a": 1}', suggested_rules=[
+    d.PermissionRule(tool_name="add", behavior=d.PermissionBehavior.ALLOW)
+])  # fmt: skip
+RESULT = d.ToolResultBlock(id="c1", name="add", output=[d.TextBlock(text="2")], state=d.ToolResultState.SUCCESS,
+                           metadata={"n": 1, "nested": {"x": [1, 2.5, None, True]}})  # fmt: skip
+MSG = d.Msg(
+    name="assistant",
+    role=d.Role.ASSISTANT,
+    content=[
+        d.TextBlock(text="hi"),
+        d.ThinkingBlock(thinking="hmm", extras={"signature": "abc"}),
+        d.DataBlock(source=d.Base64Source(data="AAAA", media_type="audio/wav"), name="a.wav"),
+        d.DataBlock(source=d.URLSource(url="https://example.invalid/x.png", media_type="image/png")),
+        d.HintBlock(hint="plain hint", source='{"label": "System"}'),
+        d.HintBlock(hint=[d.TextBlock(text="rich hint")]),
+        CALL,
+        RESULT,
+        d.ToolResultBlock(id="c2", name="x", output="text output", state=d.ToolResultState.ERROR),
+    ],
+    usage=d.Usage(input_tokens=3, output_tokens=4),
+    finished_reason=d.ReplyFinishedReason.COMPLETED,
+    structured_output={"answer": 42},
+    error=d.ErrorInfo(type=d.ErrorType.RATE_LIMIT, message="slow down"),
+)
+
+
+def sample(cls: type) -> object:
+    """An instance of an event class with every required field filled in."""
+    values = {
+        "session_id": "s", "reply_id": "r", "name": "n", "block_id": "b", "delta": "δ", "media_type": "audio/wav",
+        "tool_call_id": "c1", "tool_call_name": "add", "hint": [d.TextBlock(text="h")], "tool_calls": [CALL],
+        "confirm_results": [d.ConfirmResult(confirmed=True, tool_call=CALL, rules=[])],
+        "execution_results": [RESULT], "model_name": "m", "value": {"k": [1, "2"]}, "data": "QUJD",
+    }  # fmt: skip
+    fields = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+    return cls(**fields)
+
+
+@pytest.mark.parametrize("cls", d.EVENT_CLASSES, ids=lambda c: c.__name__)
+def test_every_event_round_trips_as_an_item(cls: type) -> None:
+    event = sample(cls)
+    assert codec.decode_item(codec.encode_item(event)) == event
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        MSG,
+        d.ChatResponse(
+            content=[d.TextBlock(text="x"), CALL], is_last=False, usage=d.ChatUsage(input_tokens=1, time=0.25)
+        ),
+        d.ToolChunk(content=[d.TextBlock(text="x")], metadata={"mcp_progress": {"p": 1}}),
+        d.ToolResponse(content=[d.TextBlock(text="x")], state=d.ToolResultState.DENIED, id="c1"),
+    ],
+    ids=["msg", "chat_response", "tool_chunk", "tool_response"],
+)
+def test_items_round_trip(obj: object) -> None:
+    assert codec.decode_item(codec.encode_item(obj)) == obj
+
+
+def test_unset_optional_fields_decode_to_python_defaults() -> None:
+    call = codec.decode(codec.encode(d.ToolCallBlock(id="x", name="y")))
+    assert call.state == d.ToolCallState.PENDING and call.finished_at is None
+
+
+def test_every_dataclass_matches_its_proto_field_for_field() -> None:
+    for cls, proto in codec.proto_by_py.items():
+        py = {f.name for f in dataclasses.fields(cls)} - {"type"}
+        wire = set()
+        for f in proto.DESCRIPTOR.fields:
+            oneof = f.containing_oneof
+            wire.add(oneof.name if oneof is not None and not oneof.name.startswith("_") else f.name)
+        assert py - {"type"} <= wire | {"type"} and wire <= py | {"type"}, cls.__name__
+
+
+def test_hook_kwargs_round_trip() -> None:
+    spec = HOOKS["on_model_call"]
+    kwargs = {
+        "current_model": d.ModelRef(id="main", provider="offline"),
+        "messages": [MSG],
+        "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+        "tool_choice": d.ToolChoice(mode="required", tools=["add"]),
+    }
+    out = decode_kwargs(spec, encode_kwargs(spec, kwargs, hooks_pb2.Kwargs()), complete=True)
+    assert out == kwargs
+    reply = HOOKS["on_reply"]
+    resume = d.UserConfirmResultEvent(reply_id="r", confirm_results=[d.ConfirmResult(confirmed=False, tool_call=CALL)])
+    for inputs in (MSG, [MSG, MSG], resume, None):
+        got = decode_kwargs(reply, encode_kwargs(reply, {"inputs": inputs}, hooks_pb2.Kwargs()), complete=True)
+        assert got == {"inputs": inputs, "structured_schema": None}
+
+
+def test_values_that_do_not_fit_are_clear_errors() -> None:
+    with pytest.raises(CodecError, match="cannot flow through a hook"):
+        codec.encode_item(object())
+    with pytest.raises(CodecError, match="hint"):
+        codec.encode(d.HintBlock(hint=42))  # type: ignore[arg-type]

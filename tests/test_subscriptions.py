@@ -1,0 +1,73 @@
+"""Only what a middleware asked for crosses the wire: unimplemented hooks and unsubscribed items
+cost no RPC and no message."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent_host.agent import Agent
+from agent_host.data import TextBlockDeltaEvent, UserMsg
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agent_host.tools import Toolkit
+
+from .harness import add
+from .procs import middleware_server, start_all
+
+
+@pytest.fixture(scope="module")
+def servers():
+    procs = {
+        name: middleware_server(f"tests.conformance_mw:{name}")
+        for name in ("EndOnlyCounter", "ObserveCounter", "PromptTag")
+    }
+    start_all(list(procs.values()))
+    yield {name: p.address for name, p in procs.items()}
+    for p in procs.values():
+        p.stop()
+
+
+def count_rpcs(remote: RemoteMiddleware) -> dict[str, int]:
+    counts = {hook: 0 for hook in remote.stubs}
+    for hook, stub in list(remote.stubs.items()):
+
+        def counted(*args, _hook=hook, _stub=stub, **kwargs):
+            counts[_hook] += 1
+            return _stub(*args, **kwargs)
+
+        remote.stubs[hook] = counted
+    return counts
+
+
+async def test_unsubscribed_items_bypass_the_middleware(servers: dict[str, str]) -> None:
+    remote = await RemoteMiddleware(servers["EndOnlyCounter"]).connect()
+    counts = count_rpcs(remote)
+    agent = Agent(model=OfflineRuleModel(reply_template="word " * 200), toolkit=Toolkit([add]), middlewares=[remote])
+    items = [i async for i in agent.reply_stream(UserMsg("hi"))]
+    assert sum(isinstance(i, TextBlockDeltaEvent) for i in items) == 200
+    # The middleware saw 2 of the reply's items; the other 200+ passed by without a message.
+    assert agent.state.middle_context["EndOnlyCounter"] == ["ReplyEndEvent", "Msg"]
+    # on_reply is its only hook: one stream for the whole reply, no RPC for any other hook.
+    assert counts == {**{h: 0 for h in counts}, "on_reply": 1}
+    await remote.close()
+
+
+async def test_observed_items_are_all_seen_without_holding_the_pipeline(servers: dict[str, str]) -> None:
+    remote = await RemoteMiddleware(servers["ObserveCounter"]).connect()
+    agent = Agent(model=OfflineRuleModel(reply_template="word " * 300), middlewares=[remote])
+    items = [i async for i in agent.reply_stream(UserMsg("hi"))]
+    seen = agent.state.middle_context["ObserveCounter"]
+    assert sum(seen.values()) == len(items) and seen["TextBlockDeltaEvent"] == 300
+    await remote.close()
+
+
+async def test_system_prompt_is_called_once_per_iteration(servers: dict[str, str]) -> None:
+    remote = await RemoteMiddleware(servers["PromptTag"]).connect()
+    counts = count_rpcs(remote)
+    model = OfflineRuleModel(script=[{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]}, {"text": "3"}])
+    agent = Agent(model=model, toolkit=Toolkit([add]), middlewares=[remote])
+    [i async for i in agent.reply_stream(UserMsg("hi"))]
+    # Two iterations; the prompt is built twice per iteration (compression check + model input).
+    assert counts["on_system_prompt"] == 2
+    assert sum(counts.values()) == 2
+    await remote.close()

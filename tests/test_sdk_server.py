@@ -1,0 +1,44 @@
+"""serve(): Describe, health, reflection, and a graceful stop on SIGTERM, on a real process."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
+
+from .procs import middleware_server
+
+
+async def test_describe_health_reflection_and_sigterm() -> None:
+    proc = middleware_server("tests.conformance_mw:Budget", token_budget=3).start()
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            desc = await hooks_pb2_grpc.DescribeStub(channel).Describe(hooks_pb2.DescribeRequest())
+            assert desc.key == "Budget" and desc.protocol_version == "v1"
+            hooks = {h.hook: h for h in desc.hooks}
+            assert set(hooks) == {hooks_pb2.HOOK_ON_REPLY, hooks_pb2.HOOK_ON_REASONING}
+            reply = hooks[hooks_pb2.HOOK_ON_REPLY]
+            assert reply.default_mode == hooks_pb2.SUBSCRIPTION_MODE_BYPASS
+            assert {s.item_type for s in reply.subscriptions} == {
+                events_pb2.ITEM_TYPE_REPLY_START,
+                events_pb2.ITEM_TYPE_MODEL_CALL_END,
+            }
+            health = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "agentmw.v1.OnReply", "agentmw.v1.Describe"):
+                answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+            await stream.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            listed = await stream.read()
+            await stream.done_writing()
+            names = {s.name for s in listed.list_services_response.service}
+            assert {"agentmw.v1.OnReply", "agentmw.v1.OnReasoning", "agentmw.v1.Describe"} <= names
+            assert "agentmw.v1.OnActing" not in names  # unimplemented hooks are not even served
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(10) == 0
+    finally:
+        proc.stop()

@@ -21,8 +21,31 @@ class ModelEntry:
     fallback: list[str] = field(default_factory=list)
 
 
-# provider name -> factory(id=..., **config) ; providers register themselves here
-PROVIDERS: dict[str, Callable[..., ChatModel]] = {}
+def _offline(**config: Any) -> ChatModel:
+    from .offline import OfflineRuleModel
+
+    return OfflineRuleModel(**config)
+
+
+def _dashscope(**config: Any) -> ChatModel:
+    from .dashscope import DashScopeChatModel  # imports the dashscope SDK only when used
+
+    return DashScopeChatModel(**config)
+
+
+def _openai(**config: Any) -> ChatModel:
+    from .openai_compat import OpenAICompatibleModel
+
+    return OpenAICompatibleModel(**config)
+
+
+# provider name -> factory(id=..., **config). Factories import their module lazily, so a host
+# that only uses the offline model never imports a provider SDK.
+PROVIDERS: dict[str, Callable[..., ChatModel]] = {
+    "offline": _offline,
+    "dashscope": _dashscope,
+    "openai": _openai,
+}
 
 
 class ModelRegistry:
@@ -54,10 +77,11 @@ class ModelRegistry:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelRegistry:
-        """``{"default": id, "models": {id: {"provider": ..., "max_retries": n, "fallback": [...], ...}}}``"""
-        from .offline import OfflineRuleModel
+        """``{"default": id, "models": {id: {"provider": ..., "max_retries": n, "fallback": [...], ...}}}``
 
-        PROVIDERS.setdefault("offline", OfflineRuleModel)
+        The remaining keys of a model go to its constructor: ``model_name``, ``base_url``, ``api_key``,
+        ``parameters`` (sent with every request, e.g. ``temperature``), ``stream``, ``timeout``, ...
+        The provider defaults to "offline"."""
         registry = cls(default=config.get("default"))
         for model_id, spec in (config.get("models") or {}).items():
             spec = dict(spec)

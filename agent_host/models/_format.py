@@ -1,0 +1,258 @@
+"""Chat-completions wire shapes shared by the DashScope and OpenAI-compatible models.
+
+Both providers speak the same message dialect (system / user / assistant with ``tool_calls`` /
+role "tool" results), stream tool calls as fragments keyed by ``index``, and fail with an HTTP
+status plus a provider message. This module holds the one copy of each conversion.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..data import (
+    DataBlock,
+    ErrorType,
+    HintBlock,
+    Msg,
+    Role,
+    TextBlock,
+    ToolCallBlock,
+    ToolChoice,
+    ToolResultBlock,
+    new_id,
+)
+from .base import ModelError
+
+T = TypeVar("T")
+
+# -- request side ------------------------------------------------------------------------------
+
+
+def to_chat_messages(messages: list[Msg], *, image_parts: bool = False) -> list[dict[str, Any]]:
+    """Our Msg list as chat messages.
+
+    An assistant Msg holds a whole reply (text, tool calls, their results, more text), so it is
+    split into assistant turns with ``tool_calls`` followed by one role "tool" message per result.
+    Hint blocks become user messages; thinking blocks are dropped (providers do not take their
+    own reasoning back as input). With ``image_parts``, image DataBlocks of user messages become
+    OpenAI ``image_url`` content parts; otherwise data blocks appear as a short text placeholder.
+    """
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        if msg.role == Role.SYSTEM:
+            out.append({"role": "system", "content": _text_of(msg.content)})
+        elif msg.role == Role.USER:
+            out.append({"role": "user", "content": _user_content(msg.content, image_parts)})
+        else:
+            out.extend(_assistant_messages(msg))
+    return out
+
+
+def _assistant_messages(msg: Msg) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None
+
+    def flush() -> None:
+        nonlocal turn
+        if turn is not None and (turn["content"] or turn.get("tool_calls")):
+            out.append(turn)
+        turn = None
+
+    for block in msg.content:
+        if isinstance(block, (TextBlock, DataBlock, ToolCallBlock)):
+            if turn is None:
+                turn = {"role": "assistant", "content": ""}
+            if isinstance(block, ToolCallBlock):
+                turn.setdefault("tool_calls", []).append({
+                    "id": block.id,
+                    "type": "function",
+                    "function": {"name": block.name, "arguments": block.input or "{}"},
+                })  # fmt: skip
+            else:
+                turn["content"] += _text_of([block])
+        elif isinstance(block, ToolResultBlock):
+            flush()
+            out.append({"role": "tool", "tool_call_id": block.id, "name": block.name,
+                        "content": _text_of(block.output)})  # fmt: skip
+        elif isinstance(block, HintBlock):
+            flush()
+            out.append({"role": "user", "content": _text_of([block])})
+        # ThinkingBlock: not sent back
+    flush()
+    return out
+
+
+def _text_of(blocks: Any) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append(block.text)
+        elif isinstance(block, HintBlock):
+            parts.append(_text_of(block.hint))
+        elif isinstance(block, DataBlock):
+            parts.append(f"[{block.source.media_type} {block.name or 'data'}]")
+    return "".join(parts)
+
+
+def _user_content(blocks: list[Any], image_parts: bool) -> str | list[dict[str, Any]]:
+    if not (image_parts and any(_is_image(b) for b in blocks)):
+        return _text_of(blocks)
+    parts: list[dict[str, Any]] = []
+    for block in blocks:
+        if _is_image(block):
+            src = block.source
+            url = getattr(src, "url", None) or f"data:{src.media_type};base64,{getattr(src, 'data', '')}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            text = _text_of([block])
+            if text:
+                parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _is_image(block: Any) -> bool:
+    return isinstance(block, DataBlock) and block.source.media_type.startswith("image/")
+
+
+def to_tool_choice(choice: ToolChoice | None, tools: list[dict[str, Any]], *, required: bool = True) -> Any:
+    """``tool_choice`` for the request, or None to leave it out (it is invalid without tools).
+
+    ``required=False`` is for providers without a "required" mode: a single tool is then forced
+    by name, several fall back to "auto".
+    """
+    if not tools or choice is None or choice.mode == "auto":
+        return None
+    if choice.mode == "none":
+        return "none"
+    names = [t["function"]["name"] for t in tools if "function" in t]
+    if choice.mode == "required":
+        if required:
+            return "required"
+        return _force(names[0]) if len(names) == 1 else "auto"
+    return _force(choice.mode)  # a tool name
+
+
+def _force(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+# -- response side -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str = ""
+    waiting: str = ""  # argument text that arrived before the name
+    announced: bool = False
+
+
+class ToolCallMerger:
+    """Merges streamed tool-call fragments by ``index`` into ToolCallBlock deltas.
+
+    Only the first fragment of a call carries its id and name; later ones carry only more
+    argument text. Every delta of one call gets the same id (the provider's, or a generated one),
+    and none is emitted before the name is known, so consumers see the name on the first one.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[int, _Call] = {}
+        self.last: int | None = None
+
+    def add(self, fragments: list[dict[str, Any]] | None) -> list[ToolCallBlock]:
+        out: list[ToolCallBlock] = []
+        for fragment in fragments or []:
+            index = self._index(fragment)
+            call = self.calls.get(index)
+            if call is None:
+                call = self.calls[index] = _Call(id=fragment.get("id") or f"call_{new_id()}")
+            self.last = index
+            function = fragment.get("function") or {}
+            call.name = call.name or function.get("name") or ""
+            args = function.get("arguments") or ""
+            if not isinstance(args, str):  # some servers send the arguments as an object
+                args = json.dumps(args, ensure_ascii=False)
+            if not call.name:
+                call.waiting += args
+                continue
+            args, call.waiting = call.waiting + args, ""
+            if args or not call.announced:
+                call.announced = True
+                out.append(ToolCallBlock(id=call.id, name=call.name, input=args))
+        return out
+
+    def _index(self, fragment: dict[str, Any]) -> int:
+        index = fragment.get("index")
+        if isinstance(index, int):
+            return index
+        # No index (some local servers): a known id continues its call, an id or a name starts
+        # a new one, and a bare fragment continues the last call.
+        frag_id = fragment.get("id")
+        for i, call in self.calls.items():
+            if frag_id and call.id == frag_id:
+                return i
+        if frag_id or (fragment.get("function") or {}).get("name") or self.last is None:
+            return len(self.calls)
+        return self.last
+
+    def finish(self) -> list[ToolCallBlock]:
+        """Calls whose name never arrived, so the failure is visible instead of silently lost."""
+        out = [ToolCallBlock(id=c.id, name=c.name, input=c.waiting) for c in self.calls.values() if not c.announced]
+        for call in self.calls.values():
+            call.announced = True
+        return out
+
+
+# Status -> (error type, retryable). Other 4xx are invalid requests; 5xx are retryable upstream errors.
+_STATUS: dict[int, tuple[ErrorType, bool]] = {
+    400: (ErrorType.INVALID_REQUEST, False),
+    401: (ErrorType.AUTHENTICATION, False),
+    403: (ErrorType.PERMISSION, False),
+    404: (ErrorType.INVALID_REQUEST, False),
+    408: (ErrorType.UPSTREAM, True),
+    409: (ErrorType.UPSTREAM, True),
+    429: (ErrorType.RATE_LIMIT, True),
+}
+
+
+def http_error(provider: str, model: str, status: int, message: str, code: str = "") -> ModelError:
+    """A failed call as ModelError, keeping the provider's own message in the text."""
+    kind, retryable = _STATUS.get(status) or (
+        (ErrorType.UPSTREAM, True) if status >= 500 else (ErrorType.INVALID_REQUEST, False)
+    )
+    if "throttl" in code.lower():  # DashScope's throttling codes, whatever the status
+        kind, retryable = ErrorType.RATE_LIMIT, True
+    label = f"HTTP {status}" + (f" {code}" if code else "")
+    return ModelError(f"{provider} model {model!r}: {label}: {message or 'no message'}", error_type=kind,
+                      retryable=retryable, status=status)  # fmt: skip
+
+
+def connection_error(provider: str, model: str, exc: BaseException) -> ModelError:
+    what = str(exc) or type(exc).__name__
+    return ModelError(f"{provider} model {model!r}: connection failed: {what}", error_type=ErrorType.CONNECTION,
+                      retryable=True)  # fmt: skip
+
+
+async def primed(stream: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+    """Pull the first item now, so errors before the first chunk raise from ``_open`` (where the
+    host's retry and fallback see them), and return a stream of that item and the rest."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        return _chain([], stream)
+    return _chain([first], stream)
+
+
+async def _chain(head: list[T], rest: AsyncGenerator[T, None]) -> AsyncIterator[T]:
+    try:
+        for item in head:
+            yield item
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()

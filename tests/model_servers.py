@@ -1,0 +1,231 @@
+"""Local model servers for the model tests: real HTTP on 127.0.0.1, speaking each provider's wire.
+
+DashScope and OpenAI are unreachable from here, so the real clients (the ``dashscope`` SDK,
+``httpx``) are tested against a scripted ``http.server`` in a thread. Each POST takes the next
+scripted reply: an SSE stream (written with chunked transfer encoding, one chunk per event and a
+flush between, so the client really receives it piecewise) or a JSON error with a status.
+Every request is recorded (path, headers, JSON body) for assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: Any = None  # a JSON error body (status != 200) or a complete JSON answer
+    frames: list[str] = field(default_factory=list)  # SSE frames, written one by one
+    delay: float = 0.0  # seconds between frames
+
+
+@dataclass
+class Request:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+class _Server(ThreadingHTTPServer):
+    block_on_close = False  # keep-alive handler threads must not delay stop()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client hanging up is normal
+            super().handle_error(request, client_address)
+
+
+class ScriptedServer:
+    """``with ScriptedServer() as server: server.replies.append(...); ... server.url``"""
+
+    def __init__(self) -> None:
+        self.replies: list[Reply] = []
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+        self._httpd = _Server(("127.0.0.1", 0), self._handler())
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="model-server",
+                                        daemon=True)  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)
+
+    def _next(self, request: Request) -> Reply:
+        with self._lock:
+            self.requests.append(request)
+            if self.replies:
+                return self.replies.pop(0)
+        return Reply(status=500, body={"code": "ScriptExhausted", "message": "no scripted reply left"})
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive and chunked streams, as the real services
+            timeout = 10  # an idle keep-alive connection's thread ends after this
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                request = Request(self.path, {k.lower(): v for k, v in self.headers.items()}, json.loads(raw or b"{}"))
+                reply = server._next(request)
+                if reply.frames:
+                    self._stream(reply)
+                else:
+                    self._json(reply.status, reply.body)
+
+            def _json(self, status: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _stream(self, reply: Reply) -> None:
+                self.send_response(reply.status)
+                self.send_header("Content-Type", "text/event-stream;charset=UTF-8")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                for frame in reply.frames:
+                    data = frame.encode()
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                    if reply.delay:
+                        time.sleep(reply.delay)
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # keep test output clean
+
+        return Handler
+
+
+# -- DashScope: text-generation SSE (result_format="message", incremental_output=True) ---------
+
+DASHSCOPE_PATH = "/api/v1/services/aigc/text-generation/generation"
+
+
+def dashscope_chunk(
+    content: str = "",
+    *,
+    reasoning: str = "",
+    tool_calls: list[dict[str, Any]] | None = None,
+    finish: str = "null",
+    usage: tuple[int, int] = (0, 0),
+    request_id: str = "req-ds-1",
+) -> dict[str, Any]:
+    """One event's JSON: ``output.choices[0].message`` with only the new fragments, and the usage
+    so far (DashScope sends cumulative usage in every event; ``finish_reason`` is "null" until the end)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    input_tokens, output_tokens = usage
+    return {
+        "output": {"choices": [{"message": message, "finish_reason": finish}]},
+        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
+                  "total_tokens": input_tokens + output_tokens},
+        "request_id": request_id,
+    }  # fmt: skip
+
+
+def dashscope_tool_fragment(index: int, arguments: str, *, id: str = "", name: str = "") -> dict[str, Any]:
+    function: dict[str, Any] = {"arguments": arguments}
+    if name:
+        function["name"] = name
+    return {"index": index, "id": id, "type": "function", "function": function}
+
+
+def dashscope_stream(chunks: list[dict[str, Any]], delay: float = 0.0) -> Reply:
+    frames = [
+        f"id:{i}\nevent:result\n:HTTP_STATUS/200\ndata:{json.dumps(chunk, ensure_ascii=False)}\n\n"
+        for i, chunk in enumerate(chunks, 1)
+    ]
+    return Reply(frames=frames, delay=delay)
+
+
+def dashscope_error(status: int, code: str, message: str) -> Reply:
+    return Reply(status=status, body={"code": code, "message": message, "request_id": "req-ds-err"})
+
+
+# -- OpenAI chat completions SSE ----------------------------------------------------------------
+
+OPENAI_PATH = "/v1/chat/completions"
+
+
+def openai_chunk(
+    content: str | None = None,
+    *,
+    reasoning: str | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
+    finish: str | None = None,
+    id: str = "chatcmpl-1",
+) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    if content is not None:
+        delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning_content"] = reasoning
+    if tool_calls is not None:
+        delta["tool_calls"] = tool_calls
+    return {"id": id, "object": "chat.completion.chunk", "created": 1700000000, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+
+
+def openai_usage_chunk(prompt_tokens: int, completion_tokens: int, id: str = "chatcmpl-1") -> dict[str, Any]:
+    """The extra last chunk that ``stream_options.include_usage`` asks for: no choices, only usage."""
+    return {"id": id, "object": "chat.completion.chunk", "created": 1700000000, "model": "m", "choices": [],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}  # fmt: skip
+
+
+def openai_tool_fragment(index: int, arguments: str, *, id: str | None = None, name: str | None = None) -> dict:
+    function: dict[str, Any] = {"arguments": arguments}
+    fragment: dict[str, Any] = {"index": index, "function": function}
+    if id is not None:  # only the first fragment of a call carries id, type and name
+        fragment.update(id=id, type="function")
+        function["name"] = name
+    return fragment
+
+
+def openai_stream(chunks: list[dict[str, Any]], delay: float = 0.0) -> Reply:
+    frames = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
+    return Reply(frames=[*frames, "data: [DONE]\n\n"], delay=delay)
+
+
+def openai_error(status: int, message: str, type: str, code: str | None = None) -> Reply:
+    return Reply(status=status, body={"error": {"message": message, "type": type, "param": None, "code": code}})
+
+
+# -- running the agent -------------------------------------------------------------------------
+
+
+async def run_reply(agent: Any, text: str) -> tuple[list[Any], Any]:
+    """Every event of one reply to ``text``, and the final Msg."""
+    from agent_host.data import UserMsg
+
+    items = [item async for item in agent.reply_stream(UserMsg(text))]
+    return items[:-1], items[-1]
+
+
+def of_type(events: list[Any], cls: type) -> list[Any]:
+    return [e for e in events if isinstance(e, cls)]

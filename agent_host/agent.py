@@ -149,6 +149,9 @@ class Agent:
         self.max_iters = max_iters
         self.context_config = context_config or ContextConfig()
         self._receive_reply_end = False
+        self._interrupt_requested = False
+        self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
+        self._cancelled_tasks: set[asyncio.Task] = set()
         self.set_middlewares(middlewares)
 
     # -- configuration ---------------------------------------------------------------------
@@ -179,6 +182,41 @@ class Agent:
         self.state.reply_context.model_id = model_id
         self.state.version += 1
 
+    # -- interruption (§2.9) ---------------------------------------------------------------------
+
+    def interrupt(self) -> None:
+        """Interrupt the reply in progress. Only the in-flight core work (the model stream, the tool
+        run) is cancelled, and core work not yet started is skipped; the reply itself goes on to close
+        open tool calls and end with ReplyEndEvent(INTERRUPTED), which flows out through every on_reply
+        middleware (remote ones too) like any other event."""
+        self._interrupt_requested = True
+        for task in self._core_tasks - self._cancelled_tasks:
+            self._cancelled_tasks.add(task)
+            task.cancel()
+
+    async def _interruptible(self, awaitable: Any) -> Any:
+        """Await one step of core work so that ``interrupt()`` can cancel exactly that await.
+
+        Like ``asyncio.timeout()``, the cancellation is delivered to the awaiting task only while it
+        waits here and is withdrawn (``uncancel``) on the way out, so it never lands in middleware code
+        outside the core and the task is not left cancelled. (A child task per step would do the same
+        at ~6 µs per streamed chunk, a third of AgentScope's whole per-reply budget.)"""
+        if self._interrupt_requested:
+            close = getattr(awaitable, "close", None)
+            if close is not None:
+                close()
+            raise asyncio.CancelledError
+        task = asyncio.current_task()
+        assert task is not None
+        self._core_tasks.add(task)
+        try:
+            return await awaitable
+        finally:
+            self._core_tasks.discard(task)
+            if task in self._cancelled_tasks:
+                self._cancelled_tasks.discard(task)
+                task.uncancel()
+
     # -- reply -------------------------------------------------------------------------------
 
     async def reply(self, inputs: Any = None, structured_schema: dict | None = None) -> Msg:
@@ -207,6 +245,7 @@ class Agent:
         if failure is not None:
             async for item in self._end_with_error(failure):
                 yield item
+        self._interrupt_requested = False
 
     async def _end_with_error(self, exc: BaseException) -> AsyncIterator[Any]:
         error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=f"{type(exc).__name__}: {exc}")
@@ -365,26 +404,34 @@ class Agent:
         reply_id = state.reply_id
         yield ModelCallStartEvent(reply_id=reply_id, model_name=self.model.id)
         messages, tools = await self.prepare_model_input(tool_choice)
-        result, used = await self._call_model(messages, tools, tool_choice)
         completed: ChatResponse | None = None
         converter = _ChunkConverter(reply_id)
-        if isinstance(result, ChatResponse):
-            completed = result
-            for event in converter.convert(result):
-                yield event
-        else:
-            async with aclosing(result) as chunks:
-                async for chunk in chunks:
-                    if chunk.is_last:
-                        completed = chunk
-                        continue
-                    for event in converter.convert(chunk):
-                        yield event
+        used = self.model.id
+        try:
+            result, used = await self._interruptible(self._call_model(messages, tools, tool_choice))
+            if isinstance(result, ChatResponse):
+                completed = result
+                for event in converter.convert(result):
+                    yield event
+            else:
+                async with aclosing(result) as chunks:
+                    while (chunk := await self._interruptible(anext(chunks, None))) is not None:
+                        if chunk.is_last:
+                            completed = chunk
+                            continue
+                        for event in converter.convert(chunk):
+                            yield event
+        except asyncio.CancelledError:  # §2.9: interrupted; the model's partial response, if it sent one
+            if completed is None:
+                completed = ChatResponse(content=[], finished_reason=FinishedReason.INTERRUPTED)
         for event in converter.close_all():
             yield event
         if completed is None:
             raise ReplyError(f"model {used!r} returned an empty streaming response")
         usage = completed.usage
+        # An interrupted reply stops at the end event, so its partial content is saved before it (§2.9).
+        interrupted = completed.finished_reason == FinishedReason.INTERRUPTED
+        saved = self._save_to_context(completed) if interrupted and completed.content else None
         yield ModelCallEndEvent(
             reply_id=reply_id,
             input_tokens=usage.input_tokens if usage else 0,
@@ -394,7 +441,8 @@ class Agent:
             finished_reason=completed.finished_reason,
             metadata={"model": used},
         )
-        saved = self._save_to_context(completed)
+        if not interrupted:
+            saved = self._save_to_context(completed)
         has_calls = any(isinstance(b, ToolCallBlock) for b in completed.content)
         thinking_only = bool(completed.content) and all(isinstance(b, ThinkingBlock) for b in completed.content)
         if completed.finished_reason != FinishedReason.INTERRUPTED and not has_calls and not thinking_only:
@@ -453,10 +501,15 @@ class Agent:
     async def _acting(self, tool_calls: list[ToolCallBlock]) -> AsyncIterator[Any]:
         """Run the executable calls in order; stop after one parks (confirmation / external)."""
         for call in tool_calls:
-            parked = False
+            parked = interrupted = False
             async for event in self._execute_tool_call(call):
                 parked = parked or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
+                interrupted = interrupted or (
+                    isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED
+                )
                 yield event
+            if interrupted:  # §2.3.6: an interrupted tool ends the reply as INTERRUPTED
+                raise asyncio.CancelledError
             if parked:
                 return
 
@@ -498,14 +551,19 @@ class Agent:
             yield RequireExternalExecutionEvent(reply_id=reply_id, tool_calls=[copy.deepcopy(call)])
             return
         response: ToolResponse | None = None
-        async with aclosing(self._acting_chain(self, tool_call=call)) as items:
-            async for item in items:
-                if isinstance(item, ToolResponse):
-                    response = item
-                    break
-                if isinstance(item, ToolChunk):
-                    for event in _chunk_events(reply_id, call.id, item):
-                        yield event
+        try:
+            async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+                while (item := await self._interruptible(anext(items, None))) is not None:
+                    if isinstance(item, ToolResponse):
+                        response = item
+                        break
+                    if isinstance(item, ToolChunk):
+                        for event in _chunk_events(reply_id, call.id, item):
+                            yield event
+        except asyncio.CancelledError:  # §2.9: the tool run was interrupted
+            response = ToolResponse(content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)],
+                                    state=ToolResultState.INTERRUPTED, id=call.id)  # fmt: skip
+            yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
         if response is None:  # §6.3: never loop forever on an on_acting that produced no result
             response = ToolResponse(
                 content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
@@ -648,36 +706,38 @@ class Agent:
 class _ChunkConverter:
     """Turns delta ChatResponses into block events (§2.5.4); text/thinking event ids are fresh."""
 
+    # (start, delta, end) event classes of the two streamed text-like block kinds, in close order
+    _TEXTUAL = {
+        "text": (TextBlockStartEvent, TextBlockDeltaEvent, TextBlockEndEvent),
+        "thinking": (ThinkingBlockStartEvent, ThinkingBlockDeltaEvent, ThinkingBlockEndEvent),
+    }
+
     def __init__(self, reply_id: str) -> None:
         self.reply_id = reply_id
-        self.text_id: str | None = None
-        self.thinking_id: str | None = None
+        self.open_ids: dict[str, str | None] = {"text": None, "thinking": None}
         self.tool_ids: list[str] = []
         self.open_tools: set[str] = set()
         self.data_ids: set[str] = set()
 
+    def _textual(self, kind: str, piece: str, has_data: bool, out: list[Any]) -> None:
+        start, delta, end = self._TEXTUAL[kind]
+        block_id = self.open_ids[kind]
+        if piece:
+            if block_id is None:
+                block_id = self.open_ids[kind] = new_id()
+                out.append(start(reply_id=self.reply_id, block_id=block_id))
+            out.append(delta(reply_id=self.reply_id, block_id=block_id, delta=piece))
+        elif block_id is not None and not has_data:  # a chunk without this kind closes it
+            out.append(end(reply_id=self.reply_id, block_id=block_id))
+            self.open_ids[kind] = None
+
     def convert(self, chunk: ChatResponse) -> list[Any]:
         rid = self.reply_id
         out: list[Any] = []
-        thinking = "".join(b.thinking for b in chunk.content if isinstance(b, ThinkingBlock))
         has_data = any(isinstance(b, DataBlock) for b in chunk.content)
-        if thinking:
-            if self.thinking_id is None:
-                self.thinking_id = new_id()
-                out.append(ThinkingBlockStartEvent(reply_id=rid, block_id=self.thinking_id))
-            out.append(ThinkingBlockDeltaEvent(reply_id=rid, block_id=self.thinking_id, delta=thinking))
-        elif self.thinking_id is not None and not has_data:
-            out.append(ThinkingBlockEndEvent(reply_id=rid, block_id=self.thinking_id))
-            self.thinking_id = None
-        text = "".join(b.text for b in chunk.content if isinstance(b, TextBlock))
-        if text:
-            if self.text_id is None:
-                self.text_id = new_id()
-                out.append(TextBlockStartEvent(reply_id=rid, block_id=self.text_id))
-            out.append(TextBlockDeltaEvent(reply_id=rid, block_id=self.text_id, delta=text))
-        elif self.text_id is not None and not has_data:
-            out.append(TextBlockEndEvent(reply_id=rid, block_id=self.text_id))
-            self.text_id = None
+        thinking = "".join(b.thinking for b in chunk.content if isinstance(b, ThinkingBlock))
+        self._textual("thinking", thinking, has_data, out)
+        self._textual("text", "".join(b.text for b in chunk.content if isinstance(b, TextBlock)), has_data, out)
         seen = set()
         for block in chunk.content:
             if isinstance(block, ToolCallBlock):
@@ -693,24 +753,24 @@ class _ChunkConverter:
             out.append(ToolCallEndEvent(reply_id=rid, tool_call_id=call_id))
         for block in chunk.content:
             if isinstance(block, DataBlock) and block.source.type == "base64":
+                media_type = block.source.media_type
                 if block.id not in self.data_ids:
                     self.data_ids.add(block.id)
-                    out.append(DataBlockStartEvent(reply_id=rid, block_id=block.id,
-                                                   media_type=block.source.media_type, name=block.name))  # fmt: skip
-                out.append(DataBlockDeltaEvent(reply_id=rid, block_id=block.id, media_type=block.source.media_type,
+                    out.append(DataBlockStartEvent(reply_id=rid, block_id=block.id, media_type=media_type,
+                                                   name=block.name))  # fmt: skip
+                out.append(DataBlockDeltaEvent(reply_id=rid, block_id=block.id, media_type=media_type,
                                                data=block.source.data))  # fmt: skip
         return out
 
     def close_all(self) -> list[Any]:
         rid = self.reply_id
         out: list[Any] = []
-        if self.text_id is not None:
-            out.append(TextBlockEndEvent(reply_id=rid, block_id=self.text_id))
-        if self.thinking_id is not None:
-            out.append(ThinkingBlockEndEvent(reply_id=rid, block_id=self.thinking_id))
+        for kind, (_, _, end) in self._TEXTUAL.items():
+            if self.open_ids[kind] is not None:
+                out.append(end(reply_id=rid, block_id=self.open_ids[kind]))
+                self.open_ids[kind] = None
         out.extend(ToolCallEndEvent(reply_id=rid, tool_call_id=i) for i in self.tool_ids if i in self.open_tools)
         out.extend(DataBlockEndEvent(reply_id=rid, block_id=i) for i in sorted(self.data_ids))
-        self.text_id = self.thinking_id = None
         self.open_tools.clear()
         self.data_ids.clear()
         return out

@@ -46,6 +46,7 @@ _DATACLASSES: tuple[type, ...] = (
     d.PermissionRule, d.ToolCallBlock, d.ToolResultBlock, d.Usage, d.ErrorInfo, d.Msg,
     d.ChatUsage, d.ChatResponse, d.ToolChoice, d.ToolDescriptor, d.ToolChunk, d.ToolResponse,
     d.PermissionDecision, d.ModelRef, d.ContextConfig, d.ConfirmResult, *d.EVENT_CLASSES,
+    d.ReplyContext, d.AgentState,
 )  # fmt: skip
 
 _STRUCT = struct_pb2.Struct.DESCRIPTOR.full_name

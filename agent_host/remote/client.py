@@ -139,8 +139,10 @@ class RemoteMiddleware:
     async def get_middleware_key(self) -> str:
         return self.key
 
-    async def ensure_described(self, hook: str) -> None:
-        if not self.described:
+    async def ensure_described(self) -> None:
+        """Describe again when the last call failed or the connection was re-established since
+        (a server restarted between replies may implement other hooks now)."""
+        if not self.described or self.channel.get_state() != grpc.ChannelConnectivity.READY:
             await self.connect()
 
     def failed(self) -> None:

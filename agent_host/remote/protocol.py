@@ -48,9 +48,8 @@ class HookCall:
 
     # -- faces ------------------------------------------------------------------------------------
 
-    async def items(self) -> AsyncIterator[Any]:
-        async for item in self._guarded():
-            yield item
+    def items(self) -> AsyncIterator[Any]:
+        return self._guarded()
 
     async def stream(self) -> AsyncIterator[Any]:
         """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
@@ -129,7 +128,7 @@ class HookCall:
 
     async def _run(self) -> AsyncIterator[Any]:
         mw, spec = self.mw, self.spec
-        await self._ensure_described()
+        await mw.ensure_described()
         self.table = mw.tables.get(spec.name)
         if self.table is None:  # the server no longer implements this hook (it was restarted)
             self.inner = self._inner_items({})
@@ -178,10 +177,6 @@ class HookCall:
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
-
-    async def _ensure_described(self) -> None:
-        if not self.mw.described:
-            await self.mw.connect()
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec

@@ -1,0 +1,65 @@
+"""``agent-host``: run the agent host (also ``python -m agent_host``).
+
+    agent-host --config host.yaml --middleware budget=127.0.0.1:50062 --listen 127.0.0.1:50070
+
+Settings come from the YAML file, then AGENTMW_* environment variables, then these flags (see
+agent_host/config.py). A configuration that cannot work (malformed YAML, an unknown model
+provider, a middleware address that does not answer Describe) prints one line saying what is
+wrong and where, and exits with status 2 (configuration) or 1 (startup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from .config import ConfigError, load_config
+from .service import StartupError, run_host
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="agent-host",
+        description="Run the agentmw agent host: the AgentHost gRPC service, with middleware attached by address.",
+    )
+    parser.add_argument("--config", metavar="PATH", help="YAML configuration file (env AGENTMW_CONFIG)")
+    parser.add_argument("--listen", metavar="HOST:PORT", help="where to serve AgentHost (default 127.0.0.1:50070)")
+    parser.add_argument("--db", metavar="PATH", help='SQLite session store (default agentmw.db; ":memory:")')
+    parser.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        metavar="NAME=HOST:PORT",
+        help="attach a middleware server (repeatable; the order is the onion order, first = outermost)",
+    )
+    parser.add_argument("--model", metavar="ID", help="default model id of the registry")
+    parser.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (default info)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    flags = {"listen": args.listen, "db": args.db, "middleware": args.middleware, "model": args.model,
+             "log_level": args.log_level}  # fmt: skip
+    try:
+        config = load_config(args.config, flags=flags)
+        level = getattr(logging, config.log_level.upper(), None)
+        if not isinstance(level, int):
+            raise ConfigError(f"log_level: unknown level {config.log_level!r}")
+        logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+        asyncio.run(run_host(config))
+    except ConfigError as exc:
+        print(f"agent-host: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except StartupError as exc:
+        print(f"agent-host: cannot start: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,291 @@
+"""Host configuration: a YAML file, then AGENTMW_* environment variables, then command-line flags,
+each overriding the one before. Every problem is a ``ConfigError`` whose message says what is
+wrong and where (file and key, variable, or flag), so the CLI can print it as one line.
+
+YAML (every key optional)::
+
+    listen: 127.0.0.1:50070        # host:port of the AgentHost gRPC service (port 0 = any free port)
+    db: agentmw.db                 # SQLite session store (":memory:" keeps nothing)
+    log_level: info
+    agent: {name: assistant, system_prompt: "...", max_iters: 10}
+    models:                        # the model registry: ids -> provider settings
+      default: offline
+      models:
+        offline: {provider: offline}
+    tools: [get_weather, add, send_email, lookup_order]   # built-in demo tools to enable
+    middleware:                    # onion order: first = outermost
+      - {name: budget, address: 127.0.0.1:50062, fail_open: false, timeout: 10}
+
+Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
+AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port").
+Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable).
+
+Middleware from the environment or flags overlay the YAML list by name: a name given again gets
+the new address and keeps its YAML policy (fail_open, timeout); new names are appended in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_LISTEN = "127.0.0.1:50070"
+DEFAULT_DB = "agentmw.db"
+DEFAULT_TIMEOUT = 10.0
+
+# The embedded default model: offline and deterministic, with rules that reach every demo tool
+# from plain sentences ("What's the weather in Paris?", "email bob@example.com saying hi").
+DEFAULT_MODELS: dict[str, Any] = {
+    "default": "offline",
+    "models": {
+        "offline": {
+            "provider": "offline",
+            "rules": [
+                {"pattern": r"weather in ([A-Za-z][A-Za-z .'-]*[A-Za-z])", "tool": "get_weather",
+                 "input": {"city": "{0}"}},
+                {"pattern": r"e-?mail (\S+@[\w.-]*\w)\s+(?:saying|that|:)\s*(.+)", "tool": "send_email",
+                 "input": {"to": "{0}", "body": "{1}"}},
+                {"pattern": r"order #?([A-Za-z0-9][\w-]*)", "tool": "lookup_order", "input": {"order_id": "{0}"}},
+            ],
+        }
+    },
+}  # fmt: skip
+DEFAULT_TOOLS = ["get_weather", "add", "send_email", "lookup_order"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names what and where."""
+
+
+@dataclass
+class MiddlewareConfig:
+    address: str
+    name: str = ""  # "" = the middleware's Describe key
+    fail_open: bool = False
+    timeout: float = DEFAULT_TIMEOUT
+    source: str = ""  # where it was configured, for error messages
+
+
+@dataclass
+class HostConfig:
+    listen: str = DEFAULT_LISTEN
+    db: str = DEFAULT_DB
+    log_level: str = "info"
+    agent_name: str = "assistant"
+    system_prompt: str = "You are a helpful assistant."
+    max_iters: int = 10
+    models: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(DEFAULT_MODELS))
+    tools: list[str] = field(default_factory=lambda: list(DEFAULT_TOOLS))
+    middleware: list[MiddlewareConfig] = field(default_factory=list)
+    source: str = "defaults"  # the YAML file, when there is one
+
+    def build_models(self) -> Any:
+        """The model registry; an unknown provider or a bad model setting is a ConfigError."""
+        from .models.registry import ModelRegistry
+
+        where = f"{self.source}: models" if self.source != "defaults" else "models"
+        try:
+            if not isinstance(self.models.get("models"), Mapping) or not self.models["models"]:
+                raise ValueError("expected 'models: {<id>: {provider: ..., ...}}' with at least one model")
+            registry = ModelRegistry.from_config(dict(self.models))
+            registry.get(registry.default)  # an unknown default id raises here
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        return registry
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> HostConfig:
+    """YAML < environment < flags. ``flags`` keys: listen, db, log_level, model, middleware (list)."""
+    env = os.environ if env is None else env
+    flags = flags or {}
+    path = path or env.get("AGENTMW_CONFIG") or None
+    cfg = HostConfig()
+    if path:
+        _apply_yaml(cfg, Path(path))
+    layers = (
+        ("environment", {"listen": "AGENTMW_LISTEN", "db": "AGENTMW_DB", "log_level": "AGENTMW_LOG_LEVEL",
+                         "model": "AGENTMW_MODEL", "middleware": "AGENTMW_MIDDLEWARE"}),
+        ("flag", {"listen": "--listen", "db": "--db", "log_level": "--log-level", "model": "--model",
+                  "middleware": "--middleware"}),
+    )  # fmt: skip
+    for kind, names in layers:
+        for key, name in names.items():
+            raw = env.get(name) if kind == "environment" else flags.get(key)
+            if raw is None or raw == "" or raw == []:
+                continue
+            where = f"{kind} {name}"
+            if key == "middleware":
+                items = [s for s in raw.split(",") if s.strip()] if isinstance(raw, str) else list(raw)
+                for item in items:
+                    _overlay_middleware(cfg, parse_middleware_arg(item, where))
+            elif key == "model":
+                if not isinstance(cfg.models, dict):
+                    cfg.models = {}
+                cfg.models["default"] = str(raw)
+            else:
+                setattr(cfg, key, str(raw))
+    _check_listen(cfg.listen, "listen")
+    for mw in cfg.middleware:
+        if not mw.address:
+            raise ConfigError(
+                f"{mw.source}: middleware {mw.name!r} has no address "
+                f"(give one in YAML or with --middleware {mw.name}=HOST:PORT)"
+            )
+    return cfg
+
+
+def parse_middleware_arg(text: str, where: str) -> MiddlewareConfig:
+    """``name=host:port`` or a bare ``host:port`` (named by its Describe key)."""
+    text = text.strip()
+    name, sep, address = text.partition("=")
+    if not sep:
+        name, address = "", text
+    name, address = name.strip(), address.strip()
+    if not address or (sep and not name):
+        raise ConfigError(f"{where}: {text!r} is not NAME=HOST:PORT")
+    _check_address(address, f"{where} {text!r}")
+    return MiddlewareConfig(address=address, name=name, source=where)
+
+
+def _overlay_middleware(cfg: HostConfig, new: MiddlewareConfig) -> None:
+    for mw in cfg.middleware:
+        if (new.name and mw.name == new.name) or (not new.name and mw.address == new.address):
+            mw.address, mw.source = new.address, new.source
+            return
+    cfg.middleware.append(new)
+
+
+def _check_address(address: str, where: str) -> None:
+    if "://" in address or address.startswith(("ipv4:", "ipv6:", "unix:", "dns:")):
+        return  # a gRPC target name; the channel validates it
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: {address!r} is not HOST:PORT")
+
+
+def _check_listen(address: str, where: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{where}: {address!r} is not HOST:PORT")
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML.
+
+
+_TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware"}
+_AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int}
+_MW_KEYS = {"name", "address", "fail_open", "timeout"}
+
+
+def _apply_yaml(cfg: HostConfig, path: Path) -> None:
+    src = str(path)
+    try:
+        text = path.expanduser().read_text()
+    except OSError as exc:
+        raise ConfigError(f"{src}: cannot read the configuration file ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{src}:{mark.line + 1}:{mark.column + 1}" if mark is not None else src
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{at}: malformed YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{src}: the top level must be a mapping of settings, not {_kind(data)}")
+    cfg.source = src
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"{src}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+    for key in ("listen", "db", "log_level"):
+        if key in data:
+            setattr(cfg, key, _expect(data[key], str, f"{src}: {key}"))
+    agent = data.get("agent") or {}
+    if not isinstance(agent, Mapping):
+        raise ConfigError(f"{src}: agent: expected a mapping, got {_kind(agent)}")
+    for key, value in agent.items():
+        if key not in _AGENT_KEYS:
+            raise ConfigError(f"{src}: agent: unknown key {key!r} (known: {', '.join(_AGENT_KEYS)})")
+        setattr(cfg, "agent_name" if key == "name" else key, _expect(value, _AGENT_KEYS[key], f"{src}: agent.{key}"))
+    if "models" in data:
+        if not isinstance(data["models"], Mapping):
+            raise ConfigError(f"{src}: models: expected a mapping, got {_kind(data['models'])}")
+        cfg.models = copy.deepcopy(dict(data["models"]))
+    if "tools" in data:
+        from .service.builtin_tools import BUILTIN_TOOLS
+
+        tools = data["tools"] or []
+        if not isinstance(tools, Sequence) or isinstance(tools, str):
+            raise ConfigError(f"{src}: tools: expected a list of tool names, got {_kind(tools)}")
+        for i, name in enumerate(tools):
+            if name not in BUILTIN_TOOLS:
+                known = ", ".join(BUILTIN_TOOLS)
+                raise ConfigError(f"{src}: tools[{i}]: unknown built-in tool {name!r} (known: {known})")
+        cfg.tools = list(tools)
+    cfg.middleware = _yaml_middleware(data.get("middleware"), src)
+
+
+def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
+    if raw is None:
+        return []
+    if isinstance(raw, Mapping):  # also accepted: {name: {address: ..., ...}}
+        raw = [{"name": k, **(v if isinstance(v, Mapping) else {"address": v})} for k, v in raw.items()]
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise ConfigError(f"{src}: middleware: expected a list, got {_kind(raw)}")
+    out: list[MiddlewareConfig] = []
+    for i, entry in enumerate(raw):
+        where = f"{src}: middleware[{i}]"
+        if isinstance(entry, str):
+            out.append(parse_middleware_arg(entry, where))
+            continue
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: expected a mapping or NAME=HOST:PORT, got {_kind(entry)}")
+        unknown = sorted(set(entry) - _MW_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_MW_KEYS))})")
+        address = _expect(entry.get("address", ""), str, f"{where}.address")
+        if address:
+            _check_address(address, f"{where}.address")
+        timeout = _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout")
+        if timeout <= 0:
+            raise ConfigError(f"{where}.timeout: must be positive, got {timeout}")
+        name = _expect(entry.get("name", ""), str, f"{where}.name")
+        if any(m.name and m.name == name for m in out):
+            raise ConfigError(f"{where}.name: {name!r} is used twice")
+        out.append(MiddlewareConfig(
+            address=address, name=name, fail_open=_expect(entry.get("fail_open", False), bool, f"{where}.fail_open"),
+            timeout=float(timeout), source=where,
+        ))  # fmt: skip
+    return out
+
+
+def _expect(value: Any, kind: type, where: str) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{where}: expected {kind.__name__}, got {_kind(value)} {value!r}")
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string"}.get(type(value), type(value).__name__)
+
+
+__all__ = ["ConfigError", "HostConfig", "MiddlewareConfig", "load_config", "parse_middleware_arg"]

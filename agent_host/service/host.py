@@ -1,0 +1,327 @@
+"""Host: sessions, the attached middleware and the replies in flight (the gRPC layer is server.py).
+
+* A reply runs in its own task (``ReplyRun``), not in the RPC handler: a client that cancels or
+  goes away only *interrupts* it (``Agent.interrupt``), so the cleanup still flows through every
+  on_reply middleware and the session is saved in every case.
+* One Agent per reply, built from shared parts: the model registry, the toolkit and the
+  middleware list as they are when the reply starts (attach / detach apply to the next reply).
+* Replies of one session are serialized by a per-session lock; different sessions run
+  concurrently. State is loaded from the store when a reply starts and saved when it ends,
+  parked or not, so a restarted host continues any session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import weakref
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ..agent import Agent, ReplyError
+from ..config import HostConfig, MiddlewareConfig
+from ..data import (
+    ExternalExecutionResultEvent,
+    Msg,
+    ToolCallBlock,
+    UserConfirmResultEvent,
+    UserInterruptEvent,
+)
+from ..data.state import AgentState
+from ..hooks import HOOKS
+from ..models import ModelRegistry
+from ..remote import Policy, RemoteMiddleware
+from ..store import SessionRecord, SessionStore
+from ..tools import Tool, Toolkit
+
+log = logging.getLogger("agentmw.host")
+
+QUEUE_SIZE = 256  # items a reply may run ahead of a slow client before it waits
+BATCH = 64  # items at most in one ReplyEvent
+
+
+class ReplyRejected(Exception):
+    """A reply cannot start; the RPC fails with ``code`` (nothing was changed)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(eq=False)
+class Attached:
+    """One attached middleware server and the tools it contributes (registered as name__tool)."""
+
+    config: MiddlewareConfig
+    remote: RemoteMiddleware
+    tools: dict[str, Tool]
+    users: int = 0  # replies using it now
+    detached: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.remote.name
+
+
+@dataclass(eq=False)
+class _Setup:
+    """What a reply is built from; replaced as a whole on attach / detach."""
+
+    middleware: tuple[Attached, ...] = ()
+    toolkit: Toolkit = field(default_factory=Toolkit)
+
+
+_END = object()
+
+
+class ReplyRun:
+    """One reply in flight: its task, and the queue its items flow through to the client."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
+        self.agent: Agent | None = None
+        self.interrupted = False
+        self.consumer_gone = False
+        self.task: asyncio.Task[None] | None = None
+
+    def interrupt(self) -> None:
+        """The client cancelled: interrupt the reply (it still ends cleanly and is saved)."""
+        self.interrupted = True
+        if self.agent is not None:
+            self.agent.interrupt()
+
+    def abandon(self) -> None:
+        """The client went away: interrupt, and drop whatever is still queued."""
+        if self.task is not None and not self.task.done():
+            self.interrupt()
+        self.consumer_gone = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+    async def put(self, item: Any) -> None:
+        if not self.consumer_gone:
+            await self.queue.put(item)
+
+    async def batches(self) -> AsyncIterator[list[Any]]:
+        """Items as they come, each batch all that is ready at once; raises ReplyRejected."""
+        while True:
+            batch = [await self.queue.get()]
+            while len(batch) < BATCH and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            end = next((i for i, x in enumerate(batch) if x is _END or isinstance(x, ReplyRejected)), None)
+            if end is None:
+                yield batch
+                continue
+            if end:
+                yield batch[:end]
+            if isinstance(batch[end], ReplyRejected):
+                raise batch[end]
+            return
+
+
+class Host:
+    def __init__(self, config: HostConfig, store: SessionStore, models: ModelRegistry, tools: Sequence[Tool]) -> None:
+        self.config = config
+        self.store = store
+        self.models = models
+        self.tools = list(tools)
+        self._setup = _Setup(toolkit=Toolkit(self.tools))
+        self._setup_lock = asyncio.Lock()
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._runs: set[ReplyRun] = set()
+
+    # -- replies ---------------------------------------------------------------------------------
+
+    def start_reply(self, session_id: str, inputs: Any) -> ReplyRun:
+        run = ReplyRun(session_id)
+        run.task = asyncio.create_task(self._run(run, inputs), name=f"reply {session_id}")
+        self._runs.add(run)
+        run.task.add_done_callback(lambda _t: self._runs.discard(run))
+        return run
+
+    async def _run(self, run: ReplyRun, inputs: Any) -> None:
+        try:
+            await self._reply(run, inputs)
+        except ReplyRejected as exc:
+            await run.put(exc)
+        except Exception:  # a host bug: say so on the stream rather than hang the client
+            log.exception("reply of session %s failed", run.session_id)
+            await run.put(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
+        finally:
+            await run.put(_END)
+
+    async def _reply(self, run: ReplyRun, inputs: Any) -> None:
+        sid = run.session_id
+        async with self._session_lock(sid):
+            state = await self.store.load(sid)
+            if state is None:
+                if not isinstance(inputs, Msg):
+                    raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
+                state = AgentState(session_id=sid)
+            setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
+            for a in setup.middleware:
+                a.users += 1
+            try:
+                agent = self._agent(state, setup)
+                self._check_inputs(agent, inputs)
+                run.agent = agent
+                if run.interrupted:  # cancelled while waiting for the session
+                    agent.interrupt()
+                try:
+                    async for item in agent.reply_stream(inputs):
+                        await run.put(item)
+                finally:
+                    # Shielded: a host shutdown that cancels this task must not lose the session.
+                    await asyncio.shield(self.store.save(agent.state, parked=bool(agent._awaiting_calls())))
+            finally:
+                for a in setup.middleware:
+                    a.users -= 1
+                    if a.detached and a.users == 0:
+                        await a.remote.close()
+
+    def _session_lock(self, session_id: str) -> asyncio.Lock:
+        lock = self._locks.get(session_id)
+        if lock is None:
+            lock = self._locks[session_id] = asyncio.Lock()
+        return lock
+
+    def _agent(self, state: AgentState, setup: _Setup | None = None) -> Agent:
+        setup = setup or self._setup
+        cfg = self.config
+        return Agent(
+            name=cfg.agent_name,
+            system_prompt=cfg.system_prompt,
+            models=self.models,
+            toolkit=setup.toolkit,
+            middlewares=[a.remote for a in setup.middleware],
+            state=state,
+            max_iters=cfg.max_iters,
+        )
+
+    @staticmethod
+    def _check_inputs(agent: Agent, inputs: Any) -> None:
+        """Refuse, before anything changes, what the agent could only answer by failing the reply."""
+        awaiting = agent._awaiting_calls()
+        sid = agent.state.session_id
+        if isinstance(inputs, Msg):
+            if awaiting:
+                names = ", ".join(f"{c.name} ({c.id})" for c in awaiting)
+                raise ReplyRejected(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {sid!r} is parked, waiting on {names}: answer with a UserConfirmResultEvent or "
+                    "ExternalExecutionResultEvent, or end it with a UserInterruptEvent",
+                )
+        elif isinstance(inputs, UserInterruptEvent):
+            if not awaiting:
+                raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} has no parked reply")
+        elif isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
+            try:
+                agent._check_incoming_event(inputs)
+            except ReplyError as exc:
+                raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r}: {exc}") from None
+        else:
+            raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot reply to {type(inputs).__name__}")
+
+    def replying(self, session_id: str) -> bool:
+        return any(r.session_id == session_id for r in self._runs)
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    async def sessions(self, limit: int = 0) -> list[SessionRecord]:
+        return await self.store.list(limit)
+
+    async def session(self, session_id: str) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
+        state = await self.store.load(session_id)
+        record = await self.store.record(session_id)
+        if state is None or record is None:
+            return None
+        return record, state, self._agent(state)._awaiting_calls()
+
+    async def delete_session(self, session_id: str) -> bool:
+        async with self._session_lock(session_id):
+            return await self.store.delete(session_id)
+
+    @staticmethod
+    def middle_context_json(state: AgentState) -> str:
+        return json.dumps(state.middle_context, sort_keys=True, default=str)
+
+    # -- middleware --------------------------------------------------------------------------------
+
+    @property
+    def middleware(self) -> tuple[Attached, ...]:
+        return self._setup.middleware
+
+    async def attach(self, mc: MiddlewareConfig, position: int | None = None) -> Attached:
+        """Describe the server, list its tools, and add it for the next replies. Raises
+        MiddlewareFailure when it cannot be reached, ValueError on a name clash."""
+        async with self._setup_lock:
+            if mc.name and any(a.name == mc.name for a in self.middleware):
+                raise ValueError(f"a middleware named {mc.name!r} is already attached")
+            remote = RemoteMiddleware(
+                mc.address, name=mc.name or None, policy=Policy(fail_open=mc.fail_open, timeout=mc.timeout)
+            )
+            try:
+                await remote.connect()
+                if any(a.name == remote.name for a in self.middleware):
+                    raise ValueError(f"a middleware named {remote.name!r} is already attached")
+                tools: dict[str, Tool] = {}
+                for t in await remote.list_tools():
+                    t.descriptor.owner = remote.name
+                    tools[f"{remote.name}__{t.name}"] = t
+                attached = Attached(mc, remote, tools)
+                middleware = list(self.middleware)
+                middleware.insert(len(middleware) if position is None else position, attached)
+                self._set_middleware(middleware)
+            except BaseException:
+                await remote.close()
+                raise
+            hooks = [h for h in HOOKS if remote.implements(h)]
+            log.info("attached middleware %s at %s (key %s; hooks: %s; tools: %s)", remote.name, mc.address,
+                     remote.key, ", ".join(hooks) or "none", ", ".join(tools) or "none")  # fmt: skip
+            return attached
+
+    async def detach(self, name: str) -> Attached:
+        """Remove it for the next replies; replies using it now finish with it (then it is closed)."""
+        async with self._setup_lock:
+            found = next((a for a in self.middleware if a.name == name), None)
+            if found is None:
+                raise KeyError(name)
+            self._set_middleware([a for a in self.middleware if a is not found])
+            found.detached = True
+            if found.users == 0:
+                await found.remote.close()
+            log.info("detached middleware %s", name)
+            return found
+
+    def _set_middleware(self, middleware: list[Attached]) -> None:
+        toolkit = Toolkit(self.tools)
+        for a in middleware:
+            for name, t in a.tools.items():
+                toolkit.register(t, name)  # a clash raises before anything changes
+        self._setup = _Setup(tuple(middleware), toolkit)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Interrupt the replies in flight (their clients still get the INTERRUPTED end), wait for them
+        to end and be saved, then let go."""
+        tasks = [r.task for r in self._runs if r.task is not None]
+        for run in self._runs:
+            run.interrupt()
+        if tasks:
+            _done, pending = await asyncio.wait(tasks, timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=2.0)
+        for a in self.middleware:
+            await a.remote.close()
+        self.store.close()
+
+
+__all__ = ["Attached", "Host", "ReplyRejected", "ReplyRun"]

@@ -1,0 +1,210 @@
+"""The AgentHost gRPC service (spec: protos/agentmw/v1/host.proto), health and reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sqlite3
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from agentmw.v1 import host_pb2, host_pb2_grpc
+
+from ..codec import CodecError, codec
+from ..config import ConfigError, HostConfig, MiddlewareConfig
+from ..data import new_id
+from ..hooks import HOOKS
+from ..remote import MiddlewareFailure
+from ..store import SessionRecord, SessionStore
+from .builtin_tools import BUILTIN_TOOLS
+from .host import Attached, Host, ReplyRejected, ReplyRun
+
+log = logging.getLogger("agentmw.host")
+
+SERVICE = "agentmw.v1.AgentHost"
+
+
+class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    async def Reply(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("request") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first ReplyRequest must be `start`")
+        try:
+            start = codec.decode_record(first.start)
+        except (CodecError, KeyError, TypeError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StartReply: {exc}")
+        inputs = start.get("input")
+        if inputs is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StartReply needs a message or a resumption event")
+        session_id = start.get("session_id") or new_id()
+        run = self.host.start_reply(session_id, inputs)
+        watcher = asyncio.create_task(_watch_cancel(request_iterator, run))
+        try:
+            async for batch in run.batches():
+                event = host_pb2.ReplyEvent(session_id=session_id)
+                for item in batch:
+                    codec.encode_item(item, event.items.add())
+                yield event
+        except ReplyRejected as exc:
+            await context.abort(exc.code, str(exc))
+        finally:
+            watcher.cancel()
+            run.abandon()  # a no-op when the reply has ended; else the client went away
+
+    async def ListSessions(self, request: Any, context: Any) -> host_pb2.SessionList:
+        return host_pb2.SessionList(sessions=[_summary(r) for r in await self.host.sessions(request.limit)])
+
+    async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.Session:
+        found = await self.host.session(request.session_id)
+        if found is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+        record, state, pending = found
+        out = host_pb2.Session(summary=_summary(record), replying=self.host.replying(request.session_id))
+        codec.encode(state, out.state)
+        out.middle_context_json = self.host.middle_context_json(state)
+        for call in pending:
+            codec.encode(call, out.pending_tool_calls.add())
+        return out
+
+    async def DeleteSession(self, request: Any, context: Any) -> host_pb2.DeleteSessionResponse:
+        return host_pb2.DeleteSessionResponse(deleted=await self.host.delete_session(request.session_id))
+
+    async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
+        mc = MiddlewareConfig(address=request.address, name=request.name, fail_open=request.fail_open,
+                              timeout=request.timeout or 10.0, source="AttachMiddleware")  # fmt: skip
+        position = request.position if request.HasField("position") else None
+        if position is not None and not 0 <= position <= len(self.host.middleware):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"position {position} is out of range")
+        try:
+            attached = await self.host.attach(mc, position)
+        except MiddlewareFailure as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot attach {request.address}: {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        return _info(attached)
+
+    async def DetachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
+        try:
+            return _info(await self.host.detach(request.name))
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no middleware named {request.name!r} is attached")
+
+    async def ListMiddleware(self, request: Any, context: Any) -> host_pb2.MiddlewareList:
+        return host_pb2.MiddlewareList(middleware=[_info(a) for a in self.host.middleware])
+
+
+async def _watch_cancel(request_iterator: Any, run: ReplyRun) -> None:
+    """After `start`, the only thing a client may send is `cancel` (a half-close is not one)."""
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        async for request in request_iterator:
+            if request.WhichOneof("request") == "cancel":
+                log.info("session %s: the client cancelled the reply", run.session_id)
+                run.interrupt()
+
+
+def _summary(r: SessionRecord) -> host_pb2.SessionSummary:
+    return host_pb2.SessionSummary(session_id=r.session_id, created_at=r.created_at, updated_at=r.updated_at,
+                                   message_count=r.message_count, title=r.title, parked=r.parked)  # fmt: skip
+
+
+def _info(a: Attached) -> host_pb2.MiddlewareInfo:
+    return host_pb2.MiddlewareInfo(
+        name=a.name,
+        address=a.config.address,
+        key=a.remote.key,
+        hooks=[h for h in HOOKS if a.remote.implements(h)],
+        tools=list(a.tools),
+        fail_open=a.config.fail_open,
+        timeout=a.config.timeout,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Running a host.
+
+
+class StartupError(RuntimeError):
+    """The host cannot start as configured (e.g. a middleware address does not answer Describe)."""
+
+
+async def build_host(config: HostConfig) -> Host:
+    """The host of a configuration, with its middleware attached (in order). Raises ConfigError /
+    StartupError naming what failed and where it was configured."""
+    models = config.build_models()
+    try:
+        store = SessionStore(config.db)
+    except (OSError, sqlite3.Error) as exc:
+        raise StartupError(f"db: cannot open the session store {config.db!r}: {exc}") from None
+    host = Host(config, store, models, [BUILTIN_TOOLS[name] for name in config.tools])
+    try:
+        for mc in config.middleware:
+            label = f"middleware {mc.name + ' ' if mc.name else ''}at {mc.address}"
+            try:
+                await host.attach(mc)
+            except MiddlewareFailure as exc:
+                what = exc.what
+                if what.startswith(("DEADLINE_EXCEEDED", "UNAVAILABLE")):
+                    what = f"no middleware server answered ({what})"
+                raise StartupError(f"{mc.source}: {label}: Describe failed: {what}") from None
+            except ValueError as exc:
+                raise ConfigError(f"{mc.source}: {label}: {exc}") from None
+    except BaseException:
+        await host.close()
+        raise
+    return host
+
+
+async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    host_pb2_grpc.add_AgentHostServicer_to_server(AgentHostServicer(host), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise StartupError(f"listen: cannot listen on {listen} (address in use or not local)")
+    await server.start()
+    return server, port
+
+
+async def run_host(config: HostConfig, *, ready: Any = None) -> None:
+    """Run until SIGTERM / SIGINT; then interrupt and save the replies in flight and stop."""
+    host = await build_host(config)
+    try:
+        server, port = await start_server(host, config.listen)
+    except BaseException:
+        await host.close()
+        raise
+    address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
+    # Launchers and tests read this line to learn the port when --listen asked for port 0.
+    print(f"agentmw host listening on {address}", flush=True)
+    if ready is not None:
+        ready(address)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: interrupting %d replies in flight", len(host._runs))
+    closing = asyncio.create_task(host.close())
+    await server.stop(5.0)
+    await closing
+
+
+__all__ = ["AgentHostServicer", "StartupError", "build_host", "run_host", "start_server"]

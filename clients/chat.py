@@ -1,0 +1,487 @@
+"""``agent-chat``: talk to a running agent host (``agent-host``) from the terminal.
+
+    agent-chat                                  # interactive, a new session
+    agent-chat --session 3f2a...                # continue a session
+    agent-chat --message "weather in Paris?"    # one reply, printed, then exit
+    agent-chat --message "email bob@example.com saying hi" --yes   # answer confirmations
+
+Text streams as it arrives; tool calls and results are shown as they finish; a tool that needs
+confirmation asks (y / n / edit its input); a tool the client must run asks for its result; audio
+(data blocks with an audio/* media type, e.g. from the TTS middleware) is saved as WAV files.
+Ctrl-C while a reply streams interrupts it (the host ends it cleanly); Ctrl-C at the prompt quits.
+
+The pieces (``HostClient``, ``converse``, ``View``) are reused by ``clients.demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import re
+import signal
+import sys
+import wave
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import grpc
+
+from agent_host.codec import codec
+from agent_host.data import (
+    CustomEvent,
+    DataBlockDeltaEvent,
+    DataBlockEndEvent,
+    DataBlockStartEvent,
+    ExternalExecutionResultEvent,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    ReplyStartEvent,
+    RequireExternalExecutionEvent,
+    RequireUserConfirmEvent,
+    TextBlockDeltaEvent,
+    TextBlockEndEvent,
+    ThinkingBlockDeltaEvent,
+    ThinkingBlockEndEvent,
+    ToolCallBlock,
+    ToolCallDeltaEvent,
+    ToolCallEndEvent,
+    ToolCallStartEvent,
+    ToolCallState,
+    ToolResultBlock,
+    ToolResultDataDeltaEvent,
+    ToolResultEndEvent,
+    ToolResultStartEvent,
+    ToolResultState,
+    ToolResultTextDeltaEvent,
+    UserConfirmResultEvent,
+    UserMsg,
+)
+from agent_host.data.events import ConfirmResult
+from agentmw.v1 import host_pb2, host_pb2_grpc
+
+DEFAULT_HOST = "127.0.0.1:50070"
+
+
+# ---------------------------------------------------------------------------------------------
+# Talking to the host.
+
+
+class HostClient:
+    """An AgentHost connection (one channel); ``reply()`` starts one Reply call."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = host_pb2_grpc.AgentHostStub(self.channel)
+
+    def reply(self, session_id: str, inputs: Any) -> ReplyCall:
+        return ReplyCall(self.stub, session_id, inputs)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> HostClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class ReplyCall:
+    """One reply: iterate it for its items (events, then the final Msg); ``cancel()`` interrupts."""
+
+    def __init__(self, stub: host_pb2_grpc.AgentHostStub, session_id: str, inputs: Any) -> None:
+        self.session_id = session_id
+        self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
+        start = host_pb2.ReplyRequest()
+        codec.encode_record({"session_id": session_id, "input": inputs}, start.start)
+        self._requests.put_nowait(start)
+        self.call = stub.Reply(self._send())
+
+    async def _send(self) -> AsyncIterator[host_pb2.ReplyRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    def cancel(self) -> None:
+        self._requests.put_nowait(host_pb2.ReplyRequest(cancel=host_pb2.CancelReply()))
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            async for event in self.call:
+                self.session_id = event.session_id or self.session_id
+                for item in event.items:
+                    yield codec.decode_item(item)
+        finally:
+            self._requests.put_nowait(None)
+            self.call.cancel()
+
+
+@dataclass
+class Turn:
+    """What one user turn came to, over all its resumptions."""
+
+    session_id: str
+    final: Msg | None = None
+    end: ReplyEndEvent | None = None
+    parked: bool = False  # it still waits for a confirmation / external result
+    items: list[Any] = field(default_factory=list)
+
+
+ConfirmAnswer = Callable[[ToolCallBlock], Awaitable[ConfirmResult | None]]
+ExternalAnswer = Callable[[ToolCallBlock], Awaitable[ToolResultBlock | None]]
+
+
+async def answer(
+    calls: list[ToolCallBlock], reply_id: str, on_confirm: ConfirmAnswer | None, on_external: ExternalAnswer | None
+) -> Any | None:
+    """The event that resumes a reply parked on ``calls``: the confirmations first, else the external
+    results. None when there is no answerer, or an answerer gave none (the reply stays parked)."""
+    asks = [c for c in calls if c.state == ToolCallState.ASKING]
+    if asks:
+        results = [await on_confirm(c) for c in asks] if on_confirm is not None else [None]
+        return None if None in results else UserConfirmResultEvent(reply_id=reply_id, confirm_results=results)
+    submitted = [c for c in calls if c.state == ToolCallState.SUBMITTED]
+    blocks = [await on_external(c) for c in submitted] if on_external is not None and submitted else [None]
+    return None if None in blocks else ExternalExecutionResultEvent(reply_id=reply_id, execution_results=blocks)
+
+
+async def converse(
+    client: HostClient,
+    session_id: str,
+    inputs: Any,
+    *,
+    on_item: Callable[[Any], None] = lambda item: None,
+    on_confirm: ConfirmAnswer | None = None,
+    on_external: ExternalAnswer | None = None,
+    on_call: Callable[[ReplyCall], None] = lambda call: None,
+    parked_on: list[ToolCallBlock] = (),  # type: ignore[assignment]
+    reply_id: str = "",
+) -> Turn:
+    """Run a reply (``inputs``: a message or a resumption event) and answer whatever it parks on,
+    until it ends. ``inputs=None`` with ``parked_on``/``reply_id``: answer a reply parked earlier."""
+    turn = Turn(session_id)
+    pending = {c.id: c for c in parked_on}
+    while True:
+        if inputs is None:
+            inputs = await answer(list(pending.values()), reply_id, on_confirm, on_external)
+            if inputs is None:
+                turn.parked = bool(pending)
+                return turn
+        call = client.reply(turn.session_id, inputs)
+        on_call(call)
+        turn.final = None
+        async for item in call:
+            turn.items.append(item)
+            on_item(item)
+            if isinstance(item, RequireUserConfirmEvent | RequireExternalExecutionEvent):
+                pending.update((c.id, c) for c in item.tool_calls)
+            elif isinstance(item, ToolResultEndEvent):
+                pending.pop(item.tool_call_id, None)
+            elif isinstance(item, ReplyEndEvent):
+                turn.end = item
+            elif isinstance(item, Msg):
+                turn.final = item
+        turn.session_id = call.session_id
+        if turn.end is not None or turn.final is None or not pending:
+            return turn
+        reply_id, inputs = turn.final.id, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Showing a reply.
+
+
+class View:
+    """Prints a reply's items readably, as they arrive; saves audio to WAV files."""
+
+    def __init__(
+        self, out: TextIO = sys.stdout, audio_dir: str | Path = "agent-audio", color: bool | None = None
+    ) -> None:
+        self.out = out
+        self.audio_dir = Path(audio_dir)
+        self.color = out.isatty() if color is None else color
+        self.in_text = False
+        self.streamed_text = False
+        self.calls: dict[str, list[str]] = {}  # tool call id -> [name, input so far]
+        self.results: dict[str, list[str]] = {}  # tool call id -> [name, output so far]
+        self.audio: dict[str, tuple[str, list[str]]] = {}  # block id -> (media type, base64 pieces)
+        self.saved: list[Path] = []
+
+    def _dim(self, text: str) -> str:
+        return f"\033[2m{text}\033[0m" if self.color else text
+
+    def _line(self, text: str) -> None:
+        if self.in_text:
+            self.out.write("\n")
+            self.in_text = False
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def show(self, item: Any) -> None:
+        if isinstance(item, ReplyStartEvent):
+            self.streamed_text = False
+        elif isinstance(item, TextBlockDeltaEvent):
+            self.out.write(item.delta)
+            self.out.flush()
+            self.in_text = self.streamed_text = True
+        elif isinstance(item, TextBlockEndEvent | ThinkingBlockEndEvent):
+            if self.in_text:
+                self.out.write("\n")
+                self.in_text = False
+        elif isinstance(item, ThinkingBlockDeltaEvent):
+            self.out.write(self._dim(item.delta))
+            self.in_text = True
+        elif isinstance(item, ToolCallStartEvent):
+            self.calls[item.tool_call_id] = [item.tool_call_name, ""]
+        elif isinstance(item, ToolCallDeltaEvent):
+            self.calls.setdefault(item.tool_call_id, ["?", ""])[1] += item.delta
+        elif isinstance(item, ToolCallEndEvent):
+            name, raw = self.calls.get(item.tool_call_id, ["?", ""])
+            self._line(f"  → {name}({raw})")
+        elif isinstance(item, ToolResultStartEvent):
+            self.results[item.tool_call_id] = [item.tool_call_name, ""]
+        elif isinstance(item, ToolResultTextDeltaEvent):
+            self.results.setdefault(item.tool_call_id, ["?", ""])[1] += item.delta
+        elif isinstance(item, ToolResultDataDeltaEvent):
+            self._audio_piece(item.block_id, item.media_type, item.data)
+        elif isinstance(item, ToolResultEndEvent):
+            name, text = self.results.pop(item.tool_call_id, ["?", ""])
+            state = "" if item.state == ToolResultState.SUCCESS else f" [{item.state.value}]"
+            self._line(f"  ← {name}{state}: {_short(text)}")
+        elif isinstance(item, DataBlockStartEvent | DataBlockDeltaEvent):
+            self._audio_piece(item.block_id, item.media_type, getattr(item, "data", None))
+        elif isinstance(item, DataBlockEndEvent):
+            self._save_audio(item.block_id)
+        elif isinstance(item, RequireUserConfirmEvent):
+            for call in item.tool_calls:
+                self._line(f"  ? {call.name} needs your confirmation")
+        elif isinstance(item, RequireExternalExecutionEvent):
+            for call in item.tool_calls:
+                self._line(f"  ? {call.name} must be run by the client")
+        elif isinstance(item, CustomEvent):
+            self._line(self._dim(f"  · {item.name}: {json.dumps(item.value, sort_keys=True)}"))
+        elif isinstance(item, ReplyEndEvent):
+            for block_id in list(self.audio):
+                self._save_audio(block_id)
+            if item.finished_reason == ReplyFinishedReason.INTERRUPTED:
+                self._line("  (reply interrupted)")
+            elif item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None:
+                self._line(f"  (reply failed: {item.error.message})")
+        elif isinstance(item, Msg) and (
+            not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED
+        ):
+            self._line(item.text)
+
+    def _audio_piece(self, block_id: str, media_type: str, data: str | None) -> None:
+        if not media_type.startswith("audio/"):
+            return
+        entry = self.audio.setdefault(block_id, (media_type, []))
+        if data:
+            entry[1].append(data)
+
+    def _save_audio(self, block_id: str) -> None:
+        entry = self.audio.pop(block_id, None)
+        if entry is None or not entry[1]:
+            return
+        media_type, pieces = entry
+        path = save_audio(b"".join(base64.b64decode(p) for p in pieces), media_type, self.audio_dir, block_id)
+        self.saved.append(path)
+        self._line(f"  [audio saved to {path}]")
+
+
+def save_audio(data: bytes, media_type: str, directory: Path, name: str) -> Path:
+    """A WAV file of audio bytes: WAV data as is, raw PCM (audio/pcm, audio/L16; rate=...) wrapped."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{re.sub(r'[^A-Za-z0-9_-]', '', name)[:32] or 'audio'}.wav"
+    if data[:4] == b"RIFF":
+        path.write_bytes(data)
+        return path
+    params = dict(re.findall(r";\s*(\w+)=([\w.]+)", media_type))
+    rate = int(params.get("rate", params.get("sample_rate", 24000)))
+    channels = int(params.get("channels", 1))
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(channels)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(data)
+    return path
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def _ask(prompt: str) -> str:
+    try:
+        return input(prompt)
+    except EOFError:
+        return ""
+
+
+async def _ask_confirm(call: ToolCallBlock) -> ConfirmResult | None:
+    print(f"  ? allow {call.name}({call.input})?")
+    while True:
+        answer = _ask("    [y]es / [n]o / [e]dit input: ").strip().lower()
+        if answer in ("y", "yes"):
+            return ConfirmResult(confirmed=True, tool_call=call)
+        if answer in ("n", "no"):
+            return ConfirmResult(confirmed=False, tool_call=call)
+        if answer in ("e", "edit"):
+            raw = _ask("    new input (JSON): ").strip()
+            try:
+                json.loads(raw)
+            except json.JSONDecodeError as exc:
+                print(f"    not JSON: {exc}")
+                continue
+            edited = ToolCallBlock(id=call.id, name=call.name, input=raw, state=call.state)
+            return ConfirmResult(confirmed=True, tool_call=edited)
+
+
+async def _ask_external(call: ToolCallBlock) -> ToolResultBlock | None:
+    text = _ask(f"  ? {call.name}({call.input}) runs on your side; its result: ")
+    return ToolResultBlock(id=call.id, name=call.name, output=text, state=ToolResultState.SUCCESS)
+
+
+def _auto_confirm(allow: bool) -> ConfirmAnswer:
+    async def answer(call: ToolCallBlock) -> ConfirmResult:
+        print(f"  ? {call.name}({call.input}): {'allowed' if allow else 'denied'} (--{'yes' if allow else 'deny'})")
+        return ConfirmResult(confirmed=allow, tool_call=call)
+
+    return answer
+
+
+def _auto_external(result: str | None) -> ExternalAnswer:
+    async def answer(call: ToolCallBlock) -> ToolResultBlock:
+        if result is None:
+            return ToolResultBlock(id=call.id, name=call.name, state=ToolResultState.ERROR,
+                                   output="agent-chat cannot run this tool (no --external-result given)")  # fmt: skip
+        return ToolResultBlock(id=call.id, name=call.name, output=result, state=ToolResultState.SUCCESS)
+
+    return answer
+
+
+async def _turn(
+    args: argparse.Namespace, session_id: str, inputs: Any, view: View, *, interactive: bool, **resume: Any
+) -> Turn:
+    """One turn, with Ctrl-C while streaming sending a cancel (a second Ctrl-C gives up)."""
+    loop = asyncio.get_running_loop()
+    current: list[ReplyCall] = []
+    presses = 0
+
+    def on_sigint() -> None:
+        nonlocal presses
+        presses += 1
+        if presses > 1 or not current:
+            raise KeyboardInterrupt
+        view._line("  (interrupting…)")
+        current[-1].cancel()
+
+    def prompting(ask: Any) -> Any:
+        async def wrapped(call: ToolCallBlock) -> Any:
+            loop.remove_signal_handler(signal.SIGINT)  # at a prompt, Ctrl-C quits as usual
+            try:
+                return await ask(call)
+            finally:
+                loop.add_signal_handler(signal.SIGINT, on_sigint)
+
+        return wrapped
+
+    if interactive:
+        on_confirm: ConfirmAnswer | None = prompting(_ask_confirm)
+        on_external: ExternalAnswer | None = prompting(_ask_external)
+    else:
+        on_confirm = _auto_confirm(True) if args.yes else _auto_confirm(False) if args.deny else None
+        on_external = _auto_external(args.external_result)
+    loop.add_signal_handler(signal.SIGINT, on_sigint)
+    try:
+        async with HostClient(args.host) as client:
+            return await converse(client, session_id, inputs, on_item=view.show, on_confirm=on_confirm,
+                                  on_external=on_external, on_call=current.append, **resume)  # fmt: skip
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
+    """What a session is parked on, as ``converse`` resume arguments ({} when it is not)."""
+    async with HostClient(args.host) as client:
+        try:
+            session = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return {}
+            raise
+    calls = [codec.decode(c) for c in session.pending_tool_calls]
+    return {"parked_on": calls, "reply_id": session.state.reply_context.reply_id} if calls else {}
+
+
+def _report(turn: Turn) -> int:
+    if turn.parked:
+        print(f"  (the reply is waiting; answer with: agent-chat --session {turn.session_id} --yes | --deny)")
+        return 3
+    if turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.ERROR:
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agent-chat", description="Chat with a running agentmw host.")
+    parser.add_argument("--host", default=os.environ.get("AGENTMW_HOST", DEFAULT_HOST),
+                        help=f"the host's address (default {DEFAULT_HOST}; env AGENTMW_HOST)")  # fmt: skip
+    parser.add_argument("--session", default="", help="continue this session (default: a new one)")
+    parser.add_argument("--message", "-m", help="send this one message, print the reply and exit")
+    answers = parser.add_mutually_exclusive_group()
+    answers.add_argument("--yes", action="store_true", help="non-interactive: allow every tool confirmation")
+    answers.add_argument("--deny", action="store_true", help="non-interactive: deny every tool confirmation")
+    parser.add_argument("--external-result", help="non-interactive: the result to give client-side tools")
+    parser.add_argument("--audio-dir", default="agent-audio", help="where audio is saved (default ./agent-audio)")
+    args = parser.parse_args(argv)
+    view = View(audio_dir=args.audio_dir)
+    session_id = args.session
+    try:
+        parked = asyncio.run(_parked(args, session_id)) if session_id else {}
+        if args.message is not None or (parked and (args.yes or args.deny)):
+            if parked:  # answer what the session waits on first
+                turn = asyncio.run(_turn(args, session_id, None, view, interactive=False, **parked))
+                if turn.parked or args.message is None:
+                    return _report(turn)
+            turn = asyncio.run(_turn(args, session_id, UserMsg(args.message), view, interactive=False))
+            print(f"(session {turn.session_id})", file=sys.stderr)
+            return _report(turn)
+        print(f"agent-chat: connected to {args.host}. Ctrl-C interrupts a reply; /quit or Ctrl-D leaves.")
+        if parked:
+            print(f"session {session_id} is waiting on {', '.join(c.name for c in parked['parked_on'])}")
+            asyncio.run(_turn(args, session_id, None, view, interactive=True, **parked))
+        while True:
+            try:
+                text = input("you> ").strip()
+            except EOFError:
+                print()
+                break
+            if text in ("/quit", "/exit"):
+                break
+            if text:
+                session_id = asyncio.run(_turn(args, session_id, UserMsg(text), view, interactive=True)).session_id
+        if session_id:
+            print(f"(session {session_id}; continue with: agent-chat --session {session_id})")
+        return 0
+    except KeyboardInterrupt:
+        print()
+        return 130
+    except grpc.aio.AioRpcError as exc:
+        print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

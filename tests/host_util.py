@@ -1,0 +1,140 @@
+"""Helpers for tests/test_host_service.py: real host and middleware processes, and a recorder.
+
+``RecorderMiddleware`` is served in its own process by the SDK launcher
+(``python -m mw_servers.sdk tests.host_util:RecorderMiddleware``). Its on_reply writes what it saw
+into its own session slot, so a test can check through GetSession which replies reached it and
+how they ended (an interrupted one included), and that the slot survives pauses and restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from agent_host.codec import codec
+from agent_host.data import ReplyEndEvent, ReplyStartEvent
+from agent_host.middleware import MiddlewareBase, subscribe
+from agent_host.tools import tool
+from agentmw.v1 import host_pb2, host_pb2_grpc
+from clients.demo import ROOT, Proc
+
+KEY = "recorder"
+
+
+@tool(description="Shout the text back.")
+def shout(text: str) -> str:
+    return text.upper() + "!"
+
+
+@tool(description="Rest for a while, then say so.")
+async def nap(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return f"rested {seconds}s"
+
+
+class RecorderMiddleware(MiddlewareBase):
+    """Records each reply start and end (with its finished reason) in ``middle_context["recorder"]``."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent, ReplyEndEvent])}
+
+    async def get_middleware_key(self) -> str:
+        return KEY
+
+    async def list_tools(self) -> list[Any]:
+        return [shout, nap]
+
+    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+        async for event in next_handler():
+            slot = agent.state.middle_context.get(KEY) or {"starts": 0, "ends": []}
+            if isinstance(event, ReplyStartEvent):
+                slot["starts"] += 1
+            elif isinstance(event, ReplyEndEvent):
+                slot["ends"].append({"reply_id": event.reply_id, "finished_reason": event.finished_reason.value})
+            agent.state.middle_context[KEY] = slot
+            yield event
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes.
+
+
+class Procs:
+    """Starts processes for one test and stops every one of them at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, argv: list[str], timeout: float = 20.0) -> Proc:
+        proc = Proc(name, argv, self.log_dir)
+        self.procs.append(proc)
+        proc.wait_ready(timeout)
+        return proc
+
+    def recorder(self) -> Proc:
+        target = "tests.host_util:RecorderMiddleware"
+        return self.start("recorder", ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0"])
+
+    def host(self, db: Path, *args: str, name: str = "host") -> Proc:
+        return self.start(name, ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", str(db), *args])
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.close()
+
+
+@contextlib.contextmanager
+def processes(log_dir: Path) -> Iterator[Procs]:
+    procs = Procs(log_dir)
+    try:
+        yield procs
+    finally:
+        procs.close()
+
+
+def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m <args>`` to completion in the repository root. On a timeout it gets SIGTERM
+    first (the demo then stops the processes it started), SIGKILL only if that does not work."""
+    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"python -m {' '.join(args)} timed out:\n{out[-2000:]}\n{err[-2000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Talking to a host.
+
+
+def stub(channel: grpc.aio.Channel) -> host_pb2_grpc.AgentHostStub:
+    return host_pb2_grpc.AgentHostStub(channel)
+
+
+async def get_session(address: str, session_id: str) -> tuple[host_pb2.Session, Any, dict[str, Any]]:
+    """The Session message, its decoded AgentState, and middle_context."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        session = await stub(channel).GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=10)
+    return session, codec.decode(session.state), json.loads(session.middle_context_json)
+
+
+def kinds(items: list[Any]) -> list[str]:
+    return [type(i).__name__ for i in items]
+
+
+__all__ = ["KEY", "Procs", "RecorderMiddleware", "get_session", "kinds", "processes", "run_cli", "stub"]

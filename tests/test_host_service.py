@@ -1,0 +1,291 @@
+"""The host as users run it: real `agent-host`, middleware and demo processes on loopback ports.
+
+Every process a test starts is stopped in its teardown (``processes``); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent_host.config import ConfigError, load_config
+from agent_host.data import (
+    ConfirmResult,
+    ExternalExecutionResultEvent,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    ReplyStartEvent,
+    RequireExternalExecutionEvent,
+    RequireUserConfirmEvent,
+    TextBlockDeltaEvent,
+    ToolCallBlock,
+    ToolCallState,
+    ToolResultBlock,
+    ToolResultEndEvent,
+    ToolResultStartEvent,
+    ToolResultState,
+    UserConfirmResultEvent,
+    UserMsg,
+)
+from agentmw.v1 import host_pb2
+from clients.chat import HostClient, converse
+
+from .host_util import KEY, Procs, get_session, kinds, processes, run_cli, stub
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW_MODEL = """
+models:
+  default: slow
+  models:
+    slow: {provider: offline, delay: 0.02}
+"""
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Procs:
+    with processes(tmp_path) as p:
+        yield p
+
+
+async def _reply(address: str, session_id: str, inputs: object) -> tuple[str, list[object]]:
+    """One Reply call, no answering: (session id, items)."""
+    async with HostClient(address) as client:
+        call = client.reply(session_id, inputs)
+        items = [item async for item in call]
+    return call.session_id, items
+
+
+def _end(items: list[object]) -> ReplyEndEvent:
+    ends = [i for i in items if isinstance(i, ReplyEndEvent)]
+    assert len(ends) == 1, kinds(items)
+    return ends[0]
+
+
+async def test_session_survives_host_restart(procs: Procs, tmp_path: Path) -> None:
+    db = tmp_path / "sessions.db"
+    host = procs.host(db)
+    session, items = await _reply(host.address, "", UserMsg("remember the word banana"))
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
+    assert isinstance(items[-1], Msg) and "banana" in items[-1].text
+    assert host.stop() == 0  # SIGTERM: a clean shutdown
+
+    host = procs.host(db, name="host2")
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        listed = await stub(channel).ListSessions(host_pb2.ListSessionsRequest(), timeout=5)
+    assert [s.session_id for s in listed.sessions] == [session]
+    assert listed.sessions[0].title == "remember the word banana"
+    _, state, _ = await get_session(host.address, session)
+    assert [m.role.value for m in state.context] == ["user", "assistant"]
+
+    same, items = await _reply(host.address, session, UserMsg("what was the word?"))
+    assert same == session and _end(items).finished_reason == ReplyFinishedReason.COMPLETED
+    _, state, _ = await get_session(host.address, session)
+    assert [m.text for m in state.context if m.role.value == "user"] == [
+        "remember the word banana",
+        "what was the word?",
+    ]
+
+
+async def test_hitl_parked_across_restart_then_resumed_with_edited_input(procs: Procs, tmp_path: Path) -> None:
+    db = tmp_path / "sessions.db"
+    recorder = procs.recorder()
+    host = procs.host(db, "--middleware", f"rec={recorder.address}")
+    session, items = await _reply(host.address, "", UserMsg("email bob@example.com saying hi"))
+    asks = [i for i in items if isinstance(i, RequireUserConfirmEvent)]
+    assert asks and asks[0].tool_calls[0].name == "send_email"
+    assert not any(isinstance(i, ReplyEndEvent) for i in items), "a parked reply has no ReplyEndEvent"
+    reply_id = items[-1].id
+    info, _, slots = await get_session(host.address, session)
+    assert [c.name for c in info.pending_tool_calls] == ["send_email"] and info.summary.parked
+    assert slots[KEY] == {"starts": 1, "ends": []}
+
+    # A new message is refused while the session waits for the answer.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _reply(host.address, session, UserMsg("hello?"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    host.stop()
+    host = procs.host(db, "--middleware", f"rec={recorder.address}", name="host2")
+    call = asks[0].tool_calls[0]
+    edited = ToolCallBlock(id=call.id, name=call.name, state=call.state,
+                           input=json.dumps({"to": "carol@example.com", "body": "edited"}))  # fmt: skip
+    answer = UserConfirmResultEvent(
+        reply_id=reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=edited)]
+    )
+    _, items = await _reply(host.address, session, answer)
+    assert not any(isinstance(i, ReplyStartEvent) for i in items), "a resumed reply has no new ReplyStartEvent"
+    result = next(i for i in items if isinstance(i, ToolResultEndEvent))
+    assert result.state == ToolResultState.SUCCESS
+    end = _end(items)
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED and end.reply_id == reply_id
+    assert "carol@example.com" in items[-1].text
+
+    info, state, slots = await get_session(host.address, session)
+    assert not info.pending_tool_calls and not info.summary.parked
+    sent = [b for m in state.context for b in m.content if getattr(b, "type", "") == "tool_call"]
+    assert json.loads(sent[0].input)["to"] == "carol@example.com" and sent[0].state == ToolCallState.FINISHED
+    # The middleware's slot survived the pause and the restart; the reply's end reached it.
+    assert slots[KEY] == {"starts": 1, "ends": [{"reply_id": reply_id, "finished_reason": "completed"}]}
+
+
+async def test_external_execution_round_trip(procs: Procs, tmp_path: Path) -> None:
+    host = procs.host(tmp_path / "sessions.db")
+    ran: list[str] = []
+
+    async def external(call: ToolCallBlock) -> ToolResultBlock:
+        ran.append(call.input)
+        return ToolResultBlock(id=call.id, name=call.name, output="shipped on Monday", state=ToolResultState.SUCCESS)
+
+    async with HostClient(host.address) as client:
+        turn = await converse(client, "", UserMsg("where is my order A-17?"), on_external=external)
+    assert json.loads(ran[0]) == {"order_id": "A-17"}
+    requests = [i for i in turn.items if isinstance(i, RequireExternalExecutionEvent)]
+    assert [c.state for c in requests[0].tool_calls] == [ToolCallState.SUBMITTED]
+    assert kinds(turn.items).count("ReplyStartEvent") == 1
+    assert turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.COMPLETED
+    assert "shipped on Monday" in turn.final.text
+
+    # An answer for calls that are not waiting is refused and changes nothing.
+    stray = ExternalExecutionResultEvent(reply_id="r", execution_results=[ToolResultBlock(id="nope", name="x")])
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _reply(host.address, turn.session_id, stray)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def _cancel_after(address: str, session_id: str, message: str, when: type) -> tuple[str, list[object]]:
+    """Start a reply and send a cancel as soon as an item of type ``when`` arrives."""
+    items: list[object] = []
+    async with HostClient(address) as client:
+        call = client.reply(session_id, UserMsg(message))
+        async with asyncio.timeout(20):
+            async for item in call:
+                items.append(item)
+                if isinstance(item, when) and sum(isinstance(i, when) for i in items) == 1:
+                    call.cancel()
+    return call.session_id, items
+
+
+async def test_cancel_ends_interrupted_through_remote_on_reply(procs: Procs, tmp_path: Path) -> None:
+    config = tmp_path / "host.yaml"
+    config.write_text(SLOW_MODEL)
+    recorder = procs.recorder()
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config), "--middleware", f"rec={recorder.address}")
+
+    # 1. While the model streams (a long answer at 20 ms a word).
+    session, items = await _cancel_after(host.address, "", "word " * 200, TextBlockDeltaEvent)
+    end = _end(items)
+    assert end.finished_reason == ReplyFinishedReason.INTERRUPTED
+    assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.INTERRUPTED
+    assert kinds(items).count("TextBlockDeltaEvent") < 100, "the stream went on after the cancel"
+    _, state, slots = await get_session(host.address, session)
+    assert slots[KEY]["ends"] == [{"reply_id": end.reply_id, "finished_reason": "interrupted"}]
+    assert state.context[-1].text.startswith("You"), "the partial answer is kept"
+
+    # 2. While a (remote) tool runs: its call is closed as INTERRUPTED, the end still reaches on_reply.
+    _, items = await _cancel_after(host.address, session, "call rec__nap seconds=30", ToolResultStartEvent)
+    results = [i for i in items if isinstance(i, ToolResultEndEvent)]
+    assert [r.state for r in results] == [ToolResultState.INTERRUPTED]
+    assert _end(items).finished_reason == ReplyFinishedReason.INTERRUPTED
+    _, _, slots = await get_session(host.address, session)
+    assert [e["finished_reason"] for e in slots[KEY]["ends"]] == ["interrupted", "interrupted"]
+
+    # The session goes on normally afterwards.
+    _, items = await _reply(host.address, session, UserMsg("call rec__shout text=hi"))
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED and "HI!" in items[-1].text
+
+
+async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -> None:
+    config = tmp_path / "host.yaml"
+    config.write_text(SLOW_MODEL)
+    recorder = procs.recorder()
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        host_stub = stub(channel)
+        assert not (await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)).middleware
+
+        # Attached while a reply streams: that reply goes on without it; the next one has it.
+        async with HostClient(host.address) as client:
+            call = client.reply("", UserMsg("word " * 30))
+            items = []
+            async for item in call:
+                items.append(item)
+                if len(items) == 5:
+                    info = await host_stub.AttachMiddleware(
+                        host_pb2.AttachMiddlewareRequest(address=recorder.address, name="rec", timeout=5), timeout=10
+                    )
+        session = call.session_id
+        assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
+        assert info.key == KEY and list(info.hooks) == ["on_reply"]
+        assert sorted(info.tools) == ["rec__nap", "rec__shout"]
+        _, _, slots = await get_session(host.address, session)
+        assert KEY not in slots
+
+        _, items = await _reply(host.address, session, UserMsg("call rec__shout text=hello"))
+        assert "HELLO!" in items[-1].text
+        _, _, slots = await get_session(host.address, session)
+        assert slots[KEY]["starts"] == 1
+
+        with pytest.raises(grpc.aio.AioRpcError) as twice:
+            await host_stub.AttachMiddleware(host_pb2.AttachMiddlewareRequest(address=recorder.address, name="rec"))
+        assert twice.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+        await host_stub.DetachMiddleware(host_pb2.DetachMiddlewareRequest(name="rec"), timeout=5)
+        assert not (await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)).middleware
+        _, items = await _reply(host.address, session, UserMsg("call rec__shout text=hello"))
+        assert not any(isinstance(i, ToolResultEndEvent) for i in items), "the tool left with its middleware"
+        _, _, slots = await get_session(host.address, session)
+        assert slots[KEY]["starts"] == 1, "a detached middleware takes no part"
+
+
+def test_bad_configuration_gives_one_clear_error(tmp_path: Path) -> None:
+    db = str(tmp_path / "x.db")
+    nobody = run_cli("agent_host", "--db", db, "--listen", "127.0.0.1:0", "--middleware", "budget=127.0.0.1:9")
+    assert nobody.returncode == 1
+    line = nobody.stderr.strip().splitlines()[-1]
+    assert "--middleware" in line and "budget at 127.0.0.1:9" in line and "Describe failed" in line
+
+    malformed = tmp_path / "bad.yaml"
+    malformed.write_text("listen: 127.0.0.1:0\nmiddleware: [budget\n  timeout: 3\n")
+    bad = run_cli("agent_host", "--config", str(malformed), "--db", db)
+    assert bad.returncode == 2
+    assert f"{malformed}:3:" in bad.stderr and "malformed YAML" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+    provider = tmp_path / "provider.yaml"
+    provider.write_text("models:\n  models:\n    m1: {provider: nosuch}\n")
+    bad = run_cli("agent_host", "--config", str(provider), "--db", db)
+    assert bad.returncode == 2 and "unknown provider 'nosuch'" in bad.stderr and str(provider) in bad.stderr
+
+
+def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
+    path = tmp_path / "host.yaml"
+    path.write_text(
+        "listen: 127.0.0.1:1000\ndb: yaml.db\n"
+        "middleware:\n  - {name: budget, address: 127.0.0.1:1, fail_open: true, timeout: 3}\n"
+        "  - {name: tts, address: 127.0.0.1:2}\n"
+    )
+    env = {"AGENTMW_LISTEN": "127.0.0.1:2000", "AGENTMW_DB": "env.db", "AGENTMW_MIDDLEWARE": "tts=127.0.0.1:22"}
+    cfg = load_config(path, env=env, flags={"listen": "127.0.0.1:3000", "middleware": ["budget=127.0.0.1:11", "x=h:5"]})
+    assert (cfg.listen, cfg.db) == ("127.0.0.1:3000", "env.db")
+    assert [(m.name, m.address, m.fail_open, m.timeout) for m in cfg.middleware] == [
+        ("budget", "127.0.0.1:11", True, 3.0),  # the flag's address, the YAML's policy
+        ("tts", "127.0.0.1:22", False, 10.0),
+        ("x", "h:5", False, 10.0),
+    ]
+    with pytest.raises(ConfigError, match=r"middleware\[0\]\.timeout: expected float"):
+        path.write_text("middleware:\n  - {name: a, address: h:1, timeout: soon}\n")
+        load_config(path, env={})
+
+
+def test_demo_completes() -> None:
+    done = run_cli("clients.demo", timeout=50)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "agentmw demo: OK" in done.stdout

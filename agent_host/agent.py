@@ -254,10 +254,16 @@ class Agent:
         ):
             yield event
         reply_id = self.state.reply_id
-        yield ReplyEndEvent(session_id=self.state.session_id, reply_id=reply_id,
-                            finished_reason=ReplyFinishedReason.ERROR, error=error)  # fmt: skip
-        yield AssistantMsg(f"The reply failed: {error.message}", name=self.name, id=reply_id,
-                           finished_reason=ReplyFinishedReason.ERROR, error=error)  # fmt: skip
+        yield ReplyEndEvent(
+            session_id=self.state.session_id, reply_id=reply_id, finished_reason=ReplyFinishedReason.ERROR, error=error
+        )
+        yield AssistantMsg(
+            f"The reply failed: {error.message}",
+            name=self.name,
+            id=reply_id,
+            finished_reason=ReplyFinishedReason.ERROR,
+            error=error,
+        )
 
     async def _reply_impl(self, inputs: Any = None, structured_schema: dict | None = None) -> AsyncIterator[Any]:
         state = self.state
@@ -321,12 +327,17 @@ class Agent:
         if interrupted:  # §2.3.8: cleanup still flows out through every on_reply middleware
             for event in self._close_unfinished_tool_calls(ToolResultState.INTERRUPTED, INTERRUPTED_TOOL_TEXT):
                 yield event
-            yield ReplyEndEvent(session_id=state.session_id, reply_id=state.reply_id,
-                                finished_reason=ReplyFinishedReason.INTERRUPTED)  # fmt: skip
+            yield ReplyEndEvent(
+                session_id=state.session_id, reply_id=state.reply_id, finished_reason=ReplyFinishedReason.INTERRUPTED
+            )
             reply_msg = state.reply_message(self.name)
-            yield AssistantMsg(INTERRUPTION_MESSAGE, name=self.name, id=state.reply_id,
-                               usage=reply_msg.usage if reply_msg else None,
-                               finished_reason=ReplyFinishedReason.INTERRUPTED)  # fmt: skip
+            yield AssistantMsg(
+                INTERRUPTION_MESSAGE,
+                name=self.name,
+                id=state.reply_id,
+                usage=reply_msg.usage if reply_msg else None,
+                finished_reason=ReplyFinishedReason.INTERRUPTED,
+            )
 
     def _handle_incoming_messages(self, inputs: Any) -> None:
         msgs = [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
@@ -362,9 +373,10 @@ class Agent:
         unanswered = self._unanswered_calls()
         awaiting = [c for c in unanswered if c.state in (ToolCallState.ASKING, ToolCallState.SUBMITTED)]
         executable = [
-            c for c in unanswered
+            c
+            for c in unanswered
             if c.state == ToolCallState.ALLOWED or (c.state == ToolCallState.PENDING and not awaiting)
-        ]  # fmt: skip
+        ]
         if executable:
             return _Action("acting", tool_calls=executable)
         if awaiting:
@@ -381,8 +393,12 @@ class Agent:
             return _Action("reasoning", hint=hint, tool_choice=ToolChoice(mode="none"))
         if state.cur_iter > self.max_iters:
             end.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
-            msg = AssistantMsg(f"I stopped after reaching the maximum of {self.max_iters} iterations.",
-                               name=self.name, id=state.reply_id, finished_reason=end.finished_reason)  # fmt: skip
+            msg = AssistantMsg(
+                f"I stopped after reaching the maximum of {self.max_iters} iterations.",
+                name=self.name,
+                id=state.reply_id,
+                finished_reason=end.finished_reason,
+            )
             return _Action("exit", events=[ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name), end], msg=msg)
         return _Action("reasoning")
 
@@ -446,9 +462,13 @@ class Agent:
         has_calls = any(isinstance(b, ToolCallBlock) for b in completed.content)
         thinking_only = bool(completed.content) and all(isinstance(b, ThinkingBlock) for b in completed.content)
         if completed.finished_reason != FinishedReason.INTERRUPTED and not has_calls and not thinking_only:
-            yield AssistantMsg(copy.deepcopy(completed.content), name=self.name, id=reply_id,
-                               usage=copy.copy(saved.usage) if saved else None,
-                               finished_reason=ReplyFinishedReason.COMPLETED)  # fmt: skip
+            yield AssistantMsg(
+                copy.deepcopy(completed.content),
+                name=self.name,
+                id=reply_id,
+                usage=copy.copy(saved.usage) if saved else None,
+                finished_reason=ReplyFinishedReason.COMPLETED,
+            )
 
     def _save_to_context(self, completed: ChatResponse) -> Msg | None:
         from .data import Usage
@@ -461,9 +481,14 @@ class Agent:
         msg = self.state.append_context(self.name, blocks)
         if completed.usage is not None:
             u = completed.usage
-            msg.append_usage(Usage(input_tokens=u.input_tokens, output_tokens=u.output_tokens,
-                                   cache_input_tokens=u.cache_input_tokens,
-                                   cache_creation_input_tokens=u.cache_creation_input_tokens))  # fmt: skip
+            msg.append_usage(
+                Usage(
+                    input_tokens=u.input_tokens,
+                    output_tokens=u.output_tokens,
+                    cache_input_tokens=u.cache_input_tokens,
+                    cache_creation_input_tokens=u.cache_creation_input_tokens,
+                )
+            )
         return msg
 
     async def _call_model(
@@ -561,8 +586,9 @@ class Agent:
                         for event in _chunk_events(reply_id, call.id, item):
                             yield event
         except asyncio.CancelledError:  # §2.9: the tool run was interrupted
-            response = ToolResponse(content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)],
-                                    state=ToolResultState.INTERRUPTED, id=call.id)  # fmt: skip
+            response = ToolResponse(
+                content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
+            )
             yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
         if response is None:  # §6.3: never loop forever on an on_acting that produced no result
             response = ToolResponse(
@@ -575,12 +601,14 @@ class Agent:
             yield event
 
     def _save_result(self, call: ToolCallBlock, output: Any, state: ToolResultState, metadata: dict) -> list[Any]:
-        result = ToolResultBlock(id=call.id, name=call.name, output=copy.deepcopy(output), state=state,
-                                 metadata=dict(metadata))  # fmt: skip
+        result = ToolResultBlock(
+            id=call.id, name=call.name, output=copy.deepcopy(output), state=state, metadata=dict(metadata)
+        )
         self.state.append_context(self.name, [result])
         call.state = ToolCallState.FINISHED
-        return [ToolResultEndEvent(reply_id=self.state.reply_id, tool_call_id=call.id, state=state,
-                                   metadata=dict(metadata))]  # fmt: skip
+        return [
+            ToolResultEndEvent(reply_id=self.state.reply_id, tool_call_id=call.id, state=state, metadata=dict(metadata))
+        ]
 
     def _error_result(self, call: ToolCallBlock, message: str, state: ToolResultState) -> list[Any]:
         reply_id = self.state.reply_id
@@ -633,8 +661,11 @@ class Agent:
                     call.name, call.input = result.tool_call.name, result.tool_call.input
                     self.state.permission_rules.extend(result.rules)
                 else:
-                    for ev in self._error_result(call, "<system-reminder>The user denied this tool call.</system-reminder>",
-                                                 ToolResultState.DENIED):  # fmt: skip
+                    for ev in self._error_result(
+                        call,
+                        "<system-reminder>The user denied this tool call.</system-reminder>",
+                        ToolResultState.DENIED,
+                    ):
                         yield ev
             self.state.version += 1
             return
@@ -756,10 +787,12 @@ class _ChunkConverter:
                 media_type = block.source.media_type
                 if block.id not in self.data_ids:
                     self.data_ids.add(block.id)
-                    out.append(DataBlockStartEvent(reply_id=rid, block_id=block.id, media_type=media_type,
-                                                   name=block.name))  # fmt: skip
-                out.append(DataBlockDeltaEvent(reply_id=rid, block_id=block.id, media_type=media_type,
-                                               data=block.source.data))  # fmt: skip
+                    out.append(
+                        DataBlockStartEvent(reply_id=rid, block_id=block.id, media_type=media_type, name=block.name)
+                    )
+                out.append(
+                    DataBlockDeltaEvent(reply_id=rid, block_id=block.id, media_type=media_type, data=block.source.data)
+                )
         return out
 
     def close_all(self) -> list[Any]:
@@ -796,10 +829,16 @@ def _output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
             out.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call_id, delta=block.text))
         elif isinstance(block, DataBlock):
             src = block.source
-            out.append(ToolResultDataDeltaEvent(
-                reply_id=reply_id, tool_call_id=call_id, block_id=block.id, media_type=src.media_type,
-                data=getattr(src, "data", None), url=getattr(src, "url", None),
-            ))  # fmt: skip
+            out.append(
+                ToolResultDataDeltaEvent(
+                    reply_id=reply_id,
+                    tool_call_id=call_id,
+                    block_id=block.id,
+                    media_type=src.media_type,
+                    data=getattr(src, "data", None),
+                    url=getattr(src, "url", None),
+                )
+            )
     return out
 
 

@@ -41,8 +41,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    flags = {"listen": args.listen, "db": args.db, "middleware": args.middleware, "model": args.model,
-             "log_level": args.log_level}  # fmt: skip
+    flags = {
+        "listen": args.listen,
+        "db": args.db,
+        "middleware": args.middleware,
+        "model": args.model,
+        "log_level": args.log_level,
+    }
     try:
         config = load_config(args.config, flags=flags)
         level = getattr(logging, config.log_level.upper(), None)

@@ -42,12 +42,32 @@ _ENUMS: tuple[type[Enum], ...] = (
     d.PermissionBehavior,
 )
 _DATACLASSES: tuple[type, ...] = (
-    d.TextBlock, d.ThinkingBlock, d.Base64Source, d.URLSource, d.DataBlock, d.HintBlock,
-    d.PermissionRule, d.ToolCallBlock, d.ToolResultBlock, d.Usage, d.ErrorInfo, d.Msg,
-    d.ChatUsage, d.ChatResponse, d.ToolChoice, d.ToolDescriptor, d.ToolChunk, d.ToolResponse,
-    d.PermissionDecision, d.ModelRef, d.ContextConfig, d.ConfirmResult, *d.EVENT_CLASSES,
-    d.ReplyContext, d.AgentState,
-)  # fmt: skip
+    d.TextBlock,
+    d.ThinkingBlock,
+    d.Base64Source,
+    d.URLSource,
+    d.DataBlock,
+    d.HintBlock,
+    d.PermissionRule,
+    d.ToolCallBlock,
+    d.ToolResultBlock,
+    d.Usage,
+    d.ErrorInfo,
+    d.Msg,
+    d.ChatUsage,
+    d.ChatResponse,
+    d.ToolChoice,
+    d.ToolDescriptor,
+    d.ToolChunk,
+    d.ToolResponse,
+    d.PermissionDecision,
+    d.ModelRef,
+    d.ContextConfig,
+    d.ConfirmResult,
+    *d.EVENT_CLASSES,
+    d.ReplyContext,
+    d.AgentState,
+)
 
 _STRUCT = struct_pb2.Struct.DESCRIPTOR.full_name
 _VALUE = struct_pb2.Value.DESCRIPTOR.full_name

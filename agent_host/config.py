@@ -47,15 +47,21 @@ DEFAULT_MODELS: dict[str, Any] = {
         "offline": {
             "provider": "offline",
             "rules": [
-                {"pattern": r"weather in ([A-Za-z][A-Za-z .'-]*[A-Za-z])", "tool": "get_weather",
-                 "input": {"city": "{0}"}},
-                {"pattern": r"e-?mail (\S+@[\w.-]*\w)\s+(?:saying|that|:)\s*(.+)", "tool": "send_email",
-                 "input": {"to": "{0}", "body": "{1}"}},
+                {
+                    "pattern": r"weather in ([A-Za-z][A-Za-z .'-]*[A-Za-z])",
+                    "tool": "get_weather",
+                    "input": {"city": "{0}"},
+                },
+                {
+                    "pattern": r"e-?mail (\S+@[\w.-]*\w)\s+(?:saying|that|:)\s*(.+)",
+                    "tool": "send_email",
+                    "input": {"to": "{0}", "body": "{1}"},
+                },
                 {"pattern": r"order #?([A-Za-z0-9][\w-]*)", "tool": "lookup_order", "input": {"order_id": "{0}"}},
             ],
         }
     },
-}  # fmt: skip
+}
 DEFAULT_TOOLS = ["get_weather", "add", "send_email", "lookup_order"]
 
 
@@ -118,11 +124,27 @@ def load_config(
     if path:
         _apply_yaml(cfg, Path(path))
     layers = (
-        ("environment", {"listen": "AGENTMW_LISTEN", "db": "AGENTMW_DB", "log_level": "AGENTMW_LOG_LEVEL",
-                         "model": "AGENTMW_MODEL", "middleware": "AGENTMW_MIDDLEWARE"}),
-        ("flag", {"listen": "--listen", "db": "--db", "log_level": "--log-level", "model": "--model",
-                  "middleware": "--middleware"}),
-    )  # fmt: skip
+        (
+            "environment",
+            {
+                "listen": "AGENTMW_LISTEN",
+                "db": "AGENTMW_DB",
+                "log_level": "AGENTMW_LOG_LEVEL",
+                "model": "AGENTMW_MODEL",
+                "middleware": "AGENTMW_MIDDLEWARE",
+            },
+        ),
+        (
+            "flag",
+            {
+                "listen": "--listen",
+                "db": "--db",
+                "log_level": "--log-level",
+                "model": "--model",
+                "middleware": "--middleware",
+            },
+        ),
+    )
     for kind, names in layers:
         for key, name in names.items():
             raw = env.get(name) if kind == "environment" else flags.get(key)
@@ -269,10 +291,15 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
         name = _expect(entry.get("name", ""), str, f"{where}.name")
         if any(m.name and m.name == name for m in out):
             raise ConfigError(f"{where}.name: {name!r} is used twice")
-        out.append(MiddlewareConfig(
-            address=address, name=name, fail_open=_expect(entry.get("fail_open", False), bool, f"{where}.fail_open"),
-            timeout=float(timeout), source=where,
-        ))  # fmt: skip
+        out.append(
+            MiddlewareConfig(
+                address=address,
+                name=name,
+                fail_open=_expect(entry.get("fail_open", False), bool, f"{where}.fail_open"),
+                timeout=float(timeout),
+                source=where,
+            )
+        )
     return out
 
 

@@ -63,8 +63,9 @@ class FunctionTool(Tool):
         return result
 
 
-def tool(name: str | None = None, description: str = "", input_schema: dict[str, Any] | None = None,
-         **flags: Any) -> Callable[[Callable[..., Any]], FunctionTool]:  # fmt: skip
+def tool(
+    name: str | None = None, description: str = "", input_schema: dict[str, Any] | None = None, **flags: Any
+) -> Callable[[Callable[..., Any]], FunctionTool]:
     """Decorator: ``@tool(description=..., input_schema={...})`` over a function."""
 
     def wrap(func: Callable[..., Any]) -> FunctionTool:
@@ -183,8 +184,9 @@ class Toolkit:
                     response.append_chunk(item)
                     yield item
         except asyncio.CancelledError:
-            chunk = ToolChunk(content=[TextBlock(text="The tool call was interrupted.")],
-                              state=ToolResultState.INTERRUPTED)  # fmt: skip
+            chunk = ToolChunk(
+                content=[TextBlock(text="The tool call was interrupted.")], state=ToolResultState.INTERRUPTED
+            )
             response.append_chunk(chunk)
             yield chunk
             yield response

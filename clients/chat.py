@@ -364,8 +364,12 @@ def _auto_confirm(allow: bool) -> ConfirmAnswer:
 def _auto_external(result: str | None) -> ExternalAnswer:
     async def answer(call: ToolCallBlock) -> ToolResultBlock:
         if result is None:
-            return ToolResultBlock(id=call.id, name=call.name, state=ToolResultState.ERROR,
-                                   output="agent-chat cannot run this tool (no --external-result given)")  # fmt: skip
+            return ToolResultBlock(
+                id=call.id,
+                name=call.name,
+                state=ToolResultState.ERROR,
+                output="agent-chat cannot run this tool (no --external-result given)",
+            )
         return ToolResultBlock(id=call.id, name=call.name, output=result, state=ToolResultState.SUCCESS)
 
     return answer
@@ -406,8 +410,16 @@ async def _turn(
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
         async with HostClient(args.host) as client:
-            return await converse(client, session_id, inputs, on_item=view.show, on_confirm=on_confirm,
-                                  on_external=on_external, on_call=current.append, **resume)  # fmt: skip
+            return await converse(
+                client,
+                session_id,
+                inputs,
+                on_item=view.show,
+                on_confirm=on_confirm,
+                on_external=on_external,
+                on_call=current.append,
+                **resume,
+            )
     finally:
         loop.remove_signal_handler(signal.SIGINT)
 
@@ -436,8 +448,11 @@ def _report(turn: Turn) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agent-chat", description="Chat with a running agentmw host.")
-    parser.add_argument("--host", default=os.environ.get("AGENTMW_HOST", DEFAULT_HOST),
-                        help=f"the host's address (default {DEFAULT_HOST}; env AGENTMW_HOST)")  # fmt: skip
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("AGENTMW_HOST", DEFAULT_HOST),
+        help=f"the host's address (default {DEFAULT_HOST}; env AGENTMW_HOST)",
+    )
     parser.add_argument("--session", default="", help="continue this session (default: a new one)")
     parser.add_argument("--message", "-m", help="send this one message, print the reply and exit")
     answers = parser.add_mutually_exclusive_group()

@@ -55,10 +55,14 @@ class Proc:
         self._ready = threading.Event()
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(
-            self.argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            self.argv,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,  # a Ctrl-C in the terminal reaches only us; we stop it
-        )  # fmt: skip
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -129,9 +133,10 @@ def discover_servers() -> list[ServerSpec]:
     for info in pkgutil.iter_modules(examples.__path__):
         module = importlib.import_module(f"mw_servers.examples.{info.name}")
         classes = [
-            c for _, c in inspect.getmembers(module, inspect.isclass)
+            c
+            for _, c in inspect.getmembers(module, inspect.isclass)
             if issubclass(c, MiddlewareBase) and c is not MiddlewareBase and c.__module__ == module.__name__
-        ]  # fmt: skip
+        ]
         for cls in classes:
             name = info.name if len(classes) == 1 else f"{info.name}_{cls.__name__.lower()}"
             args = [f"--arg={k}={json.dumps(v)}" for k, v in SERVER_ARGS.get(cls.__name__, {}).items()]
@@ -160,11 +165,13 @@ class Outcome:
 def _steps(tools: list[str]) -> list[Step]:
     steps = [
         Step("a tool call", "What's the weather in Paris?"),
-        Step("human in the loop: the email needs a confirmation; the demo allows it and edits the body",
-             "Please email bob@example.com saying hello from Paris",
-             edit={"body": "Hello from Paris! (edited by the demo before sending)"}),
+        Step(
+            "human in the loop: the email needs a confirmation; the demo allows it and edits the body",
+            "Please email bob@example.com saying hello from Paris",
+            edit={"body": "Hello from Paris! (edited by the demo before sending)"},
+        ),
         Step("external execution: the client runs lookup_order and sends back its result", "Where is my order A-1001?"),
-    ]  # fmt: skip
+    ]
     for name in tools:
         steps.append(Step(f"a tool contributed by a middleware: {name}", f"call {name} text=hello"))
     steps.append(Step("a second turn on the same session", "Thanks! Now use add a=2 b=40"))
@@ -201,8 +208,9 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
                 print(f"  ! the demo runs {call.name}({call.input}) itself: {step.external!r}", file=out)
                 return ToolResultBlock(id=call.id, name=call.name, output=step.external, state=ToolResultState.SUCCESS)
 
-            turn = await converse(client, session, UserMsg(step.message), on_item=view.show, on_confirm=confirm,
-                                  on_external=external)  # fmt: skip
+            turn = await converse(
+                client, session, UserMsg(step.message), on_item=view.show, on_confirm=confirm, on_external=external
+            )
             session = turn.session_id
             reason = turn.end.finished_reason if turn.end is not None else None
             if reason != ReplyFinishedReason.COMPLETED:
@@ -210,8 +218,11 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
         info = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session), timeout=10)
         state = codec.decode(info.state)
         print(f"\n── the session {session}, as the host persisted it", file=out)
-        print(f"  {len(state.context)} messages; {len(state.permission_rules)} permission rules; "
-              f"pending tool calls: {len(info.pending_tool_calls)}", file=out)  # fmt: skip
+        print(
+            f"  {len(state.context)} messages; {len(state.permission_rules)} permission rules; "
+            f"pending tool calls: {len(info.pending_tool_calls)}",
+            file=out,
+        )
         slots = json.loads(info.middle_context_json)
         print("  middleware slots (middle_context):" + ("" if slots else " none written"), file=out)
         for key, value in slots.items():
@@ -237,8 +248,21 @@ def run(out: Any = sys.stdout) -> int:
                 addr = proc.wait_ready()
                 print(f"  middleware {spec.name:<16} {addr:<22} ({spec.what})", file=out)
                 flags += ["--middleware", f"{spec.name}={addr}"]
-            host = Proc("host", ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", str(log_dir / "sessions.db"),
-                                 "--log-level", "warning", *flags], log_dir)  # fmt: skip
+            host = Proc(
+                "host",
+                [
+                    "-m",
+                    "agent_host",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--db",
+                    str(log_dir / "sessions.db"),
+                    "--log-level",
+                    "warning",
+                    *flags,
+                ],
+                log_dir,
+            )
             procs.append(host)
             address = host.wait_ready()
             print(f"  agent host            {address:<22} (offline model, sessions in SQLite)", file=out)

@@ -103,8 +103,9 @@ def processes(log_dir: Path) -> Iterator[Procs]:
 def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """Run ``python -m <args>`` to completion in the repository root. On a timeout it gets SIGTERM
     first (the demo then stops the processes it started), SIGKILL only if that does not work."""
-    proc = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -49,8 +49,9 @@ class ScriptedServer:
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._httpd = _Server(("127.0.0.1", 0), self._handler())
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,), name="model-server",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.05,), name="model-server", daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -142,10 +143,13 @@ def dashscope_chunk(
     input_tokens, output_tokens = usage
     return {
         "output": {"choices": [{"message": message, "finish_reason": finish}]},
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens,
-                  "total_tokens": input_tokens + output_tokens},
+        "usage": {
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "total_tokens": input_tokens + output_tokens,
+        },
         "request_id": request_id,
-    }  # fmt: skip
+    }
 
 
 def dashscope_tool_fragment(index: int, arguments: str, *, id: str = "", name: str = "") -> dict[str, Any]:
@@ -187,15 +191,29 @@ def openai_chunk(
         delta["reasoning_content"] = reasoning
     if tool_calls is not None:
         delta["tool_calls"] = tool_calls
-    return {"id": id, "object": "chat.completion.chunk", "created": 1700000000, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+    return {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "m",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
 
 
 def openai_usage_chunk(prompt_tokens: int, completion_tokens: int, id: str = "chatcmpl-1") -> dict[str, Any]:
     """The extra last chunk that ``stream_options.include_usage`` asks for: no choices, only usage."""
-    return {"id": id, "object": "chat.completion.chunk", "created": 1700000000, "model": "m", "choices": [],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}  # fmt: skip
+    return {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": 1700000000,
+        "model": "m",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
 def openai_tool_fragment(index: int, arguments: str, *, id: str | None = None, name: str | None = None) -> dict:

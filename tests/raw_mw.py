@@ -17,7 +17,7 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
-    async def Describe(self, request, context):  # noqa: N802
+    async def Describe(self, request, context):
         return hooks_pb2.MiddlewareDescription(
             key="Raw", protocol_version="v1", hooks=[hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
         )

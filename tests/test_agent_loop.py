@@ -49,10 +49,12 @@ async def test_max_iters_forces_a_final_answer_without_tools() -> None:
 
 
 async def test_invalid_tool_input_and_unknown_tools_become_error_results() -> None:
-    model = OfflineRuleModel(script=[
-        {"tool_calls": [{"name": "add", "input": {"a": "not a number", "b": 1}}, {"name": "nope", "input": {}}]},
-        {"text": "ok"},
-    ])  # fmt: skip
+    model = OfflineRuleModel(
+        script=[
+            {"tool_calls": [{"name": "add", "input": {"a": "not a number", "b": 1}}, {"name": "nope", "input": {}}]},
+            {"text": "ok"},
+        ]
+    )
     agent = Agent(model=model, toolkit=Toolkit([add]))
     items = await collect(agent, UserMsg("x"))
     states = [i.state for i in items if isinstance(i, ToolResultEndEvent)]
@@ -79,8 +81,10 @@ async def test_confirmation_parks_and_resumes_with_an_edited_input() -> None:
     assert not any(isinstance(i, ReplyEndEvent) for i in items)  # parked: no ReplyEndEvent
     call = ask.tool_calls[0]
     call.input = '{"to": "alice", "body": "hi"}'
-    resumed = await collect(agent, UserConfirmResultEvent(reply_id=ask.reply_id,
-                                                          confirm_results=[ConfirmResult(confirmed=True, tool_call=call)]))  # fmt: skip
+    resumed = await collect(
+        agent,
+        UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=call)]),
+    )
     assert not any(isinstance(i, ReplyStartEvent) for i in resumed)
     assert tool_results(agent)[0].output[0].text == "sent to alice: hi"
     assert resumed[-1].text == "Done: send_email returned sent to alice: hi."
@@ -90,8 +94,12 @@ async def test_denied_confirmation_is_a_denied_result() -> None:
     agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
     items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
     ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
-    await collect(agent, UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=[
-        ConfirmResult(confirmed=False, tool_call=ask.tool_calls[0])]))  # fmt: skip
+    await collect(
+        agent,
+        UserConfirmResultEvent(
+            reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=False, tool_call=ask.tool_calls[0])]
+        ),
+    )
     assert tool_results(agent)[0].state == ToolResultState.DENIED
 
 
@@ -99,8 +107,9 @@ async def test_external_execution_round_trip() -> None:
     agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([lookup_order]))
     items = await collect(agent, UserMsg("call lookup_order order_id=A17"))
     ask = next(i for i in items if isinstance(i, RequireExternalExecutionEvent))
-    result = ToolResultBlock(id=ask.tool_calls[0].id, name="lookup_order", output=[TextBlock(text="shipped")],
-                             state=ToolResultState.SUCCESS)  # fmt: skip
+    result = ToolResultBlock(
+        id=ask.tool_calls[0].id, name="lookup_order", output=[TextBlock(text="shipped")], state=ToolResultState.SUCCESS
+    )
     resumed = await collect(agent, ExternalExecutionResultEvent(reply_id=ask.reply_id, execution_results=[result]))
     assert resumed[-1].text == "Done: lookup_order returned shipped."
 

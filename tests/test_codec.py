@@ -12,11 +12,19 @@ from agent_host.hooks import HOOKS
 from agent_host.wire import decode_kwargs, encode_kwargs
 from agentmw.v1 import hooks_pb2
 
-CALL = d.ToolCallBlock(id="c1", name="add", input='{"a": 1}', suggested_rules=[
-    d.PermissionRule(tool_name="add", behavior=d.PermissionBehavior.ALLOW)
-])  # fmt: skip
-RESULT = d.ToolResultBlock(id="c1", name="add", output=[d.TextBlock(text="2")], state=d.ToolResultState.SUCCESS,
-                           metadata={"n": 1, "nested": {"x": [1, 2.5, None, True]}})  # fmt: skip
+CALL = d.ToolCallBlock(
+    id="c1",
+    name="add",
+    input='{"a": 1}',
+    suggested_rules=[d.PermissionRule(tool_name="add", behavior=d.PermissionBehavior.ALLOW)],
+)
+RESULT = d.ToolResultBlock(
+    id="c1",
+    name="add",
+    output=[d.TextBlock(text="2")],
+    state=d.ToolResultState.SUCCESS,
+    metadata={"n": 1, "nested": {"x": [1, 2.5, None, True]}},
+)
 MSG = d.Msg(
     name="assistant",
     role=d.Role.ASSISTANT,
@@ -41,11 +49,22 @@ MSG = d.Msg(
 def sample(cls: type) -> object:
     """An instance of an event class with every required field filled in."""
     values = {
-        "session_id": "s", "reply_id": "r", "name": "n", "block_id": "b", "delta": "δ", "media_type": "audio/wav",
-        "tool_call_id": "c1", "tool_call_name": "add", "hint": [d.TextBlock(text="h")], "tool_calls": [CALL],
+        "session_id": "s",
+        "reply_id": "r",
+        "name": "n",
+        "block_id": "b",
+        "delta": "δ",
+        "media_type": "audio/wav",
+        "tool_call_id": "c1",
+        "tool_call_name": "add",
+        "hint": [d.TextBlock(text="h")],
+        "tool_calls": [CALL],
         "confirm_results": [d.ConfirmResult(confirmed=True, tool_call=CALL, rules=[])],
-        "execution_results": [RESULT], "model_name": "m", "value": {"k": [1, "2"]}, "data": "QUJD",
-    }  # fmt: skip
+        "execution_results": [RESULT],
+        "model_name": "m",
+        "value": {"k": [1, "2"]},
+        "data": "QUJD",
+    }
     fields = {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
     return cls(**fields)
 

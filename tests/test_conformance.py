@@ -61,7 +61,7 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def servers():
-    started = Servers(SCENARIOS + [PROMPT_ORDER])
+    started = Servers([*SCENARIOS, PROMPT_ORDER])
     yield started
     started.stop()
 

@@ -116,8 +116,9 @@ async def test_hitl_parked_across_restart_then_resumed_with_edited_input(procs: 
     host.stop()
     host = procs.host(db, "--middleware", f"rec={recorder.address}", name="host2")
     call = asks[0].tool_calls[0]
-    edited = ToolCallBlock(id=call.id, name=call.name, state=call.state,
-                           input=json.dumps({"to": "carol@example.com", "body": "edited"}))  # fmt: skip
+    edited = ToolCallBlock(
+        id=call.id, name=call.name, state=call.state, input=json.dumps({"to": "carol@example.com", "body": "edited"})
+    )
     answer = UserConfirmResultEvent(
         reply_id=reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=edited)]
     )

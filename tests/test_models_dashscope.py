@@ -67,8 +67,14 @@ async def _close_sdk_session() -> Any:
 
 
 def registry(server: ScriptedServer, max_retries: int = 0, **extra: Any) -> ModelRegistry:
-    spec = {"provider": "dashscope", "model_name": "qwen-plus", "base_url": f"{server.url}/api/v1",
-            "api_key": "sk-test", "max_retries": max_retries, **extra}  # fmt: skip
+    spec = {
+        "provider": "dashscope",
+        "model_name": "qwen-plus",
+        "base_url": f"{server.url}/api/v1",
+        "api_key": "sk-test",
+        "max_retries": max_retries,
+        **extra,
+    }
     return ModelRegistry.from_config({"default": "a", "models": {"a": spec}})
 
 
@@ -83,13 +89,18 @@ def add(a: int, b: int) -> str:
 
 
 async def test_streams_text_and_thinking_with_usage(server: ScriptedServer) -> None:
-    server.replies.append(dashscope_stream([
-        dashscope_chunk(reasoning="The user greets; ", usage=(12, 1)),
-        dashscope_chunk(reasoning="answer politely.", usage=(12, 2)),
-        dashscope_chunk("Hello", usage=(12, 3)),
-        dashscope_chunk(", world", usage=(12, 4)),
-        dashscope_chunk("!", finish="stop", usage=(12, 5)),
-    ], delay=0.01))  # fmt: skip
+    server.replies.append(
+        dashscope_stream(
+            [
+                dashscope_chunk(reasoning="The user greets; ", usage=(12, 1)),
+                dashscope_chunk(reasoning="answer politely.", usage=(12, 2)),
+                dashscope_chunk("Hello", usage=(12, 3)),
+                dashscope_chunk(", world", usage=(12, 4)),
+                dashscope_chunk("!", finish="stop", usage=(12, 5)),
+            ],
+            delay=0.01,
+        )
+    )
     agent = Agent(models=registry(server), model="a", system_prompt="Be brief.")
 
     events, final = await run_reply(agent, "hi")
@@ -116,13 +127,22 @@ async def test_streams_text_and_thinking_with_usage(server: ScriptedServer) -> N
 
 
 async def test_model_yields_deltas_then_one_complete_chunk(server: ScriptedServer) -> None:
-    server.replies.append(dashscope_stream([
-        dashscope_chunk(reasoning="hmm", usage=(3, 1)),
-        dashscope_chunk("a", usage=(3, 2)),
-        dashscope_chunk("b", finish="stop", usage=(3, 3)),
-    ]))  # fmt: skip
-    model = DashScopeChatModel(id="m", model_name="qwen-plus", base_url=f"{server.url}/api/v1", api_key="k",
-                               parameters={"temperature": 0.2, "enable_thinking": True})  # fmt: skip
+    server.replies.append(
+        dashscope_stream(
+            [
+                dashscope_chunk(reasoning="hmm", usage=(3, 1)),
+                dashscope_chunk("a", usage=(3, 2)),
+                dashscope_chunk("b", finish="stop", usage=(3, 3)),
+            ]
+        )
+    )
+    model = DashScopeChatModel(
+        id="m",
+        model_name="qwen-plus",
+        base_url=f"{server.url}/api/v1",
+        api_key="k",
+        parameters={"temperature": 0.2, "enable_thinking": True},
+    )
 
     chunks = [c async for c in await model([UserMsg("x")])]
 
@@ -163,13 +183,19 @@ async def test_non_streaming_call(server: ScriptedServer) -> None:
 
 
 async def test_streamed_tool_calls_split_across_chunks(server: ScriptedServer) -> None:
-    server.replies.append(dashscope_stream([
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, '{"ci', id="call_w", name="get_weather")]),
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, 'ty": "Pa')]),
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, 'ris"}')]),
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(1, '{"a": 2,', id="call_a", name="add")]),
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(1, ' "b": 3}')], finish="tool_calls", usage=(30, 9)),
-    ]))  # fmt: skip
+    server.replies.append(
+        dashscope_stream(
+            [
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, '{"ci', id="call_w", name="get_weather")]),
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, 'ty": "Pa')]),
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, 'ris"}')]),
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(1, '{"a": 2,', id="call_a", name="add")]),
+                dashscope_chunk(
+                    tool_calls=[dashscope_tool_fragment(1, ' "b": 3}')], finish="tool_calls", usage=(30, 9)
+                ),
+            ]
+        )
+    )
     server.replies.append(dashscope_stream([dashscope_chunk("Paris is sunny; 2+3=5.", finish="stop", usage=(60, 8))]))
     agent = Agent(models=registry(server), model="a", toolkit=Toolkit([get_weather, add]))
 
@@ -188,21 +214,33 @@ async def test_streamed_tool_calls_split_across_chunks(server: ScriptedServer) -
     assert [t["function"]["name"] for t in first.body["parameters"]["tools"]] == ["get_weather", "add"]
     assert "tool_choice" not in first.body["parameters"]  # "auto" is the default: not sent
     assert second.body["input"]["messages"][2:] == [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_w", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-            {"id": "call_a", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_w",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {"id": "call_a", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_w", "name": "get_weather", "content": "Paris: sunny, 21C"},
         {"role": "tool", "tool_call_id": "call_a", "name": "add", "content": "5"},
-    ]  # fmt: skip
+    ]
 
 
 async def test_tool_call_without_id_gets_a_stable_one(server: ScriptedServer) -> None:
-    server.replies.append(dashscope_stream([
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, "", name="get_weather")]),
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, '{"city": ')]),
-        dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, '"Oslo"}')], finish="tool_calls"),
-    ]))  # fmt: skip
+    server.replies.append(
+        dashscope_stream(
+            [
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, "", name="get_weather")]),
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, '{"city": ')]),
+                dashscope_chunk(tool_calls=[dashscope_tool_fragment(0, '"Oslo"}')], finish="tool_calls"),
+            ]
+        )
+    )
     model = DashScopeChatModel(id="m", base_url=f"{server.url}/api/v1", api_key="k")
     tools = Toolkit([get_weather]).schemas()
 
@@ -309,11 +347,21 @@ async def test_registry_fallback_after_a_fatal_error(server: ScriptedServer) -> 
     with ScriptedServer() as server_b:
         server.replies.append(dashscope_error(401, "InvalidApiKey", "Invalid API-key provided."))
         server_b.replies.append(openai_stream([openai_chunk("b here"), openai_usage_chunk(3, 2)]))
-        reg = ModelRegistry.from_config({"default": "a", "models": {
-            "a": {"provider": "dashscope", "base_url": f"{server.url}/api/v1", "api_key": "bad", "max_retries": 2,
-                  "fallback": ["b"]},
-            "b": {"provider": "openai", "base_url": f"{server_b.url}/v1"},
-        }})  # fmt: skip
+        reg = ModelRegistry.from_config(
+            {
+                "default": "a",
+                "models": {
+                    "a": {
+                        "provider": "dashscope",
+                        "base_url": f"{server.url}/api/v1",
+                        "api_key": "bad",
+                        "max_retries": 2,
+                        "fallback": ["b"],
+                    },
+                    "b": {"provider": "openai", "base_url": f"{server_b.url}/v1"},
+                },
+            }
+        )
         agent = Agent(models=reg, model="a")
 
         events, final = await run_reply(agent, "hi")

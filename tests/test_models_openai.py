@@ -70,8 +70,14 @@ def server() -> Any:
 
 
 def registry(server: ScriptedServer, max_retries: int = 0, **extra: Any) -> ModelRegistry:
-    spec = {"provider": "openai", "model_name": "qwen2.5-7b-instruct", "base_url": f"{server.url}/v1",
-            "api_key": "sk-local", "max_retries": max_retries, **extra}  # fmt: skip
+    spec = {
+        "provider": "openai",
+        "model_name": "qwen2.5-7b-instruct",
+        "base_url": f"{server.url}/v1",
+        "api_key": "sk-local",
+        "max_retries": max_retries,
+        **extra,
+    }
     return ModelRegistry.from_config({"default": "a", "models": {"a": spec}})
 
 
@@ -88,15 +94,20 @@ def get_weather(city: str) -> str:
 
 
 async def test_streams_text_reasoning_and_usage(server: ScriptedServer) -> None:
-    server.replies.append(openai_stream([
-        openai_chunk("", reasoning=None),  # the role-only first chunk many servers send
-        openai_chunk(reasoning="Greeting; "),
-        openai_chunk(reasoning="reply."),
-        openai_chunk("Hi"),
-        openai_chunk(" there"),
-        openai_chunk(finish="stop"),
-        openai_usage_chunk(17, 6),
-    ], delay=0.01))  # fmt: skip
+    server.replies.append(
+        openai_stream(
+            [
+                openai_chunk("", reasoning=None),  # the role-only first chunk many servers send
+                openai_chunk(reasoning="Greeting; "),
+                openai_chunk(reasoning="reply."),
+                openai_chunk("Hi"),
+                openai_chunk(" there"),
+                openai_chunk(finish="stop"),
+                openai_usage_chunk(17, 6),
+            ],
+            delay=0.01,
+        )
+    )
     reg = registry(server)
     agent = Agent(models=reg, model="a", system_prompt="Be brief.")
 
@@ -121,15 +132,19 @@ async def test_streams_text_reasoning_and_usage(server: ScriptedServer) -> None:
 
 
 async def test_streamed_tool_calls_split_across_chunks(server: ScriptedServer) -> None:
-    server.replies.append(openai_stream([
-        openai_chunk(tool_calls=[openai_tool_fragment(0, "", id="call_1", name="get_weather")]),
-        openai_chunk(tool_calls=[openai_tool_fragment(0, '{"city"')]),
-        openai_chunk(tool_calls=[openai_tool_fragment(0, ': "Lyon"}')]),
-        openai_chunk(tool_calls=[openai_tool_fragment(1, '{"city": ', id="call_2", name="get_weather")]),
-        openai_chunk(tool_calls=[openai_tool_fragment(1, '"Nice"}')]),
-        openai_chunk(finish="tool_calls"),
-        openai_usage_chunk(40, 20),
-    ]))  # fmt: skip
+    server.replies.append(
+        openai_stream(
+            [
+                openai_chunk(tool_calls=[openai_tool_fragment(0, "", id="call_1", name="get_weather")]),
+                openai_chunk(tool_calls=[openai_tool_fragment(0, '{"city"')]),
+                openai_chunk(tool_calls=[openai_tool_fragment(0, ': "Lyon"}')]),
+                openai_chunk(tool_calls=[openai_tool_fragment(1, '{"city": ', id="call_2", name="get_weather")]),
+                openai_chunk(tool_calls=[openai_tool_fragment(1, '"Nice"}')]),
+                openai_chunk(finish="tool_calls"),
+                openai_usage_chunk(40, 20),
+            ]
+        )
+    )
     server.replies.append(openai_stream([openai_chunk("Both sunny."), openai_usage_chunk(80, 3)]))
     reg = registry(server)
     agent = Agent(models=reg, model="a", toolkit=Toolkit([get_weather]))
@@ -158,11 +173,28 @@ async def test_streamed_tool_calls_split_across_chunks(server: ScriptedServer) -
 
 async def test_tool_choice_and_non_streaming(server: ScriptedServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    answer = {"id": "chatcmpl-9", "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "tool_calls",
-              "message": {"role": "assistant", "content": None, "tool_calls": [
-                  {"id": "call_x", "type": "function",
-                   "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'}},
-              ]}}], "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}}  # fmt: skip
+    answer = {
+        "id": "chatcmpl-9",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_x",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Rome"}'},
+                        },
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13},
+    }
     server.replies.append(Reply(body=answer))
     model = OpenAICompatibleModel(id="local", base_url=f"{server.url}/v1/", stream=False, parameters={"seed": 7})
 
@@ -213,17 +245,30 @@ async def test_auth_error_fails_at_once_with_the_provider_message(server: Script
 @pytest.mark.parametrize(
     ("reply", "message", "kind", "retryable"),
     [
-        (Reply(status=503, body={"object": "error", "message": "engine overloaded", "code": 503}),
-         "engine overloaded", ErrorType.UPSTREAM, True),  # vLLM's error shape
-        (Reply(status=404, body={"error": "model 'llama9' not found"}),
-         "model 'llama9' not found", ErrorType.INVALID_REQUEST, False),  # Ollama's
-        (Reply(status=422, body={"detail": "messages: field required"}),
-         "messages: field required", ErrorType.INVALID_REQUEST, False),  # FastAPI validation
+        (
+            Reply(status=503, body={"object": "error", "message": "engine overloaded", "code": 503}),
+            "engine overloaded",
+            ErrorType.UPSTREAM,
+            True,
+        ),  # vLLM's error shape
+        (
+            Reply(status=404, body={"error": "model 'llama9' not found"}),
+            "model 'llama9' not found",
+            ErrorType.INVALID_REQUEST,
+            False,
+        ),  # Ollama's
+        (
+            Reply(status=422, body={"detail": "messages: field required"}),
+            "messages: field required",
+            ErrorType.INVALID_REQUEST,
+            False,
+        ),  # FastAPI validation
         (Reply(status=500, body="upstream exploded"), "upstream exploded", ErrorType.UPSTREAM, True),
     ],
-)  # fmt: skip
-async def test_error_mapping(server: ScriptedServer, reply: Reply, message: str, kind: ErrorType,
-                             retryable: bool) -> None:  # fmt: skip
+)
+async def test_error_mapping(
+    server: ScriptedServer, reply: Reply, message: str, kind: ErrorType, retryable: bool
+) -> None:
     server.replies.append(reply)
     model = OpenAICompatibleModel(id="m", base_url=f"{server.url}/v1")
 
@@ -275,32 +320,40 @@ async def test_key_and_base_url_from_the_environment(server: ScriptedServer, mon
 
 
 def test_chat_messages_split_replies_around_tool_results() -> None:
-    reply = Msg(name="assistant", role=Role.ASSISTANT, content=[
-        ThinkingBlock(thinking="not sent back"),
-        TextBlock(text="Let me check."),
-        ToolCallBlock(id="c1", name="get_weather", input='{"city": "Oslo"}'),
-        ToolCallBlock(id="c2", name="now", input=""),
-        ToolResultBlock(id="c1", name="get_weather", output=[TextBlock(text="Oslo: snow")]),
-        ToolResultBlock(id="c2", name="now", output="12:00"),
-        HintBlock(hint="You have reached the maximum of iterations."),
-        TextBlock(text="Snowing at noon."),
-    ])  # fmt: skip
+    reply = Msg(
+        name="assistant",
+        role=Role.ASSISTANT,
+        content=[
+            ThinkingBlock(thinking="not sent back"),
+            TextBlock(text="Let me check."),
+            ToolCallBlock(id="c1", name="get_weather", input='{"city": "Oslo"}'),
+            ToolCallBlock(id="c2", name="now", input=""),
+            ToolResultBlock(id="c1", name="get_weather", output=[TextBlock(text="Oslo: snow")]),
+            ToolResultBlock(id="c2", name="now", output="12:00"),
+            HintBlock(hint="You have reached the maximum of iterations."),
+            TextBlock(text="Snowing at noon."),
+        ],
+    )
     messages = [SystemMsg("sys"), UserMsg("weather?"), reply, AssistantMsg("Anything else?"), UserMsg("no")]
 
     assert to_chat_messages(messages) == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "Let me check.", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
-            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
-        ]},
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "Oslo: snow"},
         {"role": "tool", "tool_call_id": "c2", "name": "now", "content": "12:00"},
         {"role": "user", "content": "You have reached the maximum of iterations."},
         {"role": "assistant", "content": "Snowing at noon."},
         {"role": "assistant", "content": "Anything else?"},
         {"role": "user", "content": "no"},
-    ]  # fmt: skip
+    ]
 
 
 def test_tool_choice_mapping() -> None:
@@ -323,10 +376,18 @@ async def fallback_server(tmp_path: Path) -> Any:
     """The example ModelFallbackMiddleware in its own process, on a free loopback port."""
     log = (tmp_path / "fallback.log").open("wb")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mw_servers.sdk", "mw_servers.examples.fallback:ModelFallbackMiddleware",
-        "--arg", 'fallback="b"', "--address", "127.0.0.1:0",
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=log,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "mw_servers.sdk",
+        "mw_servers.examples.fallback:ModelFallbackMiddleware",
+        "--arg",
+        'fallback="b"',
+        "--address",
+        "127.0.0.1:0",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=log,
+    )
     try:
         address = None
         while address is None:
@@ -351,12 +412,26 @@ async def test_fallback_middleware_switches_to_the_second_model(fallback_server:
     with ScriptedServer() as server_a, ScriptedServer() as server_b:
         server_a.replies.append(openai_error(401, "Invalid key for model a.", "invalid_request_error"))
         server_b.replies.append(dashscope_stream([dashscope_chunk("Answer from "), dashscope_chunk("model b")]))
-        reg = ModelRegistry.from_config({"default": "a", "models": {
-            "a": {"provider": "openai", "model_name": "a-model", "base_url": f"{server_a.url}/v1", "api_key": "bad",
-                  "max_retries": 2},
-            "b": {"provider": "dashscope", "model_name": "qwen-plus", "base_url": f"{server_b.url}/api/v1",
-                  "api_key": "sk-b"},
-        }})  # fmt: skip
+        reg = ModelRegistry.from_config(
+            {
+                "default": "a",
+                "models": {
+                    "a": {
+                        "provider": "openai",
+                        "model_name": "a-model",
+                        "base_url": f"{server_a.url}/v1",
+                        "api_key": "bad",
+                        "max_retries": 2,
+                    },
+                    "b": {
+                        "provider": "dashscope",
+                        "model_name": "qwen-plus",
+                        "base_url": f"{server_b.url}/api/v1",
+                        "api_key": "sk-b",
+                    },
+                },
+            }
+        )
         remote = await RemoteMiddleware(fallback_server).connect()
         try:
             agent = Agent(models=reg, model="a", middlewares=[remote])

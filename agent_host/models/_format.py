@@ -66,17 +66,20 @@ def _assistant_messages(msg: Msg) -> list[dict[str, Any]]:
             if turn is None:
                 turn = {"role": "assistant", "content": ""}
             if isinstance(block, ToolCallBlock):
-                turn.setdefault("tool_calls", []).append({
-                    "id": block.id,
-                    "type": "function",
-                    "function": {"name": block.name, "arguments": block.input or "{}"},
-                })  # fmt: skip
+                turn.setdefault("tool_calls", []).append(
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": block.input or "{}"},
+                    }
+                )
             else:
                 turn["content"] += _text_of([block])
         elif isinstance(block, ToolResultBlock):
             flush()
-            out.append({"role": "tool", "tool_call_id": block.id, "name": block.name,
-                        "content": _text_of(block.output)})  # fmt: skip
+            out.append(
+                {"role": "tool", "tool_call_id": block.id, "name": block.name, "content": _text_of(block.output)}
+            )
         elif isinstance(block, HintBlock):
             flush()
             out.append({"role": "user", "content": _text_of([block])})
@@ -228,14 +231,19 @@ def http_error(provider: str, model: str, status: int, message: str, code: str =
     if "throttl" in code.lower():  # DashScope's throttling codes, whatever the status
         kind, retryable = ErrorType.RATE_LIMIT, True
     label = f"HTTP {status}" + (f" {code}" if code else "")
-    return ModelError(f"{provider} model {model!r}: {label}: {message or 'no message'}", error_type=kind,
-                      retryable=retryable, status=status)  # fmt: skip
+    return ModelError(
+        f"{provider} model {model!r}: {label}: {message or 'no message'}",
+        error_type=kind,
+        retryable=retryable,
+        status=status,
+    )
 
 
 def connection_error(provider: str, model: str, exc: BaseException) -> ModelError:
     what = str(exc) or type(exc).__name__
-    return ModelError(f"{provider} model {model!r}: connection failed: {what}", error_type=ErrorType.CONNECTION,
-                      retryable=True)  # fmt: skip
+    return ModelError(
+        f"{provider} model {model!r}: connection failed: {what}", error_type=ErrorType.CONNECTION, retryable=True
+    )
 
 
 async def primed(stream: AsyncGenerator[T, None]) -> AsyncIterator[T]:

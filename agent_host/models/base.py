@@ -24,8 +24,14 @@ from ..data import (
 class ModelError(Exception):
     """A model call failed. ``retryable`` errors (throttling, 5xx, connection) may be retried."""
 
-    def __init__(self, message: str, *, error_type: ErrorType = ErrorType.UNKNOWN, retryable: bool = False,
-                 status: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: ErrorType = ErrorType.UNKNOWN,
+        retryable: bool = False,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.error_type = error_type
         self.retryable = retryable
@@ -37,8 +43,16 @@ class ChatModel:
 
     provider = "unknown"
 
-    def __init__(self, *, id: str, model_name: str = "", context_size: int = 131072, stream: bool = True,
-                 parameters: dict[str, Any] | None = None, base_url: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        id: str,
+        model_name: str = "",
+        context_size: int = 131072,
+        stream: bool = True,
+        parameters: dict[str, Any] | None = None,
+        base_url: str = "",
+    ) -> None:
         self.id = id
         self.model_name = model_name or id
         self.context_size = context_size
@@ -140,8 +154,9 @@ class Accumulator:
         usage = self.usage or ChatUsage()
         usage.time = usage.time or round(time.monotonic() - started, 6)
         kw = {"id": self.id} if self.id else {}
-        return ChatResponse(content=list(self.blocks.values()), is_last=True, usage=usage,
-                            finished_reason=finished, **kw)  # fmt: skip
+        return ChatResponse(
+            content=list(self.blocks.values()), is_last=True, usage=usage, finished_reason=finished, **kw
+        )
 
 
 def _copy_block(block: Any) -> Any:

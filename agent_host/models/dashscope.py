@@ -56,8 +56,10 @@ class DashScopeChatModel(ChatModel):
     ) -> AsyncIterator[ChatResponse]:
         api_key = self.api_key or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
         if not api_key:
-            raise ModelError(f"dashscope model {self.id!r}: no API key (set api_key or DASHSCOPE_API_KEY)",
-                             error_type=ErrorType.SETUP)  # fmt: skip
+            raise ModelError(
+                f"dashscope model {self.id!r}: no API key (set api_key or DASHSCOPE_API_KEY)",
+                error_type=ErrorType.SETUP,
+            )
         request: dict[str, Any] = {
             **self.parameters,
             "model": self.model_name,
@@ -111,8 +113,9 @@ class DashScopeChatModel(ChatModel):
     def _check(self, response: Any) -> None:
         status = int(response.get("status_code") or 200)
         if status != 200:
-            raise http_error(self.provider, self.model_name, status, response.get("message") or "",
-                             response.get("code") or "")  # fmt: skip
+            raise http_error(
+                self.provider, self.model_name, status, response.get("message") or "", response.get("code") or ""
+            )
 
 
 async def _once(response: Any) -> AsyncIterator[Any]:

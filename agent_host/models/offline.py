@@ -127,8 +127,10 @@ class OfflineRuleModel(ChatModel):
         for rule in self.rules:
             match = rule["regex"].search(text)
             if match and rule["tool"] in names:
-                args = {k: v.format(*match.groups(), **match.groupdict()) if isinstance(v, str) else v
-                        for k, v in rule.get("input", {}).items()}  # fmt: skip
+                args = {
+                    k: v.format(*match.groups(), **match.groupdict()) if isinstance(v, str) else v
+                    for k, v in rule.get("input", {}).items()
+                }
                 calls.append({"name": rule["tool"], "input": args})
         return calls
 

@@ -104,15 +104,18 @@ class OpenAICompatibleModel(ChatModel):
             ) as response:
                 if response.status_code != 200:
                     await response.aread()
-                    raise http_error(self.provider, self.model_name, response.status_code,
-                                     *_error_text(response.text))  # fmt: skip
+                    raise http_error(self.provider, self.model_name, response.status_code, *_error_text(response.text))
                 events = _sse_events(response) if self.stream else _json_body(response)
                 async for event in events:
                     if event.get("error"):  # some servers report failures inside the stream
                         error = event["error"]
                         status = error.get("code") if isinstance(error, dict) else None
-                        raise http_error(self.provider, self.model_name, status if isinstance(status, int) else 500,
-                                         *_error_text(json.dumps(event)))  # fmt: skip
+                        raise http_error(
+                            self.provider,
+                            self.model_name,
+                            status if isinstance(status, int) else 500,
+                            *_error_text(json.dumps(event)),
+                        )
                     response_id = event.get("id") or response_id
                     if event.get("usage"):
                         usage = _usage(event["usage"])
@@ -131,8 +134,11 @@ class OpenAICompatibleModel(ChatModel):
         except httpx.TransportError as exc:
             raise connection_error(self.provider, self.model_name, exc) from exc
         except json.JSONDecodeError as exc:
-            raise ModelError(f"{self.provider} model {self.model_name!r}: malformed stream event: {exc}",
-                             error_type=ErrorType.UPSTREAM, retryable=True) from exc  # fmt: skip
+            raise ModelError(
+                f"{self.provider} model {self.model_name!r}: malformed stream event: {exc}",
+                error_type=ErrorType.UPSTREAM,
+                retryable=True,
+            ) from exc
         yield ChatResponse(content=merger.finish(), is_last=False, id=response_id or new_id(), usage=usage)
 
 

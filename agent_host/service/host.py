@@ -281,8 +281,14 @@ class Host:
                 await remote.close()
                 raise
             hooks = [h for h in HOOKS if remote.implements(h)]
-            log.info("attached middleware %s at %s (key %s; hooks: %s; tools: %s)", remote.name, mc.address,
-                     remote.key, ", ".join(hooks) or "none", ", ".join(tools) or "none")  # fmt: skip
+            log.info(
+                "attached middleware %s at %s (key %s; hooks: %s; tools: %s)",
+                remote.name,
+                mc.address,
+                remote.key,
+                ", ".join(hooks) or "none",
+                ", ".join(tools) or "none",
+            )
             return attached
 
     async def detach(self, name: str) -> Attached:

@@ -81,8 +81,13 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
-        mc = MiddlewareConfig(address=request.address, name=request.name, fail_open=request.fail_open,
-                              timeout=request.timeout or 10.0, source="AttachMiddleware")  # fmt: skip
+        mc = MiddlewareConfig(
+            address=request.address,
+            name=request.name,
+            fail_open=request.fail_open,
+            timeout=request.timeout or 10.0,
+            source="AttachMiddleware",
+        )
         position = request.position if request.HasField("position") else None
         if position is not None and not 0 <= position <= len(self.host.middleware):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"position {position} is out of range")
@@ -114,8 +119,14 @@ async def _watch_cancel(request_iterator: Any, run: ReplyRun) -> None:
 
 
 def _summary(r: SessionRecord) -> host_pb2.SessionSummary:
-    return host_pb2.SessionSummary(session_id=r.session_id, created_at=r.created_at, updated_at=r.updated_at,
-                                   message_count=r.message_count, title=r.title, parked=r.parked)  # fmt: skip
+    return host_pb2.SessionSummary(
+        session_id=r.session_id,
+        created_at=r.created_at,
+        updated_at=r.updated_at,
+        message_count=r.message_count,
+        title=r.title,
+        parked=r.parked,
+    )
 
 
 def _info(a: Attached) -> host_pb2.MiddlewareInfo:

@@ -31,5 +31,7 @@ class ModelFallbackMiddleware(MiddlewareBase):
 
 
 if __name__ == "__main__":
-    serve(ModelFallbackMiddleware(sys.argv[2] if len(sys.argv) > 2 else "model-b"),
-          sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:50074")  # fmt: skip
+    serve(
+        ModelFallbackMiddleware(sys.argv[2] if len(sys.argv) > 2 else "model-b"),
+        sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:50074",
+    )

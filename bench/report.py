@@ -1,0 +1,474 @@
+"""BENCHMARKS.md: the ratios against the targets first, then the absolute values for context."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from .harness import Series, per_round, ratio, spread
+from .scenarios import BYPASS_N, CONCURRENT, ITEMS, Protocol, ReplyTraffic, Unimplemented
+
+FAIR_FRACTION = 0.5  # our reading of "a fraction of AgentScope's" time to first text
+
+
+@dataclass
+class Results:
+    rounds: int
+    env_start: dict[str, str] = field(default_factory=dict)
+    env_end: dict[str, str] = field(default_factory=dict)
+    protocol: Protocol | None = None
+    calls: dict[str, Series] = field(default_factory=dict)
+    bypass: dict[str, Series] = field(default_factory=dict)
+    unimplemented: Unimplemented | None = None
+    traffic: ReplyTraffic | None = None
+    replies: dict[str, Series] = field(default_factory=dict)
+    fairness: dict[str, Series] = field(default_factory=dict)
+    peer_ok: bool = False  # the AgentScope peer ran, and its variants are in bypass/replies/fairness
+    peer_note: str = ""
+    duration: float = 0.0
+
+
+def environment() -> dict[str, str]:
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "absent"
+
+    cpu_model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return {
+        "cpus": f"{os.cpu_count()} (usable by this process: {len(os.sched_getaffinity(0))})",
+        "cpu model": cpu_model or "unknown",
+        "python": sys.version.split()[0] + f" ({platform.python_implementation()})",
+        "grpcio": version("grpcio"),
+        "protobuf": version("protobuf"),
+        "platform": platform.platform(),
+        "load average": load,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+# -- formatting ----------------------------------------------------------------------------------------
+
+
+def us(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1e6:,.1f} µs"
+
+
+def ms(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1e3:,.1f} ms"
+
+
+def times(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.2f}x"
+
+
+def iqr(values: Sequence[float], unit: Any = us) -> str:
+    lo, hi = spread(values)
+    return f"{unit(lo)} .. {unit(hi)}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("**met**" if ok else "**missed**")
+
+
+# -- derived figures -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    hook_ratio: float
+    compress_ratio: float
+    hook_floor_ratio: float  # the 2-exchange bare stream over the 1-exchange one: the protocol's floor
+    hook_over_floor: float  # the hook over the 2-exchange bare stream
+    reused_estimate: float  # 2 ping-pongs on an open stream over 1a: a pass-through on a reused stream
+    item_values: list[float]  # per round, seconds per intercepted item (with - without) / N
+    item_ratio: float
+    item_cpu: float
+    bypass1: list[float]  # per round, CPU seconds per bypassed item per layer, 1 layer
+    bypass1_wall: list[float]  # the same in wall seconds
+    bypass4: list[float]  # 4 layers
+    bypass4_wall: list[float]
+    inproc_layer: list[float]  # per round, seconds per item per in-process pass-through layer
+    unimpl_cost: list[float]  # per round, seconds per hook call, attached minus none
+
+
+def derive(r: Results) -> Figures:
+    c, b = r.calls, r.bypass
+    item_values = per_round(c["stream_intercept"].walls, c["stream_none"].walls, lambda a, z: (a - z) / ITEMS)
+    item_cpu = statistics.median(
+        per_round(c["stream_intercept"].cpus, c["stream_none"].cpus, lambda a, z: (a - z) / ITEMS)
+    )
+
+    def slope(key: str, layers: int, wall: bool = False) -> list[float]:
+        get = (lambda s: s.walls) if wall else (lambda s: s.cpus)
+        mw_n, mw_0 = get(b[f"{key}_n"]), get(b[f"{key}_0"])
+        none_n, none_0 = get(b["none_n"]), get(b["none_0"])
+        return [
+            ((a - z) - (n - o)) / (BYPASS_N * layers) for a, z, n, o in zip(mw_n, mw_0, none_n, none_0, strict=True)
+        ]
+
+    inproc = per_round(b["inproc4_n"].walls, b["none_n"].walls, lambda a, z: (a - z) / (BYPASS_N * 4))
+    u = r.unimplemented
+    assert u is not None
+    unimpl = per_round(u.cost["attached"].walls, u.cost["none"].walls, lambda a, z: (a - z) / 2)
+    return Figures(
+        hook_ratio=ratio(c["hook_permission"].walls, c["bare_exchange"].walls),
+        compress_ratio=ratio(c["hook_compress"].walls, c["bare_exchange"].walls),
+        hook_floor_ratio=ratio(c["bare_two"].walls, c["bare_exchange"].walls),
+        hook_over_floor=ratio(c["hook_permission"].walls, c["bare_two"].walls),
+        reused_estimate=ratio([2 * w for w in c["bare_pingpong"].walls], c["bare_exchange"].walls),
+        item_values=item_values,
+        item_ratio=statistics.median(v / p for v, p in zip(item_values, c["bare_pingpong"].walls, strict=True)),
+        item_cpu=item_cpu,
+        bypass1=slope("end1", 1),
+        bypass1_wall=slope("end1", 1, wall=True),
+        bypass4=slope("end4", 4),
+        bypass4_wall=slope("end4", 4, wall=True),
+        inproc_layer=inproc,
+        unimpl_cost=unimpl,
+    )
+
+
+# -- the document --------------------------------------------------------------------------------------
+
+
+ABSOLUTE_HEADER = ["what", "wall per op", "IQR over rounds", "host CPU per op", "server CPU per op"]
+REPLY_HEADER = ["variant", "host CPU (process_time)", "IQR", "time to first text", "reply wall", "middleware CPU"]
+FAIRNESS_HEADER = ["variant", "median time to first text", "median reply end", "host CPU per reply"]
+TRAFFIC_HEADER = ["case", "streams", "host → middleware messages", "middleware → host messages", "bytes out / in"]
+
+
+def render(r: Results) -> str:
+    f = derive(r)
+    return "\n".join(
+        [
+            "# Benchmarks",
+            "",
+            "Generated by `make bench` (`python -m bench.run`); do not edit by hand. Middleware servers and the "
+            "bare echo server run as separate processes on 127.0.0.1; this process is the host. Compared variants "
+            f"run interleaved, {r.rounds} rounds (order rotating each round, one warm-up round discarded); each "
+            "figure is the median over rounds, each ratio the median of the per-round ratios. The machine is "
+            "shared and noisy: read the ratios, and the absolute values only as context.",
+            "",
+            "## Environment",
+            "",
+            table(["", ""], _environment_rows(r)),
+            "",
+            "## Targets (ratios measured in this run)",
+            "",
+            table(["what", "measured", "target", "verdict"], _target_rows(r, f)),
+            "",
+            "## Absolute values (context only; medians, this machine, this run)",
+            "",
+            table(ABSOLUTE_HEADER, _absolute_rows(r, f)),
+            "",
+            "### Whole replies: 3 tool rounds + 1,000 text deltas (OfflineRuleModel script)",
+            "",
+            table(REPLY_HEADER, _reply_rows(r)),
+            "",
+            f"### Fairness: {CONCURRENT} concurrent replies of 1,000 deltas, instant model",
+            "",
+            table(FAIRNESS_HEADER, _fairness_rows(r)),
+            "",
+            "### Protocol traffic (in the first two rows each middleware → host message is a round trip)",
+            "",
+            table(TRAFFIC_HEADER, _traffic_rows(r)),
+            "",
+            _server_side(r),
+            "",
+            "## Method",
+            "",
+            *METHOD,
+            "",
+        ]
+    )
+
+
+def _environment_rows(r: Results) -> list[list[str]]:
+    return [[k, v] for k, v in r.env_start.items()] + [
+        ["load average at the end", r.env_end.get("load average", "?")],
+        ["run time", f"{r.duration:.0f} s"],
+        ["AgentScope peer", r.peer_note],
+    ]
+
+
+def _target_rows(r: Results, f: Figures) -> list[list[str]]:
+    u = r.unimplemented
+    assert u is not None
+    rep = r.replies
+    other_streams = sum(n for hook, n in u.streams_by_hook.items() if hook != "on_reply")
+    other_calls = sum(n for hook, n in u.server_calls.items() if hook != "on_reply")
+    bypass_msgs = u.messages_per_reply[BYPASS_N] - u.messages_per_reply[0]
+    bypass_layer = statistics.median(f.bypass4)
+    unimpl = statistics.median(f.unimpl_cost)
+    rows = [
+        [
+            "Hook a middleware does not implement: RPCs during a full reply (6 hooks not implemented)",
+            f"{other_streams} streams opened (host), {other_calls} invocations (server)",
+            "0",
+            verdict(other_streams == 0 and other_calls == 0),
+        ],
+        ["…and its host cost per hook call (attached - none)", us(unimpl), "≈ 0", verdict(abs(unimpl) < 1e-6)],
+        [
+            f"Unsubscribed item: extra messages, {BYPASS_N:,}-delta reply vs 0-delta",
+            str(bypass_msgs),
+            "0",
+            verdict(bypass_msgs == 0),
+        ],
+        [
+            "Unsubscribed item: host CPU per item per layer (4 layers)",
+            us(bypass_layer),
+            "< 2 µs",
+            verdict(bypass_layer < 2e-6),
+        ],
+        [
+            "One remote hook invocation (on_check_permission pass-through) / bare new-stream exchange (1a)",
+            times(f.hook_ratio),
+            "≤ 1.25x",
+            verdict(f.hook_ratio <= 1.25),
+        ],
+        [
+            "…on_compress_context pass-through / 1a",
+            times(f.compress_ratio),
+            "≤ 1.25x",
+            verdict(f.compress_ratio <= 1.25),
+        ],
+        [
+            "…context: the floor of 2 round trips on a new stream (1c) / 1a; the hook / 1c",
+            f"{times(f.hook_floor_ratio)}; {times(f.hook_over_floor)}",
+            "—",
+            "—",
+        ],
+        [
+            "…context: 2 round trips on an already-open stream (2 x 1b) / 1a, i.e. a pass-through on a reused stream",
+            times(f.reused_estimate),
+            "—",
+            "—",
+        ],
+        [
+            "One intercepted item (on_reply pass-through) / bare ping-pong on an open stream (1b)",
+            times(f.item_ratio),
+            "≤ 1.25x",
+            verdict(f.item_ratio <= 1.25),
+        ],
+    ]
+    if r.peer_ok:
+        rows += _peer_rows(r)
+    else:
+        rows.append(["AgentScope peer targets (CPU ≤ 1.5x, first text ≤ +5 ms, fairness)", r.peer_note, "—", "n/a"])
+    rows.append(
+        [
+            "Reply host CPU: 1 remote middleware (4 hooks) / no middleware (this host; no target)",
+            times(ratio(rep["remote"].cpus, rep["none"].cpus)),
+            "—",
+            "—",
+        ]
+    )
+    return rows
+
+
+def _peer_rows(r: Results) -> list[list[str]]:
+    """The targets against AgentScope 2.0.11 in-process. The four built-ins are not servers yet, so
+    pass-through middleware with their kind of subscriptions stand in for them: one remote
+    middleware on four hooks (a lower bound) and four of them (an upper bound: the built-ins
+    implement fewer hooks each), against the same number of in-process pass-throughs."""
+    rep, fair = r.replies, r.fairness
+    rows = []
+    for key, peer_key, label in (("remote", "peer_mw", "1 middleware"), ("remote4", "peer_mw4", "4 middleware")):
+        cpu = ratio(rep[key].cpus, rep[peer_key].cpus)
+        ttft = statistics.median(per_round(rep[key].firsts, rep[peer_key].firsts, lambda a, b: a - b))
+        rows += [
+            [f"Reply host CPU, 3 tool rounds + 1,000 deltas: {label} (4 hooks each) remote / AgentScope with "
+             f"{label} in-process", times(cpu), "≤ 1.5x", verdict(cpu <= 1.5)],
+            [f"Time to first text, same reply, {label}: remote - AgentScope in-process", ms(ttft), "≤ +5 ms",
+             verdict(ttft <= 0.005)],
+        ]  # fmt: skip
+    for key, label in (("none", "no middleware"), ("remote", "1 remote middleware"),
+                       ("none_yielding", "no middleware + fix prototype")):  # fmt: skip
+        frac = ratio(fair[key].firsts, fair["peer"].firsts)
+        rows.append([f"Median time to first text, {CONCURRENT} concurrent replies, {label} / AgentScope's (no "
+                     "middleware)", times(frac), f"a fraction (≤ {FAIR_FRACTION}x)",
+                     verdict(frac <= FAIR_FRACTION)])  # fmt: skip
+    return rows
+
+
+def _absolute_rows(r: Results, f: Figures) -> list[list[str]]:
+    def row(label: str, s: Series) -> list[str]:
+        return [label, us(s.wall), iqr(s.walls), us(s.cpu), us(s.server_cpu)]
+
+    c = r.calls
+    rows = [
+        row("1a bare new-stream exchange (write, read, half-close, status)", c["bare_exchange"]),
+        row("1b bare ping-pong on an open stream", c["bare_pingpong"]),
+        row("1c bare new stream with two exchanges (the floor of a value-hook pass-through)", c["bare_two"]),
+        row("2 remote on_check_permission pass-through", c["hook_permission"]),
+        row("2 remote on_compress_context pass-through", c["hook_compress"]),
+        [
+            f"3 intercepted item, (with - without) / {ITEMS}",
+            us(statistics.median(f.item_values)),
+            iqr(f.item_values),
+            us(f.item_cpu),
+            us(c["stream_intercept"].server_cpu / ITEMS),
+        ],
+        [
+            "4 unsubscribed item per layer, 1 layer",
+            us(statistics.median(f.bypass1_wall)),
+            iqr(f.bypass1_wall),
+            us(statistics.median(f.bypass1)),
+            "—",
+        ],
+        [
+            "4 unsubscribed item per layer, 4 layers",
+            us(statistics.median(f.bypass4_wall)),
+            iqr(f.bypass4_wall),
+            us(statistics.median(f.bypass4)),
+            "—",
+        ],
+        [
+            "4 in-process pass-through on_reply layer, per item (same chain)",
+            us(statistics.median(f.inproc_layer)),
+            iqr(f.inproc_layer),
+            "—",
+            "—",
+        ],
+        [
+            "4 unimplemented hook, host cost per hook call, attached - none",
+            us(statistics.median(f.unimpl_cost)),
+            iqr(f.unimpl_cost),
+            "—",
+            "—",
+        ],
+    ]
+    if r.peer_ok:
+        layer = r.bypass["peer_layer"]
+        label = "AgentScope 2.0.11 in-process pass-through on_reply layer, per event (whole reply, 4 layers)"
+        rows.append([label, us(layer.wall), iqr(layer.walls), "—", "—"])
+    return rows
+
+
+REPLY_VARIANTS = {
+    "none": "no middleware",
+    "remote": "1 remote Realistic middleware (4 hooks)",
+    "remote4": "4 remote Realistic middleware (4 hooks each)",
+    "none_yielding": "no middleware, model yields to the loop every 16 chunks (fix prototype)",
+    "remote_yielding": "remote Realistic, model yields every 16 chunks (fix prototype)",
+    "peer_none": "AgentScope 2.0.11 in-process, no middleware",
+    "peer_mw": "AgentScope 2.0.11 in-process, 1 pass-through middleware (4 hooks)",
+    "peer_mw4": "AgentScope 2.0.11 in-process, 4 pass-through middleware (4 hooks each)",
+    "peer": "AgentScope 2.0.11 in-process, no middleware",
+}
+
+
+def _reply_rows(r: Results) -> list[list[str]]:
+    return [
+        [REPLY_VARIANTS[key], ms(s.cpu), iqr(s.cpus, ms), ms(s.first), ms(s.wall), ms(s.server_cpu)]
+        for key, s in r.replies.items()
+        if r.peer_ok or not key.startswith("peer")
+    ]
+
+
+def _fairness_rows(r: Results) -> list[list[str]]:
+    return [
+        [REPLY_VARIANTS[key], ms(s.first), ms(s.wall), ms(s.cpu)]
+        for key, s in r.fairness.items()
+        if r.peer_ok or not key.startswith("peer")
+    ]
+
+
+def _traffic_rows(r: Results) -> list[list[str]]:
+    p, u, t = r.protocol, r.unimplemented, r.traffic
+    assert p is not None and u is not None and t is not None
+    hook, item = p.hook, p.item
+    return [
+        [
+            "one on_check_permission pass-through",
+            f"{hook.streams}",
+            f"{hook.writes}",
+            f"{hook.reads}",
+            f"{hook.bytes_out} / {hook.bytes_in}",
+        ],
+        [
+            "one intercepted item (on_reply, default INTERCEPT)",
+            "0",
+            f"{item.writes}",
+            f"{item.reads}",
+            f"{item.bytes_out} / {item.bytes_in}",
+        ],
+        [
+            f"ReplyEndOnly on_reply, 0-delta / {BYPASS_N:,}-delta reply",
+            "1 / 1",
+            f"{u.messages_per_reply[0]} / {u.messages_per_reply[BYPASS_N]} (both directions)",
+            "",
+            "",
+        ],
+        [
+            "full reply with Realistic (3 tool rounds, 1,000 deltas)",
+            _hooks(t.streams),
+            f"{t.messages} (both directions)",
+            "",
+            "",
+        ],
+    ]
+
+
+def _server_side(r: Results) -> str:
+    p, u, t = r.protocol, r.unimplemented, r.traffic
+    assert p is not None and u is not None and t is not None
+    return (
+        f"Counted inside the middleware processes: one on_check_permission pass-through ran "
+        f"{_hooks(p.server_calls)}; during a full reply ReplyEndOnly ran {_hooks(u.server_calls)} "
+        f"and its code saw {_hooks(u.server_items)} item(s); Realistic ran {_hooks(t.server_calls)} and its code "
+        f"saw {_hooks(t.server_items)} item(s)."
+    )
+
+
+def _hooks(counts: dict[str, int]) -> str:
+    return ", ".join(f"{hook} x{n}" for hook, n in sorted(counts.items()) if n) or "nothing"
+
+
+METHOD = [
+    "- 1a: a new bidirectional stream on an already-connected channel to a trivial echo servicer (raw bytes, "
+    "no protobuf), one message of the protocol's mean host-message size each way, half-close, wait for the "
+    "status. 1b: one write and one read on an open stream, item-delivery-sized messages. 1c: two exchanges "
+    "on one new stream: the least a value-hook pass-through needs (Begin → CallNext, InnerDone → Finish).",
+    "- 2: `Chain('on_check_permission', [RemoteMiddleware], core)` with a core that allows; the middleware "
+    "process runs `return await next_handler()`.",
+    f"- 3: an on_reply chain whose core replays {ITEMS} text deltas, with and without a middleware that "
+    "intercepts every item; the difference divided by the item count (the invocation's fixed cost is "
+    "included, so this is slightly pessimistic).",
+    f"- 4: on_reply chains over {BYPASS_N:,} and 0 deltas with 1 and 4 ReplyEndOnly layers and with none; "
+    f"per item per layer = ((mw {BYPASS_N:,} - mw 0) - (none {BYPASS_N:,} - none 0)) / ({BYPASS_N:,} x layers), "
+    "host process CPU. Unimplemented hooks: `agent.compress_context()` plus the permission chain with an "
+    "on_reply-only middleware attached, vs none attached.",
+    "- 5: `Agent.reply_stream` with a scripted OfflineRuleModel; CPU is `time.process_time()` of the host "
+    "process (event loop and gRPC threads). Realistic subscribes on_reply (intercept ReplyEndEvent, observe "
+    "ReplyStartEvent), on_reasoning (observe ModelCallStart/End), on_model_call (observe the final "
+    "response), on_acting (observe ToolResponse); everything else bypasses.",
+    f"- 6: {CONCURRENT} `reply_stream`s started together with `asyncio.gather`; times from the common start.",
+    "- Fix prototype rows: a bench-only subclass of OfflineRuleModel whose chunk stream does "
+    "`await asyncio.sleep(0)` every 16 chunks, standing in for a yield in the host's streaming loop.",
+    "- The AgentScope peer (optional) runs the same scripted replies in AgentScope 2.0.11 in its own "
+    "virtual environment and process, driven over a pipe so that its runs take their turn in the same "
+    "interleaved rounds.",
+]

@@ -1,0 +1,155 @@
+"""``make bench``: measure the remote-middleware costs side by side in one run; write BENCHMARKS.md.
+
+Middleware and the bare echo server run as separate processes on 127.0.0.1; this process is the
+host. Compared variants are interleaved round by round and summarised by medians (see harness.py).
+Every load loop is bounded; the whole run takes about a minute or two.
+
+Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test), ``--out PATH``,
+``--agentscope-python PATH`` (a Python with agentscope==2.0.11 installed, for the optional peer;
+default ``$BENCH_AGENTSCOPE_PYTHON`` or /tmp/agentscope-venv/bin/python when it exists). The peer
+is never installed by the bench; to have it: ``python3.11 -m venv /tmp/agentscope-venv &&
+/tmp/agentscope-venv/bin/pip install agentscope==2.0.11`` (never into .venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from agent_host.remote import RemoteMiddleware
+
+from . import scenarios
+from .peer import start_peer
+from .procs import ROOT, ServerProcess, start_echo, start_middleware
+from .report import Results, environment, render
+
+DEFAULT_AGENTSCOPE_PYTHON = "/tmp/agentscope-venv/bin/python"
+MEASURE_TIMEOUT = 170.0  # seconds: the bench never runs unbounded
+
+
+def _agentscope_python(explicit: str | None) -> str | None:
+    candidate = explicit or os.environ.get("BENCH_AGENTSCOPE_PYTHON") or DEFAULT_AGENTSCOPE_PYTHON
+    return candidate if Path(candidate).exists() else None
+
+
+MIDDLEWARE = ["PassThroughCall", "InterceptAll", "ReplyEndOnly", "Realistic"]
+
+
+def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess]]:
+    """The echo server and one process per bench middleware class, started in parallel."""
+    with ThreadPoolExecutor(len(MIDDLEWARE) + 1) as pool:
+        futures = {name: pool.submit(start_middleware, name) for name in MIDDLEWARE}
+        futures["echo"] = pool.submit(start_echo)
+        started: dict[str, ServerProcess] = {}
+        errors: list[BaseException] = []
+        for name, future in futures.items():
+            try:
+                started[name] = future.result()
+            except Exception as exc:
+                errors.append(exc)
+    if errors:
+        for proc in started.values():
+            proc.stop()
+        raise errors[0]
+    echo = started.pop("echo")
+    return echo, started
+
+
+async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
+    started = await asyncio.gather(start_peer(peer_python), asyncio.to_thread(start_servers), return_exceptions=True)
+    peer_started, servers_started = started
+    if isinstance(peer_started, BaseException) or isinstance(servers_started, BaseException):
+        if not isinstance(peer_started, BaseException) and peer_started[0] is not None:
+            await peer_started[0].close()
+        if not isinstance(servers_started, BaseException):
+            for proc in [servers_started[0], *servers_started[1].values()]:
+                proc.stop()
+        raise servers_started if isinstance(servers_started, BaseException) else peer_started  # type: ignore[misc]
+    (peer, peer_note), (echo, servers) = peer_started, servers_started
+    clients: list[RemoteMiddleware] = []
+    channel = grpc.aio.insecure_channel(echo.address)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), 10)
+
+        async def attach(name: str) -> RemoteMiddleware:
+            rm = await RemoteMiddleware(servers[name].address).connect()
+            clients.append(rm)
+            return rm
+
+        env = scenarios.Env(
+            echo=channel,
+            rm_call=await attach("PassThroughCall"),
+            rm_icpt=await attach("InterceptAll"),
+            rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
+            rm_real=[await attach("Realistic") for _ in range(4)],
+            pids={"echo": echo.proc.pid, **{name: proc.proc.pid for name, proc in servers.items()}},
+        )
+        res = Results(rounds=rounds, peer_note=peer_note)
+        res.env_start = environment()
+        step = _progress(time.perf_counter())
+        res.protocol = await scenarios.count_protocol(env)
+        step("protocol counts")
+        res.calls = await scenarios.measure_calls(env, res.protocol, rounds)
+        step("1-3 baselines, hook invocation, intercepted item")
+        res.bypass = await scenarios.measure_bypass(env, rounds, peer)
+        step("4 bypassed items")
+        res.unimplemented = await scenarios.measure_unimplemented(env, max(rounds // 3, 3))
+        step("4 unimplemented hooks")
+        res.traffic = await scenarios.count_reply(env)
+        res.replies = await scenarios.measure_replies(env, rounds, peer)
+        step("5 whole replies")
+        res.fairness = await scenarios.measure_fairness(env, 2 if quick else 4, peer)
+        step("6 fairness")
+        if peer is not None:
+            res.peer_ok = peer.alive
+            if not peer.alive:
+                res.peer_note = f"failed during the run: {peer.failure}"
+    finally:
+        if peer is not None:
+            await peer.close()
+        for rm in clients:
+            await rm.close()
+        await channel.close()
+        for proc in [echo, *servers.values()]:
+            proc.stop()
+    return res
+
+
+def _progress(t0: float) -> Callable[[str], None]:
+    def step(what: str) -> None:
+        print(f"[bench {time.perf_counter() - t0:6.1f}s] {what}", file=sys.stderr, flush=True)
+
+    return step
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test, not figures")
+    parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--agentscope-python", default=None)
+    args = parser.parse_args(argv)
+    rounds = 3 if args.quick else args.rounds
+    started = time.perf_counter()
+    peer_python = _agentscope_python(args.agentscope_python)
+    results = asyncio.run(asyncio.wait_for(measure(rounds, args.quick, peer_python), MEASURE_TIMEOUT))
+    results.env_end = environment()
+    results.duration = time.perf_counter() - started
+    text = render(results)
+    Path(args.out).write_text(text)
+    print(text)
+    print(f"wrote {args.out} in {results.duration:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -33,12 +33,19 @@ test: install
 demo: install
 	$(PY) -m clients.demo
 
-bench: install
-	$(PY) -m bench.run
+# The peer to beat, AgentScope 2.0.11 in-process, lives in its own venv (never in .venv).
+AS_VENV := .venv-agentscope
+$(AS_VENV)/.installed:
+	$(PYTHON) -m venv $(AS_VENV)
+	$(AS_VENV)/bin/python -m pip install --quiet agentscope==2.0.11
+	touch $@
+
+bench: install $(AS_VENV)/.installed
+	BENCH_AGENTSCOPE_PYTHON=$(AS_VENV)/bin/python $(PY) -m bench.run
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) agentmw/v1
+	rm -rf $(VENV) $(AS_VENV) agentmw/v1

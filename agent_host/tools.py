@@ -32,6 +32,7 @@ class Tool:
 
     def __init__(self, descriptor: ToolDescriptor) -> None:
         self.descriptor = descriptor
+        self._validator: Any = None
 
     # The descriptor's fields read as the tool's own, as on AgentScope's ToolBase.
     def __getattr__(self, name: str) -> Any:
@@ -42,8 +43,16 @@ class Tool:
 
     def validate(self, tool_call: ToolCallBlock) -> dict[str, Any]:
         tool_input = parse_input(tool_call.input)
+        if self._validator is None:  # building it checks the schema itself: do that once
+            schema = self.descriptor.input_schema
+            cls = jsonschema.validators.validator_for(schema)
+            try:
+                cls.check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise ToolInputError(f"tool {self.name!r} has an invalid input schema: {exc.message}") from None
+            self._validator = cls(schema)
         try:
-            jsonschema.validate(tool_input, self.descriptor.input_schema)
+            self._validator.validate(tool_input)
         except jsonschema.ValidationError as exc:
             raise ToolInputError(f"invalid input for tool {self.name!r}: {exc.message}") from None
         return tool_input

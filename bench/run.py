@@ -7,8 +7,7 @@ Every load loop is bounded; the whole run takes about a minute or two.
 Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test), ``--out PATH``,
 ``--agentscope-python PATH`` (a Python with agentscope==2.0.11 installed, for the optional peer;
 default ``$BENCH_AGENTSCOPE_PYTHON`` or /tmp/agentscope-venv/bin/python when it exists). The peer
-is never installed by the bench; to have it: ``python3.11 -m venv /tmp/agentscope-venv &&
-/tmp/agentscope-venv/bin/pip install agentscope==2.0.11`` (never into .venv).
+is installed by ``make bench`` into its own venv, .venv-agentscope (never into .venv).
 """
 
 from __future__ import annotations

@@ -28,14 +28,15 @@ def servers():
 
 
 def count_rpcs(remote: RemoteMiddleware) -> dict[str, int]:
+    """Hook invocations sent to the middleware, per hook (each takes a stream once)."""
     counts = {hook: 0 for hook in remote.stubs}
-    for hook, stub in list(remote.stubs.items()):
+    take = remote.take_stream
 
-        def counted(*args, _hook=hook, _stub=stub, **kwargs):
-            counts[_hook] += 1
-            return _stub(*args, **kwargs)
+    def counted(hook: str):
+        counts[hook] += 1
+        return take(hook)
 
-        remote.stubs[hook] = counted
+    remote.take_stream = counted
     return counts
 
 

@@ -25,6 +25,7 @@ from ..tools import Tool
 log = logging.getLogger("agentmw.remote")
 
 PROTOCOL_VERSION = "v1"
+MAX_IDLE_STREAMS = 16  # per hook and middleware: enough for the concurrent calls of a busy host
 CHANNEL_OPTIONS = [
     # Reconnect quickly after a middleware restart; the default backoff grows to minutes.
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -55,6 +56,10 @@ class MiddlewareFailure(RuntimeError):
     def __init__(self, middleware: str, hook: str, what: str) -> None:
         super().__init__(f"middleware {middleware!r} failed in {hook}: {what}")
         self.middleware, self.hook, self.what = middleware, hook, what
+
+
+class StreamBroken(MiddlewareFailure):
+    """The stream failed underneath: connection lost, server gone, stream ended early."""
 
 
 class ProtocolError(MiddlewareFailure):
@@ -96,6 +101,9 @@ class RemoteMiddleware:
         self.described = False
         self.bypasses = 0  # fail_open skips, for inspection
         self.prompt_cache: dict[tuple, str] = {}
+        # Idle streams per hook: a stream carries one invocation at a time, then the next one, so
+        # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
+        self.idle: dict[str, list[Any]] = {hook: [] for hook in HOOKS}
 
     @property
     def name(self) -> str:
@@ -131,6 +139,7 @@ class RemoteMiddleware:
                 raise ProtocolError(self.name, "Describe", str(exc)) from None
         self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
         self.described = True
+        self._drop_idle()  # streams of an earlier connection are of no use
         return self
 
     def implements(self, hook: str) -> bool:
@@ -148,8 +157,32 @@ class RemoteMiddleware:
     def failed(self) -> None:
         """After a failure, the next call re-runs Describe (the server may have restarted)."""
         self.described = False
+        self._drop_idle()
+
+    def new_stream(self, hook: str) -> Any:
+        return self.stubs[hook]()
+
+    def take_stream(self, hook: str) -> tuple[Any, bool]:
+        """(stream, reused): an idle stream of this hook if there is one, else a new one."""
+        idle = self.idle[hook]
+        if idle:
+            return idle.pop(), True
+        return self.stubs[hook](), False
+
+    def release_stream(self, hook: str, call: Any) -> None:
+        idle = self.idle[hook]
+        if len(idle) < MAX_IDLE_STREAMS and not call.done():
+            idle.append(call)
+        else:
+            call.cancel()
+
+    def _drop_idle(self) -> None:
+        for idle in self.idle.values():
+            while idle:
+                idle.pop().cancel()
 
     async def close(self) -> None:
+        self._drop_idle()
         await self.channel.close()
 
     # -- hook positions: every one goes through the same HookCall --------------------------------

@@ -20,7 +20,7 @@ from ..data import ChatResponse, CustomEvent
 from ..hooks import HookSpec, Kind
 from ..subscriptions import Mode, SubscriptionTable
 from ..wire import decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
-from .client import MiddlewareFailure, ProtocolError, RemoteMiddleware, RemoteMiddlewareError
+from .client import MiddlewareFailure, ProtocolError, RemoteMiddleware, RemoteMiddlewareError, StreamBroken
 
 log = logging.getLogger("agentmw.remote")
 
@@ -44,7 +44,7 @@ class HookCall:
         self.credits = 0
         self.result: Any = None
         self.sent_fingerprint: tuple[int, int] | None = None
-        self.stage = "begin"
+        self.clean = False  # the invocation ended with finish / fail on a sound stream
 
     # -- faces ------------------------------------------------------------------------------------
 
@@ -119,7 +119,11 @@ class HookCall:
 
     async def _close(self) -> None:
         if self.call is not None:
-            self.call.cancel()
+            call, self.call = self.call, None
+            if self.clean:  # ended with finish / fail: the stream can carry the next invocation
+                self.mw.release_stream(self.spec.name, call)
+            else:
+                call.cancel()
         if self.inner is not None:
             inner, self.inner = self.inner, None
             await inner.aclose()
@@ -136,17 +140,14 @@ class HookCall:
                 yield item
             self.result = self.inner_result if spec.kind is not Kind.TRANSFORM else self.input_kwargs["prompt"]
             return
-        self.call = mw.stubs[spec.name]()
         begin = hooks_pb2.HostMessage()
         self._context(begin.begin.context, force=True)
         try:
             encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
         except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's
             raise RuntimeError(f"{spec.name}: cannot send kwargs to {mw.name}: {exc}") from exc
-        await self._write(begin)
-        self.stage = "running"
+        msg = await self._begin(begin)
         while True:
-            msg = await self._read()
             for action in msg.actions:
                 which = action.WhichOneof("action")
                 if which == "emit":
@@ -157,8 +158,8 @@ class HookCall:
                     raise self._violation("an empty action")
             command = msg.WhichOneof("command")
             if command is None:
-                continue
-            if command == "call_next":
+                pass
+            elif command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
                     raise self._violation("call_next in on_system_prompt (a transformer has no inner pipeline)")
                 await self._start_inner(msg.call_next)
@@ -171,12 +172,31 @@ class HookCall:
                     yield item
             elif command == "finish":
                 self.result = self._finish(msg.finish)
+                self.clean = True
                 return
             else:  # fail
+                self.clean = True
                 fail = msg.fail
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
+            msg = await self._read()
+
+    async def _begin(self, begin: hooks_pb2.HostMessage) -> hooks_pb2.MiddlewareMessage:
+        """Send begin on an idle stream (or a new one) and read the first answer. A reused stream
+        may have died since (the server restarted): then, and only then, begin again on a new one;
+        the middleware never saw the first begin."""
+        self.call, reused = self.mw.take_stream(self.spec.name)
+        try:
+            await self._write(begin)
+            return await self._read()
+        except StreamBroken:
+            if not reused:
+                raise
+        self.call.cancel()
+        self.call = self.mw.new_stream(self.spec.name)
+        await self._write(begin)
+        return await self._read()
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec
@@ -405,9 +425,9 @@ class HookCall:
         try:
             await self.call.write(msg)
         except grpc.aio.AioRpcError as exc:
-            raise MiddlewareFailure(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
+            raise StreamBroken(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
         except asyncio.InvalidStateError:
-            raise MiddlewareFailure(self.mw.name, self.spec.name, "the stream is closed") from None
+            raise StreamBroken(self.mw.name, self.spec.name, "the stream is closed") from None
 
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
         timeout = self.mw.policy.timeout
@@ -420,9 +440,9 @@ class HookCall:
             what = f"{exc.code().name}: {exc.details()}"
             if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
                 raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
-            raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
+            raise StreamBroken(self.mw.name, self.spec.name, what) from None
         if msg is grpc.aio.EOF:
-            raise MiddlewareFailure(self.mw.name, self.spec.name, "the stream ended before finish")
+            raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish")
         if msg is None:  # grpc.aio hands over None when the bytes do not parse
             raise ProtocolError(self.mw.name, self.spec.name, "malformed message (not a MiddlewareMessage)")
         return msg

@@ -54,12 +54,9 @@ class HookSession:
 
     # -- running the author's code ---------------------------------------------------------------
 
-    async def run(self) -> None:
-        begin = await self.read()
-        if begin.WhichOneof("message") != "begin":
-            await self.ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be begin")
-        self.view.refresh(begin.begin.context)
-        kwargs = decode_kwargs(self.spec, begin.begin.input_kwargs, complete=True)
+    async def run(self, begin: hooks_pb2.Begin) -> None:
+        self.view.refresh(begin.context)
+        kwargs = decode_kwargs(self.spec, begin.input_kwargs, complete=True)
         method = getattr(self.mw, self.spec.name)
         kind = self.spec.kind
         try:
@@ -178,6 +175,20 @@ class HookSession:
         if msg is grpc.aio.EOF:
             raise HostGone("the host closed the stream")
         return msg
+
+
+async def next_begin(context: grpc.aio.ServicerContext) -> hooks_pb2.Begin | None:
+    """The next invocation's begin on a stream (None when the host closed it). Messages still in
+    flight from the previous invocation (observed items it did not read) are skipped."""
+    while True:
+        try:
+            msg = await context.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return None
+        if msg is grpc.aio.EOF:
+            return None
+        if msg.WhichOneof("message") == "begin":
+            return msg.begin
 
 
 class InnerStream:

@@ -18,16 +18,15 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 
 from agent_host.remote import RemoteMiddleware
+from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
 from . import scenarios
 from .peer import start_peer
-from .procs import ROOT, ServerProcess, start_echo, start_middleware
 from .report import Results, environment, render
 
 DEFAULT_AGENTSCOPE_PYTHON = "/tmp/agentscope-venv/bin/python"
@@ -44,22 +43,10 @@ MIDDLEWARE = ["PassThroughCall", "InterceptAll", "ReplyEndOnly", "Realistic"]
 
 def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess]]:
     """The echo server and one process per bench middleware class, started in parallel."""
-    with ThreadPoolExecutor(len(MIDDLEWARE) + 1) as pool:
-        futures = {name: pool.submit(start_middleware, name) for name in MIDDLEWARE}
-        futures["echo"] = pool.submit(start_echo)
-        started: dict[str, ServerProcess] = {}
-        errors: list[BaseException] = []
-        for name, future in futures.items():
-            try:
-                started[name] = future.result()
-            except Exception as exc:
-                errors.append(exc)
-    if errors:
-        for proc in started.values():
-            proc.stop()
-        raise errors[0]
-    echo = started.pop("echo")
-    return echo, started
+    echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
+    servers = {name: middleware_server(f"bench.middlewares:{name}") for name in MIDDLEWARE}
+    start_all([echo, *servers.values()])  # all or none: on an error none is left running
+    return echo, servers
 
 
 async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
@@ -89,7 +76,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             rm_icpt=await attach("InterceptAll"),
             rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
             rm_real=[await attach("Realistic") for _ in range(4)],
-            pids={"echo": echo.proc.pid, **{name: proc.proc.pid for name, proc in servers.items()}},
+            pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
         )
         res = Results(rounds=rounds, peer_note=peer_note)
         res.env_start = environment()

@@ -16,96 +16,21 @@ import asyncio
 import importlib
 import inspect
 import json
-import os
 import pkgutil
-import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(r"listening on (\S+:\d+)")
+from .launch import LaunchError, ServerProcess, start_all
 
 # Constructor arguments some example servers need to be useful in the demo.
 SERVER_ARGS: dict[str, dict[str, Any]] = {
     "ModelFallbackMiddleware": {"fallback": "offline"},
     "RateLimitMiddleware": {"rate": 50, "burst": 10},
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes.
-
-
-class Proc:
-    """A child process that announces its address with a "... listening on HOST:PORT" line."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = [sys.executable, *argv]
-        self.log_path = log_dir / (re.sub(r"[^\w.-]", "_", name) + ".log")
-        self.address = ""
-        self._ready = threading.Event()
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(
-            self.argv,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-            start_new_session=True,  # a Ctrl-C in the terminal reaches only us; we stop it
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:  # keep draining, so the child never blocks on a full pipe
-            match = LISTENING.search(line)
-            if match and not self._ready.is_set():
-                self.address = match.group(1)
-                self._ready.set()
-            self._log.write(line)
-        self._ready.set()
-
-    def wait_ready(self, timeout: float = 30.0) -> str:
-        """The address it listens on; raises RuntimeError (with its log) if it does not start."""
-        deadline = time.monotonic() + timeout
-        while not self._ready.wait(0.05):
-            if time.monotonic() > deadline:
-                break
-        if not self.address:
-            self.stop()
-            raise RuntimeError(f"{self.name} did not start (exit {self.popen.poll()}):\n{self.log_tail()}")
-        return self.address
-
-    def log_tail(self, lines: int = 15) -> str:
-        self._log.flush()
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join("    " + line for line in text[-lines:])
-
-    def stop(self, timeout: float = 5.0) -> int | None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout)
-        self._log.flush()
-        return self.popen.returncode
-
-    def close(self) -> None:
-        self.stop()
-        if not self._log.closed:
-            self._log.close()
 
 
 @dataclass
@@ -121,7 +46,7 @@ def discover_servers() -> list[ServerSpec]:
     from agent_host.middleware import MiddlewareBase
 
     specs: list[ServerSpec] = []
-    address = ["--address", "127.0.0.1:0"]
+    address = ["--address", "127.0.0.1:{port}"]
     for info in pkgutil.iter_modules(mw_servers.__path__):
         path = Path(mw_servers.__path__[0]) / info.name
         if info.ispkg and info.name not in ("sdk", "examples") and (path / "__main__.py").exists():
@@ -235,36 +160,27 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
 
 
 def run(out: Any = sys.stdout) -> int:
-    procs: list[Proc] = []
+    procs: list[ServerProcess] = []
     with tempfile.TemporaryDirectory(prefix="agentmw-demo-") as tmp:
         log_dir = Path(tmp)
+
+        def process(name: str, argv: list[str]) -> ServerProcess:
+            # A session of its own: a Ctrl-C in the terminal reaches only the demo, which stops it.
+            proc = ServerProcess(argv, name=name, log_dir=log_dir, new_session=True)
+            procs.append(proc)
+            return proc
+
         try:
             specs = discover_servers()
             print(f"agentmw demo: starting {len(specs)} middleware servers and the host (logs in {log_dir})", file=out)
-            started = [(spec, Proc(spec.name, spec.argv, log_dir)) for spec in specs]
-            procs.extend(p for _, p in started)
+            start_all([process(spec.name, spec.argv) for spec in specs])
             flags = []
-            for spec, proc in started:
-                addr = proc.wait_ready()
-                print(f"  middleware {spec.name:<16} {addr:<22} ({spec.what})", file=out)
-                flags += ["--middleware", f"{spec.name}={addr}"]
-            host = Proc(
-                "host",
-                [
-                    "-m",
-                    "agent_host",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--db",
-                    str(log_dir / "sessions.db"),
-                    "--log-level",
-                    "warning",
-                    *flags,
-                ],
-                log_dir,
-            )
-            procs.append(host)
-            address = host.wait_ready()
+            for spec, proc in zip(specs, procs, strict=True):
+                print(f"  middleware {spec.name:<16} {proc.address:<22} ({spec.what})", file=out)
+                flags += ["--middleware", f"{spec.name}={proc.address}"]
+            db = str(log_dir / "sessions.db")
+            host = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", db, "--log-level", "warning", *flags]
+            address = process("host", host).start().address
             print(f"  agent host            {address:<22} (offline model, sessions in SQLite)", file=out)
             outcome = asyncio.run(converse_demo(address, out))
         except KeyboardInterrupt:
@@ -272,13 +188,14 @@ def run(out: Any = sys.stdout) -> int:
             return 130
         except Exception as exc:
             print(f"\nagentmw demo: FAILED: {type(exc).__name__}: {exc}", file=out)
-            for proc in procs:
-                if proc.popen.poll() is not None:
-                    print(f"  {proc.name} exited with {proc.popen.returncode}; its log:\n{proc.log_tail()}", file=out)
+            if not isinstance(exc, LaunchError):  # a LaunchError carries the output already
+                for proc in procs:
+                    if proc.died:
+                        print(f"  {proc.name} exited with {proc.returncode}; its output:\n{proc.tail()}", file=out)
             return 1
         finally:
             for proc in reversed(procs):
-                proc.close()
+                proc.stop()
     if outcome.failures:
         print("\nagentmw demo: FAILED: " + "; ".join(outcome.failures), file=out)
         return 1

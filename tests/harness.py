@@ -19,9 +19,9 @@ from agent_host.data import Msg, UserMsg
 from agent_host.models import ModelRegistry, OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.tools import Toolkit, add_middleware_tools, tool
+from clients.launch import ServerProcess, middleware_server, start_all
 
 from . import conformance_mw
-from .procs import ServerProcess, middleware_server, start_all
 
 
 @tool(description="Add two integers.", is_concurrency_safe=True)

@@ -24,7 +24,7 @@ from agent_host.data import ReplyEndEvent, ReplyStartEvent
 from agent_host.middleware import MiddlewareBase, subscribe
 from agent_host.tools import tool
 from agentmw.v1 import host_pb2, host_pb2_grpc
-from clients.demo import ROOT, Proc
+from clients.launch import ROOT, ServerProcess
 
 KEY = "recorder"
 
@@ -71,24 +71,23 @@ class Procs:
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        self.procs: list[Proc] = []
+        self.procs: list[ServerProcess] = []
 
-    def start(self, name: str, argv: list[str], timeout: float = 20.0) -> Proc:
-        proc = Proc(name, argv, self.log_dir)
+    def start(self, name: str, argv: list[str], timeout: float = 20.0) -> ServerProcess:
+        proc = ServerProcess(argv, name=name, log_dir=self.log_dir, startup=timeout, new_session=True)
         self.procs.append(proc)
-        proc.wait_ready(timeout)
-        return proc
+        return proc.start()
 
-    def recorder(self) -> Proc:
+    def recorder(self) -> ServerProcess:
         target = "tests.host_util:RecorderMiddleware"
         return self.start("recorder", ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0"])
 
-    def host(self, db: Path, *args: str, name: str = "host") -> Proc:
+    def host(self, db: Path, *args: str, name: str = "host") -> ServerProcess:
         return self.start(name, ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", str(db), *args])
 
     def close(self) -> None:
         for proc in reversed(self.procs):
-            proc.close()
+            proc.stop()
 
 
 @contextlib.contextmanager

@@ -54,12 +54,6 @@ from tests.model_servers import (
 )
 
 
-@pytest.fixture
-def server() -> Any:
-    with ScriptedServer() as s:
-        yield s
-
-
 @pytest.fixture(autouse=True)
 async def _close_sdk_session() -> Any:
     yield

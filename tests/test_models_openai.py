@@ -9,10 +9,7 @@ protocols: chat-completions SSE (``data: {...}`` chunks, a usage-only chunk for
 
 from __future__ import annotations
 
-import asyncio
-import re
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import dashscope
@@ -45,6 +42,7 @@ from agent_host.models._format import to_chat_messages, to_tool_choice
 from agent_host.models.openai_compat import OpenAICompatibleModel
 from agent_host.remote import RemoteMiddleware
 from agent_host.tools import Toolkit, tool
+from clients.launch import middleware_server
 from tests.model_servers import (
     OPENAI_PATH,
     Reply,
@@ -59,14 +57,6 @@ from tests.model_servers import (
     openai_usage_chunk,
     run_reply,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def server() -> Any:
-    with ScriptedServer() as s:
-        yield s
 
 
 def registry(server: ScriptedServer, max_retries: int = 0, **extra: Any) -> ModelRegistry:
@@ -372,40 +362,10 @@ def test_tool_choice_mapping() -> None:
 
 
 @pytest.fixture
-async def fallback_server(tmp_path: Path) -> Any:
+def fallback_server() -> Iterator[str]:
     """The example ModelFallbackMiddleware in its own process, on a free loopback port."""
-    log = (tmp_path / "fallback.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mw_servers.sdk",
-        "mw_servers.examples.fallback:ModelFallbackMiddleware",
-        "--arg",
-        'fallback="b"',
-        "--address",
-        "127.0.0.1:0",
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=log,
-    )
-    try:
-        address = None
-        while address is None:
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            if not line:
-                raise RuntimeError(f"the middleware server exited: {(tmp_path / 'fallback.log').read_text()}")
-            match = re.search(r"listening on (\S+:\d+)", line)
-            address = match and match.group(1)
-        yield address
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-        log.close()
+    with middleware_server("mw_servers.examples.fallback:ModelFallbackMiddleware", fallback="b") as proc:
+        yield proc.address
 
 
 async def test_fallback_middleware_switches_to_the_second_model(fallback_server: str) -> None:

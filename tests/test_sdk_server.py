@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import signal
-
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
-
-from .procs import middleware_server
+from clients.launch import middleware_server
 
 
 async def test_describe_health_reflection_and_sigterm() -> None:
@@ -38,7 +35,6 @@ async def test_describe_health_reflection_and_sigterm() -> None:
             names = {s.name for s in listed.list_services_response.service}
             assert {"agentmw.v1.OnReply", "agentmw.v1.OnReasoning", "agentmw.v1.Describe"} <= names
             assert "agentmw.v1.OnActing" not in names  # unimplemented hooks are not even served
-        proc.proc.send_signal(signal.SIGTERM)
-        assert proc.proc.wait(10) == 0
+        assert proc.stop() == 0  # SIGTERM: a graceful stop (a SIGKILL after 10 s would give -9)
     finally:
         proc.stop()

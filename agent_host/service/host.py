@@ -177,7 +177,7 @@ class Host:
                         await run.put(item)
                 finally:
                     # Shielded: a host shutdown that cancels this task must not lose the session.
-                    await asyncio.shield(self.store.save(agent.state, parked=bool(agent._awaiting_calls())))
+                    await asyncio.shield(self.store.save(agent.state, parked=bool(agent.awaiting_calls())))
             finally:
                 for a in setup.middleware:
                     a.users -= 1
@@ -206,7 +206,7 @@ class Host:
     @staticmethod
     def _check_inputs(agent: Agent, inputs: Any) -> None:
         """Refuse, before anything changes, what the agent could only answer by failing the reply."""
-        awaiting = agent._awaiting_calls()
+        awaiting = agent.awaiting_calls()
         sid = agent.state.session_id
         if isinstance(inputs, Msg):
             if awaiting:
@@ -221,7 +221,7 @@ class Host:
                 raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} has no parked reply")
         elif isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
             try:
-                agent._check_incoming_event(inputs)
+                agent.check_incoming_event(inputs)
             except ReplyError as exc:
                 raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r}: {exc}") from None
         else:
@@ -240,7 +240,7 @@ class Host:
         record = await self.store.record(session_id)
         if state is None or record is None:
             return None
-        return record, state, self._agent(state)._awaiting_calls()
+        return record, state, self._agent(state).awaiting_calls()
 
     async def delete_session(self, session_id: str) -> bool:
         async with self._session_lock(session_id):

@@ -1,0 +1,216 @@
+"""Start Python child processes that announce themselves with "... listening on HOST:PORT".
+
+The one launcher for the demo (``clients.demo``), the tests and the benchmark: every middleware
+server, the echo server and the agent host print such a line once they serve.
+
+    proc = ServerProcess(["-m", "agent_host", "--listen", "127.0.0.1:{port}"], name="host").start()
+    proc.address, proc.port   # "127.0.0.1:50321", 50321
+    proc.kill()               # SIGKILL, e.g. to simulate a crash
+    proc.restart()            # the same port again: "{port}" in argv becomes the port it had
+    proc.stop()               # SIGTERM, then SIGKILL if it does not exit in time
+
+Output (stdout and stderr together) is drained by a thread so the child never blocks on a full
+pipe; the last lines are kept in memory and, with ``log_dir``, all of them go to a log file.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"listening on (\S+:\d+)")
+KEEP_LINES = 200  # output lines kept in memory per process (the log file, if any, has them all)
+
+
+class LaunchError(RuntimeError):
+    """A child process exited or stayed silent instead of printing its listening line."""
+
+
+class ServerProcess:
+    """``python <argv>`` run from the repository root, ready once it prints "listening on HOST:PORT".
+
+    ``argv`` may contain ``{port}``: it becomes ``port`` (0 at first, so the child picks a free
+    one; after a start, the port it announced, so that ``restart()`` binds the same one again).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str = "",
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+        port: int = 0,
+        startup: float = 30.0,
+        new_session: bool = False,
+    ) -> None:
+        self.argv = list(argv)
+        self.name = name or " ".join(self.argv)
+        self.env = env or {}
+        self.log_path = log_dir / (re.sub(r"[^\w.-]", "_", self.name) + ".log") if log_dir else None
+        self.port = port
+        self.startup = startup
+        self.new_session = new_session  # a Ctrl-C in the terminal then reaches only the parent
+        self.address = ""
+        self.popen: subprocess.Popen[str] | None = None
+        self._lines: collections.deque[str] = collections.deque(maxlen=KEEP_LINES)
+        self._log: IO[str] | None = None
+        self._drain: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = False
+
+    def __repr__(self) -> str:
+        return f"<ServerProcess {self.name} {self.address or 'not started'}>"
+
+    # -- starting -----------------------------------------------------------------------------
+
+    def start(self) -> ServerProcess:
+        """Start it and wait (at most ``startup`` seconds) for its listening line.
+
+        Raises LaunchError with its last output if it exits or stays silent; nothing is left running.
+        """
+        if self.running:
+            raise LaunchError(f"{self.name} is already running at {self.address}")
+        argv = [a.replace("{port}", str(self.port)) for a in self.argv]
+        if self.log_path is not None:
+            self._log = self.log_path.open("a" if self.popen else "w")  # a restart appends
+        self.address = ""
+        self._lines.clear()
+        self._ready.clear()
+        self._stopping = False
+        self.popen = subprocess.Popen(
+            [sys.executable, *argv],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=self.new_session,
+        )
+        self._drain = threading.Thread(target=self._read, args=(self.popen,), name=f"drain-{self.name}", daemon=True)
+        self._drain.start()
+        ended = self._ready.wait(self.startup)  # set by the listening line, or when its output ends
+        if not self.address:
+            code = self.stop(timeout=5)
+            why = f"exited with {code}" if ended else f"printed no listening line within {self.startup:g}s"
+            raise LaunchError(f"{self.name} did not start ({why}); its last output:\n{self.tail()}")
+        self.port = int(self.address.rsplit(":", 1)[1])
+        return self
+
+    def _read(self, popen: subprocess.Popen[str]) -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:  # keep draining, so the child never blocks on a full pipe
+            if not self.address and (match := LISTENING.search(line)):
+                self.address = match.group(1)
+                self._ready.set()
+            self._lines.append(line.rstrip("\n"))
+            if self._log is not None:
+                self._log.write(line)
+        self._ready.set()  # its output ended: start() need not wait any longer
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, "not started"
+        return self.popen.pid
+
+    @property
+    def running(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def died(self) -> bool:
+        """It exited without stop() or kill() asking it to (a crash, or an error at startup)."""
+        return self.popen is not None and self.popen.poll() is not None and not self._stopping
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen is not None else None
+
+    def tail(self, lines: int = 15) -> str:
+        """Its last output lines, indented, for error messages."""
+        return "\n".join("    " + line for line in list(self._lines)[-lines:])
+
+    # -- stopping -----------------------------------------------------------------------------
+
+    def kill(self) -> None:
+        """SIGKILL, no chance to clean up: a crash as far as its peers can tell."""
+        if self.running:
+            assert self.popen is not None
+            self._stopping = True
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(10)
+        self._close_output()
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL if it has not exited after ``timeout`` seconds; its exit status."""
+        if self.popen is None:
+            return None
+        self._stopping = True
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._close_output()
+        return self.popen.returncode
+
+    def restart(self) -> ServerProcess:
+        """Stop it if it still runs (e.g. after a kill()) and start it again on the same port."""
+        self.stop()
+        return self.start()
+
+    def _close_output(self) -> None:
+        # The drain thread ends at EOF, soon after the exit; bounded, since a grandchild that
+        # inherited the pipe could keep it open.
+        if self._drain is not None:
+            self._drain.join(5)
+        if self._log is not None and (self._drain is None or not self._drain.is_alive()):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def middleware_server(target: str, **kwargs: Any) -> ServerProcess:
+    """The MiddlewareBase subclass ``module:Class`` served by the SDK launcher in its own process,
+    its constructor getting ``kwargs`` (as JSON); not started yet."""
+    argv = ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:{port}"]
+    for key, value in kwargs.items():
+        argv += ["--arg", f"{key}={json.dumps(value)}"]
+    return ServerProcess(argv, name=target.rsplit(":", 1)[-1])
+
+
+def start_all(servers: Iterable[ServerProcess]) -> list[ServerProcess]:
+    """Start several at once (each startup is mostly interpreter and grpc import time).
+
+    All or none: if one does not start, the others are stopped and its LaunchError is raised.
+    """
+    servers = list(servers)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(s.start) for s in servers]
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:
+        for server in servers:
+            server.stop()
+        raise errors[0]
+    return servers

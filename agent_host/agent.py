@@ -271,11 +271,11 @@ class Agent:
         interrupted = False
         try:
             if isinstance(inputs, UserInterruptEvent):  # §2.3.2
-                if self._awaiting_calls():
+                if self.awaiting_calls():
                     raise asyncio.CancelledError
                 return
             if isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
-                self._check_incoming_event(inputs)
+                self.check_incoming_event(inputs)
                 async for event in self._handle_incoming_event(inputs):
                     yield event
             else:
@@ -366,7 +366,8 @@ class Agent:
         calls, answered = self._tool_calls()
         return [c for c in calls if c.id not in answered]
 
-    def _awaiting_calls(self) -> list[ToolCallBlock]:
+    def awaiting_calls(self) -> list[ToolCallBlock]:
+        """The unanswered tool calls waiting for a user confirmation or an external execution result."""
         return [c for c in self._unanswered_calls() if c.state in (ToolCallState.ASKING, ToolCallState.SUBMITTED)]
 
     def _next_action(self, final_msg: Msg | None) -> _Action:
@@ -642,8 +643,9 @@ class Agent:
 
     # -- human in the loop (§2.7, §2.8) -----------------------------------------------------------
 
-    def _check_incoming_event(self, event: Any) -> None:
-        awaiting = {c.id: c for c in self._awaiting_calls()}
+    def check_incoming_event(self, event: Any) -> None:
+        """Raise ReplyError unless ``event`` (a confirm or execution result) answers waiting tool calls."""
+        awaiting = {c.id: c for c in self.awaiting_calls()}
         if not awaiting:
             raise ReplyError(f"{type(event).__name__}: no tool call is waiting for an answer")
         if isinstance(event, UserConfirmResultEvent):

@@ -34,6 +34,10 @@ class Subscription:
     default: Mode = Mode.INTERCEPT
     modes: dict[Any, Mode] = field(default_factory=dict)
     wants_context: bool = False
+    # Calls next first thing, unchanged: the host starts the inner pipeline without waiting.
+    eager_next: bool = False
+    # Only watches: never waited for, its emits and state changes are ignored (implies eager_next).
+    detached: bool = False
 
 
 def subscribe(
@@ -42,10 +46,17 @@ def subscribe(
     observe: Iterable[Any] = (),
     default: Mode = Mode.BYPASS,
     wants_context: bool = False,
+    eager_next: bool = False,
+    detached: bool = False,
 ) -> Subscription:
+    """Declare what a hook sees. ``eager_next``: the hook calls ``next_handler()`` first thing with
+    no overrides (saves a round trip). ``detached``: the hook only watches (a tracer): the host
+    never waits for it and ignores what it emits or changes."""
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
-    return Subscription(default=default, modes=modes, wants_context=wants_context)
+    return Subscription(
+        default=default, modes=modes, wants_context=wants_context, eager_next=eager_next or detached, detached=detached
+    )
 
 
 def _item_types(kind: Any) -> list[int]:
@@ -60,7 +71,13 @@ def _item_types(kind: Any) -> list[int]:
 
 
 def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
-    desc = hooks_pb2.HookDescription(hook=hook_number, default_mode=int(sub.default), wants_context=sub.wants_context)
+    desc = hooks_pb2.HookDescription(
+        hook=hook_number,
+        default_mode=int(sub.default),
+        wants_context=sub.wants_context,
+        eager_next=sub.eager_next or sub.detached,
+        detached=sub.detached,
+    )
     for kind, mode in sub.modes.items():
         for item_type in _item_types(kind):
             desc.subscriptions.add(item_type=item_type, mode=int(mode))
@@ -77,11 +94,13 @@ _CLASS_BY_ITEM_TYPE = {
 class SubscriptionTable:
     """The host's view of one middleware's subscription at one hook."""
 
-    __slots__ = ("by_class", "chat_delta", "chat_final", "default", "wants_context")
+    __slots__ = ("by_class", "chat_delta", "chat_final", "default", "detached", "eager_next", "wants_context")
 
     def __init__(self, desc: hooks_pb2.HookDescription) -> None:
         self.default = Mode(desc.default_mode or Mode.INTERCEPT)
         self.wants_context = desc.wants_context
+        self.detached = desc.detached
+        self.eager_next = desc.eager_next or desc.detached
         self.by_class: dict[type, Mode] = {}
         self.chat_delta = self.chat_final = self.default
         for sub in desc.subscriptions:

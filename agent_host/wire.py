@@ -12,6 +12,9 @@ from .hooks import HookSpec
 from .models.base import ChatModel
 from .tools import Tool
 
+# Credits for observed items per pull, and what an eager_next start grants (hooks.proto).
+DEFAULT_CREDITS = 32
+
 
 def to_wire(value: Any) -> Any:
     """Live objects become references: a model its ModelRef, a tool its descriptor."""

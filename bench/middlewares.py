@@ -107,13 +107,14 @@ class ReplyEndOnly(Counted):
 class Realistic(Counted):
     """Four hooks with the subscriptions a Budget / Tracing style middleware would declare:
     hold ReplyEndEvent, watch the reply and model-call boundaries, the final model response and
-    the tool results; every delta bypasses."""
+    the tool results (as a detached watcher); every delta bypasses."""
 
     subscriptions: dict[str, Subscription] = {
-        "on_reply": subscribe(intercept=[ReplyEndEvent], observe=[ReplyStartEvent]),
-        "on_reasoning": subscribe(observe=[ModelCallStartEvent, ModelCallEndEvent]),
-        "on_model_call": subscribe(observe=[CHAT_FINAL]),
-        "on_acting": subscribe(observe=[ToolResponse]),
+        # A pass-through calls next first thing (eager_next); pure watchers are detached.
+        "on_reply": subscribe(intercept=[ReplyEndEvent], observe=[ReplyStartEvent], eager_next=True),
+        "on_reasoning": subscribe(observe=[ModelCallStartEvent, ModelCallEndEvent], detached=True),
+        "on_model_call": subscribe(observe=[CHAT_FINAL], detached=True),
+        "on_acting": subscribe(observe=[ToolResponse], detached=True),
     }
 
     async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: NextHandler) -> AsyncIterator[Any]:

@@ -299,6 +299,83 @@ class Marker(MiddlewareBase):
                 yield CustomEvent(name="marker", value={})
 
 
+class EagerPassThrough(MiddlewareBase):
+    """Calls next first thing (declared eager_next), holds every item of on_reply and on_acting."""
+
+    subscriptions = {
+        "on_reply": subscribe(default=Mode.INTERCEPT, eager_next=True),
+        "on_acting": subscribe(default=Mode.INTERCEPT, eager_next=True),
+        "on_check_permission": subscribe(eager_next=True),
+    }
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if isinstance(item, ReplyStartEvent):
+                yield CustomEvent(name="eager_seen_start", value={})
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        return await next_handler()
+
+
+class DetachedWatcher(MiddlewareBase):
+    """A tracer's shape: watches four hooks, never waited for. What it saw is kept in this process
+    (per session) and read back with its ``watch_stats`` tool."""
+
+    subscriptions = {
+        "on_reply": subscribe(default=Mode.OBSERVE, detached=True),
+        "on_reasoning": subscribe(observe=[ModelCallEndEvent], detached=True),
+        "on_model_call": subscribe(observe=["chat_response_final"], detached=True),
+        "on_acting": subscribe(observe=[ToolResponse], detached=True),
+    }
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[str, int]] = {}
+
+    def _count(self, agent, hook: str, item) -> None:
+        per_session = self.seen.setdefault(agent.state.session_id, {})
+        key = f"{hook}:{type(item).__name__}"
+        per_session[key] = per_session.get(key, 0) + 1
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            self._count(agent, "on_reply", item)
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            self._count(agent, "on_reasoning", item)
+            yield item
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        stream = await next_handler()
+
+        async def watch():
+            async for chunk in stream:
+                self._count(agent, "on_model_call", chunk)
+                yield chunk
+
+        return watch()
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            self._count(agent, "on_acting", item)
+            yield item
+
+    async def list_tools(self):
+        import json
+
+        @tool(description="What the watcher saw in a session.", is_read_only=True)
+        def watch_stats(session_id: str) -> str:
+            return json.dumps(self.seen.get(session_id, {}), sort_keys=True)
+
+        return [watch_stats]
+
+
 MIDDLEWARE: dict[str, type[MiddlewareBase]] = {
     name: obj
     for name, obj in list(globals().items())

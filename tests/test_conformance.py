@@ -7,6 +7,8 @@ state. Each scenario also asserts what the behavior is, so that "the same" canno
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from .harness import Layer, Scenario, Servers, final_text, kinds, run
@@ -51,6 +53,8 @@ SCENARIOS = [
     Scenario("append_memory_message", [Layer("AppendMemory")]),
     Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"),
     Scenario("middleware_raises", [Layer("Raises")]),
+    Scenario("eager_next", [Layer("EagerPassThrough")], message="call add a=2 b=2"),
+    Scenario("detached_watcher", [Layer("DetachedWatcher")], message="call add a=2 b=2"),
     Scenario(
         "two_layers_order",
         [Layer("InjectAfterText"), Layer("SwallowFirstEnd")],
@@ -193,7 +197,19 @@ def _two_layers(events, state):
     assert final_text(events) == "two"
 
 
+def _eager(events, state):
+    names = kinds(events)
+    assert names[1] == "CustomEvent" and events[1]["name"] == "eager_seen_start"
+    assert final_text(events) == "Done: add returned 4."
+
+
+def _detached(events, state):
+    assert final_text(events) == "Done: add returned 4."  # a watcher changes nothing
+
+
 CHECKS = {
+    "eager_next": _eager,
+    "detached_watcher": _detached,
     "pass_through": _pass_through,
     "override_kwargs": _override,
     "model_fallback_next_twice": _fallback,
@@ -232,3 +248,36 @@ async def test_system_prompt_pipeline_order_mixed(servers: Servers) -> None:
 
 def test_every_check_has_a_scenario() -> None:
     assert set(CHECKS) == {s.id for s in SCENARIOS}
+
+
+async def test_a_detached_watcher_sees_what_it_subscribed_to(servers: Servers) -> None:
+    """Never waited for, yet it gets every copy: read back through its own tool."""
+    import json
+
+    from agent_host.agent import Agent
+    from agent_host.data import ToolCallBlock, UserMsg
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import RemoteMiddleware
+    from agent_host.tools import Toolkit, add_middleware_tools
+
+    from .harness import add
+
+    remote = await RemoteMiddleware(servers.address(Layer("DetachedWatcher"))).connect()
+    toolkit = Toolkit([add])
+    await add_middleware_tools(toolkit, remote)
+    agent = Agent(model=OfflineRuleModel(), toolkit=toolkit, middlewares=[remote])
+    events = [e async for e in agent.reply_stream(UserMsg("call add a=2 b=2"))]
+    for _ in range(50):  # its last copies are read in the background
+        stats = json.loads(
+            [c async for c in toolkit.call_tool(
+                ToolCallBlock(id="s", name="DetachedWatcher__watch_stats", input=json.dumps(
+                    {"session_id": agent.state.session_id})))][-1].content[0].text
+        )  # fmt: skip
+        if stats.get("on_reply:Msg"):
+            break
+        await asyncio.sleep(0.05)
+    assert stats["on_reply:Msg"] == 1 and sum(v for k, v in stats.items() if k.startswith("on_reply:")) == len(events)
+    assert stats["on_reasoning:ModelCallEndEvent"] == 2
+    assert stats["on_model_call:ChatResponse"] == 2  # the final chunk of each model call
+    assert stats["on_acting:ToolResponse"] == 1
+    await remote.close()

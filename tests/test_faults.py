@@ -26,9 +26,9 @@ from agent_host.data import (
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.tools import Toolkit, tool
+from clients.launch import ServerProcess, middleware_server
 
 from .harness import add
-from .procs import ServerProcess, middleware_server
 
 ANSWER = "one two three four five six seven eight nine ten"
 slow_started = asyncio.Event()
@@ -197,6 +197,7 @@ async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess)
     items = await reply(agent, "while it is down")
     assert end_of(items).finished_reason == ReplyFinishedReason.ERROR
     marker.restart()  # same port
+    assert await remote.wait_ready(5)  # the channel reconnects by itself (backoff at most 1 s)
     items = await reply(agent, "after the restart")
     assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
     assert marked(items)
@@ -208,3 +209,20 @@ async def test_unknown_address_fails_to_attach() -> None:
     with pytest.raises(Exception, match=r"failed in Describe: (UNAVAILABLE|DEADLINE_EXCEEDED)"):
         await remote.connect()
     await remote.close()
+
+
+async def test_a_dead_detached_watcher_never_fails_a_reply() -> None:
+    """Even under fail_closed: a watcher is never waited for, so its death costs the reply nothing."""
+    proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=2)).connect()
+        agent = make_agent(remote)
+        assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
+        proc.kill()
+        for text in ("while it is down", "and again"):
+            items = await reply(agent, text)
+            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+            assert items[-1].text == ANSWER
+        await remote.close()
+    finally:
+        proc.stop()

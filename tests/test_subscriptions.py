@@ -10,9 +10,9 @@ from agent_host.data import TextBlockDeltaEvent, UserMsg
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
 from agent_host.tools import Toolkit
+from clients.launch import middleware_server, start_all
 
 from .harness import add
-from .procs import middleware_server, start_all
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidir
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..codec import codec, json_to_value
 from ..data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
-from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec
+from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec, Kind
 from ..subscriptions import SubscriptionTable
 from ..tools import Tool
 
@@ -104,6 +105,7 @@ class RemoteMiddleware:
         # Idle streams per hook: a stream carries one invocation at a time, then the next one, so
         # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
         self.idle: dict[str, list[Any]] = {hook: [] for hook in HOOKS}
+        self.background: set[asyncio.Task[None]] = set()  # deliveries to detached hooks
 
     @property
     def name(self) -> str:
@@ -114,13 +116,18 @@ class RemoteMiddleware:
 
     # -- handshake ------------------------------------------------------------------------------
 
-    async def connect(self) -> RemoteMiddleware:
-        """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure."""
+    async def connect(self, *, wait: bool = True) -> RemoteMiddleware:
+        """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure.
+
+        ``wait``: wait up to ``connect_timeout`` for the server to come up (on attach). Hook calls
+        re-describe without waiting, so a middleware that is down fails fast instead of stalling
+        every reply; once the channel has reconnected (it retries within a second), it is used again.
+        """
         try:
             desc = await self._describe_stub.Describe(
                 hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION),
                 timeout=self.policy.connect_timeout,
-                wait_for_ready=True,
+                wait_for_ready=wait,
             )
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
@@ -133,6 +140,8 @@ class RemoteMiddleware:
             spec = HOOKS_BY_NUMBER.get(hook.hook)
             if spec is None:
                 raise ProtocolError(self.name, "Describe", f"unknown hook number {hook.hook}")
+            if hook.detached and spec.kind is Kind.TRANSFORM:
+                raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be detached (it returns a prompt)")
             try:
                 tables[spec.name] = SubscriptionTable(hook)
             except ValueError as exc:
@@ -152,7 +161,16 @@ class RemoteMiddleware:
         """Describe again when the last call failed or the connection was re-established since
         (a server restarted between replies may implement other hooks now)."""
         if not self.described or self.channel.get_state() != grpc.ChannelConnectivity.READY:
-            await self.connect()
+            await self.connect(wait=False)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait (bounded) until the channel is connected again, e.g. after a server restart."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.channel.channel_ready()
+            return True
+        except TimeoutError:
+            return False
 
     def failed(self) -> None:
         """After a failure, the next call re-runs Describe (the server may have restarted)."""
@@ -182,6 +200,8 @@ class RemoteMiddleware:
                 idle.pop().cancel()
 
     async def close(self) -> None:
+        for task in list(self.background):
+            task.cancel()
         self._drop_idle()
         await self.channel.close()
 
@@ -259,7 +279,7 @@ class RemoteTool(Tool):
         try:
             while True:
                 try:
-                    async with _timeout(mw.policy.timeout):
+                    async with asyncio.timeout(mw.policy.timeout):
                         msg = await call.read()
                 except TimeoutError:
                     raise MiddlewareFailure(mw.name, "CallTool", f"no answer within {mw.policy.timeout}s") from None
@@ -274,9 +294,3 @@ class RemoteTool(Tool):
             raise MiddlewareFailure(mw.name, "CallTool", f"{exc.code().name}: {exc.details()}") from None
         finally:
             call.cancel()
-
-
-def _timeout(seconds: float) -> Any:
-    import asyncio
-
-    return asyncio.timeout(seconds)

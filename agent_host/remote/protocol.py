@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -19,8 +20,9 @@ from ..codec import CodecError, codec, json_to_value, value_to_json
 from ..data import ChatResponse, CustomEvent
 from ..hooks import HookSpec, Kind
 from ..subscriptions import Mode, SubscriptionTable
-from ..wire import decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
+from ..wire import DEFAULT_CREDITS, decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
 from .client import MiddlewareFailure, ProtocolError, RemoteMiddleware, RemoteMiddlewareError, StreamBroken
+from .detached import DetachedDelivery
 
 log = logging.getLogger("agentmw.remote")
 
@@ -82,22 +84,26 @@ class HookCall:
     async def _guarded(self) -> AsyncIterator[Any]:
         try:
             try:
-                async for item in self._run():
-                    yield item
+                async with aclosing(self._run()) as run:
+                    async for item in run:
+                        yield item
             except MiddlewareFailure as exc:
                 self.mw.failed()
-                if not self.mw.policy.fail_open:
+                table = self.mw.tables.get(self.spec.name)
+                watcher = table is not None and table.detached  # as last described
+                if not (self.mw.policy.fail_open or watcher):
                     raise
-                async for item in self._bypass(exc):
+                async for item in self._bypass(exc, record=not watcher):
                     yield item
         finally:
             await self._close()
 
-    async def _bypass(self, exc: MiddlewareFailure) -> AsyncIterator[Any]:
-        """fail_open: go on as if the middleware were not there (transparent until it changed items)."""
+    async def _bypass(self, exc: MiddlewareFailure, *, record: bool = True) -> AsyncIterator[Any]:
+        """fail_open (and any detached hook): go on as if the middleware were not there
+        (transparent until it changed items). ``record``: say so in the reply's events."""
         self.mw.bypasses += 1
         log.warning("bypassing %s", exc)
-        if self.spec.name in _EVENT_HOOKS:
+        if record and self.spec.name in _EVENT_HOOKS:
             yield CustomEvent(
                 name="middleware_bypassed",
                 value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
@@ -146,7 +152,18 @@ class HookCall:
             encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
         except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's
             raise RuntimeError(f"{spec.name}: cannot send kwargs to {mw.name}: {exc}") from exc
-        msg = await self._begin(begin)
+        if self.table.detached:
+            async for item in self._detached(begin):
+                yield item
+            return
+        if self.table.eager_next:  # the middleware calls next first thing: do not wait for it
+            await self._begin(begin, read=False)
+            await self._start_inner(hooks_pb2.CallNext())
+            async for item in self._advance(DEFAULT_CREDITS):
+                yield item
+            msg = await self._read()
+        else:
+            msg = await self._begin(begin)
         while True:
             for action in msg.actions:
                 which = action.WhichOneof("action")
@@ -182,21 +199,66 @@ class HookCall:
                 raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
             msg = await self._read()
 
-    async def _begin(self, begin: hooks_pb2.HostMessage) -> hooks_pb2.MiddlewareMessage:
+    async def _begin(self, begin: hooks_pb2.HostMessage, *, read: bool = True) -> Any:
         """Send begin on an idle stream (or a new one) and read the first answer. A reused stream
         may have died since (the server restarted): then, and only then, begin again on a new one;
         the middleware never saw the first begin."""
         self.call, reused = self.mw.take_stream(self.spec.name)
         try:
             await self._write(begin)
-            return await self._read()
+            return await self._read() if read else None
         except StreamBroken:
             if not reused:
                 raise
         self.call.cancel()
         self.call = self.mw.new_stream(self.spec.name)
         await self._write(begin)
-        return await self._read()
+        return await self._read() if read else None
+
+    async def _detached(self, begin: hooks_pb2.HostMessage) -> AsyncIterator[Any]:
+        """A watcher: copies of the subscribed items go out in the background; nothing here ever
+        waits for the middleware, and its failures only end its copies (logged and counted)."""
+        table = self.table
+        assert table is not None
+        delivery = DetachedDelivery(self.mw, self.spec.name)
+        delivery.add(begin)
+        self.generation = 1
+        self.inner = inner = self._inner_items({})
+        try:
+            async for item in inner:
+                if table.mode_of(item) is not Mode.BYPASS:
+                    msg = hooks_pb2.HostMessage()
+                    copy = msg.item
+                    copy.observed, copy.inner = True, 1
+                    codec.encode_item(item, copy.item)
+                    self._context(copy.context)
+                    delivery.add(msg)
+                yield item
+        except Exception as exc:
+            err = hooks_pb2.HostMessage()
+            err.inner_error.type, err.inner_error.message, err.inner_error.inner = type(exc).__name__, str(exc), 1
+            delivery.add(err)
+            delivery.end()
+            raise
+        except GeneratorExit:  # the consumer had what it needed (e.g. the ToolResponse): a normal end
+            self._detached_done(delivery)
+            raise
+        except BaseException:  # cancelled half-way
+            delivery.abandon()
+            raise
+        else:
+            self._detached_done(delivery)
+            self.result = self.inner_result
+        finally:
+            self.inner = None
+
+    def _detached_done(self, delivery: DetachedDelivery) -> None:
+        done = hooks_pb2.HostMessage()
+        done.inner_done.inner = 1
+        if self.spec.kind is Kind.CALL:
+            encode_result(self.inner_result, done.inner_done.result)
+        delivery.add(done)
+        delivery.end()
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec

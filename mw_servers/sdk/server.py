@@ -25,7 +25,7 @@ from agent_host.subscriptions import to_proto
 from agent_host.tools import Tool, Toolkit
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
-from .session import HookSession, next_begin
+from .session import HookSession, HostReader
 
 log = logging.getLogger("agentmw.sdk")
 
@@ -71,9 +71,10 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str) -> grpc.RpcMe
 
     async def run(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         # One stream carries invocations one after another, each opened by a begin.
+        reader = HostReader(context)
         try:
-            while (begin := await next_begin(context)) is not None:
-                await HookSession(middleware, key, spec, context).run(begin)
+            while (begin := await reader.next_begin()) is not None:
+                await HookSession(middleware, key, spec, context, reader).run(begin)
         except Exception:
             log.exception("%s: the hook session failed", hook)
             raise

@@ -9,6 +9,7 @@ else first, they are flushed at the end of the current event-loop turn (so nothi
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,12 +18,19 @@ import grpc
 from agent_host.codec import codec
 from agent_host.data import ChatResponse
 from agent_host.hooks import HookSpec, Kind
-from agent_host.wire import decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
+from agent_host.wire import (
+    DEFAULT_CREDITS,
+    decode_kwargs,
+    decode_result,
+    encode_kwargs,
+    encode_result,
+    model_override,
+)
 from agentmw.v1 import hooks_pb2
 
 from .view import AgentView
 
-WINDOW = 32  # credits granted per pull for observed items
+WINDOW = DEFAULT_CREDITS  # credits granted per pull for observed items
 
 
 class InnerPipelineError(Exception):
@@ -38,8 +46,10 @@ class HostGone(Exception):
 
 
 class HookSession:
-    def __init__(self, middleware: Any, key: str, spec: HookSpec, context: grpc.aio.ServicerContext) -> None:
-        self.mw, self.spec, self.ctx = middleware, spec, context
+    def __init__(
+        self, middleware: Any, key: str, spec: HookSpec, context: grpc.aio.ServicerContext, reader: HostReader
+    ) -> None:
+        self.mw, self.spec, self.ctx, self.reader = middleware, spec, context, reader
         self.view = AgentView(self, key)
         self.actions: list[hooks_pb2.Action] = []
         self.flush_scheduled = False
@@ -51,6 +61,9 @@ class HookSession:
         self.current: tuple[Any, Any, int] | None = None  # (item, its proto, seq) held now
         self.observed: dict[int, Any] = {}
         self.last_inner_error: InnerPipelineError | None = None
+        subscription = middleware.subscription(spec.name)
+        self.detached = subscription.detached
+        self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
 
     # -- running the author's code ---------------------------------------------------------------
 
@@ -115,6 +128,8 @@ class HookSession:
         self._sync_slot()
         if self.observed.pop(id(out), None) is out:
             return  # the host already forwarded it
+        if self.detached:
+            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not emit {type(out).__name__}")
         action = hooks_pb2.Action()
         current = self.current
         if current is not None and current[0] is out and codec.encode_item(out) == current[1]:
@@ -126,6 +141,8 @@ class HookSession:
         self._queue(action)
 
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
+        if self.detached:
+            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not change the agent's state")
         self._sync_slot()
         action = hooks_pb2.Action()
         action.mutate.CopyFrom(mutation)
@@ -133,6 +150,8 @@ class HookSession:
 
     def _sync_slot(self) -> None:
         changed, value = self.view.state.middle_context.changed()
+        if changed and self.detached:
+            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not change its slot")
         if changed:
             from agent_host.codec import json_to_value
 
@@ -168,27 +187,40 @@ class HookSession:
     # -- incoming --------------------------------------------------------------------------------
 
     async def read(self) -> hooks_pb2.HostMessage:
-        try:
-            msg = await self.ctx.read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            raise HostGone(str(exc)) from None
-        if msg is grpc.aio.EOF:
+        msg = await self.reader.read()
+        if msg is None:
             raise HostGone("the host closed the stream")
         return msg
 
 
-async def next_begin(context: grpc.aio.ServicerContext) -> hooks_pb2.Begin | None:
-    """The next invocation's begin on a stream (None when the host closed it). Messages still in
-    flight from the previous invocation (observed items it did not read) are skipped."""
-    while True:
-        try:
-            msg = await context.read()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            return None
-        if msg is grpc.aio.EOF:
-            return None
-        if msg.WhichOneof("message") == "begin":
-            return msg.begin
+class HostReader:
+    """The host's messages on one stream, with batches (hooks.proto, Batch) unpacked in order."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self.context = context
+        self.buffer: deque[hooks_pb2.HostMessage] = deque()
+
+    async def read(self) -> hooks_pb2.HostMessage | None:
+        """The next message, or None once the host closed the stream."""
+        while not self.buffer:
+            try:
+                msg = await self.context.read()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                return None
+            if msg is grpc.aio.EOF:
+                return None
+            if msg.WhichOneof("message") != "batch":
+                return msg
+            self.buffer.extend(msg.batch.messages)
+        return self.buffer.popleft()
+
+    async def next_begin(self) -> hooks_pb2.Begin | None:
+        """The next invocation's begin (None when the host closed the stream). Messages still in
+        flight from the previous invocation (observed items it did not read) are skipped."""
+        while (msg := await self.read()) is not None:
+            if msg.WhichOneof("message") == "begin":
+                return msg.begin
+        return None
 
 
 class InnerStream:
@@ -213,6 +245,11 @@ class InnerStream:
             self.started = True
             s.generation += 1
             self.generation = s.generation
+            if s.eager and s.generation == 1:  # the host started this pipeline at begin
+                if self.overrides:
+                    raise TypeError(f"{s.spec.name} is declared eager_next: its first next_handler() takes no kwargs")
+                s.granted, s.host_waiting, s.current = WINDOW, False, None
+                return await self._receive()
             msg = hooks_pb2.MiddlewareMessage()
             call_next = msg.call_next
             call_next.credits = WINDOW
@@ -226,11 +263,15 @@ class InnerStream:
             await s.send(msg)
         elif self.generation != s.generation:
             raise RuntimeError("this inner pipeline was replaced by a later next_handler() call")
-        elif s.host_waiting or s.granted <= 0:
+        elif (s.host_waiting or s.granted <= 0) and not s.detached:  # a detached hook is never waited for
             msg = hooks_pb2.MiddlewareMessage()
             msg.pull.credits = WINDOW
             s.granted, s.host_waiting, s.current = WINDOW, False, None
             await s.send(msg)
+        return await self._receive()
+
+    async def _receive(self) -> Any:
+        s = self.session
         while True:
             msg = await s.read()
             which = msg.WhichOneof("message")

@@ -41,7 +41,7 @@ $(AS_VENV)/.installed:
 	touch $@
 
 bench: install $(AS_VENV)/.installed
-	BENCH_AGENTSCOPE_PYTHON=$(AS_VENV)/bin/python $(PY) -m bench.run
+	BENCH_AGENTSCOPE_PYTHON=$(CURDIR)/$(AS_VENV)/bin/python $(PY) -m bench.run
 
 lint: install
 	$(VENV)/bin/ruff check .

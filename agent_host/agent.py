@@ -531,19 +531,76 @@ class Agent:
     # -- acting (§2.6) -------------------------------------------------------------------------
 
     async def _acting(self, tool_calls: list[ToolCallBlock]) -> AsyncIterator[Any]:
-        """Run the executable calls in order; stop after one parks (confirmation / external)."""
-        for call in tool_calls:
+        """Run the executable calls batch by batch (§2.6): consecutive concurrency-safe calls run
+        together, the others one by one. Stop after a batch in which a call parked (confirmation,
+        external execution); an interrupted tool ends the reply as INTERRUPTED."""
+        for concurrent, batch in self._batches(tool_calls):
             parked = interrupted = False
-            async for event in self._execute_tool_call(call):
-                parked = parked or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
-                interrupted = interrupted or (
-                    isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED
-                )
-                yield event
-            if interrupted:  # §2.3.6: an interrupted tool ends the reply as INTERRUPTED
+            events = self._concurrently(batch) if concurrent else self._one_by_one(batch)
+            async with aclosing(events) as stream:
+                async for event in stream:
+                    parked = parked or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
+                    interrupted = interrupted or (
+                        isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED
+                    )
+                    yield event
+            if interrupted:
                 raise asyncio.CancelledError
             if parked:
                 return
+
+    def _batches(self, calls: list[ToolCallBlock]) -> list[tuple[bool, list[ToolCallBlock]]]:
+        batches: list[tuple[bool, list[ToolCallBlock]]] = []
+        for call in calls:
+            tool = self.toolkit.get(call.name)
+            safe = tool is None or tool.is_concurrency_safe  # an unknown tool only yields an error
+            if safe and batches and batches[-1][0]:
+                batches[-1][1].append(call)
+            else:
+                batches.append((safe, [call]))
+        return [(safe and len(batch) > 1, batch) for safe, batch in batches]
+
+    async def _one_by_one(self, batch: list[ToolCallBlock]) -> AsyncIterator[Any]:
+        for call in batch:
+            stop = False
+            async for event in self._execute_tool_call(call):
+                stop = (
+                    stop
+                    or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
+                    or (isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED)
+                )
+                yield event
+            if stop:
+                return
+
+    async def _concurrently(self, batch: list[ToolCallBlock]) -> AsyncIterator[Any]:
+        """Every call of the batch runs to its end; their events come out as they happen."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+
+        async def run(call: ToolCallBlock) -> None:
+            try:
+                async with aclosing(self._execute_tool_call(call)) as events:
+                    async for event in events:
+                        queue.put_nowait(event)
+            finally:
+                queue.put_nowait(done)
+
+        tasks = [asyncio.create_task(run(call)) for call in batch]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                event = await queue.get()
+                if event is done:
+                    remaining -= 1
+                else:
+                    yield event
+            errors = [t.exception() for t in tasks if t.exception() is not None]
+            if errors:
+                raise errors[0]
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def _execute_tool_call(self, call: ToolCallBlock) -> AsyncIterator[Any]:
         reply_id = self.state.reply_id

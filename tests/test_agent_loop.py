@@ -150,3 +150,37 @@ def test_unimplemented_hooks_are_not_in_any_chain() -> None:
     agent = Agent(model=OfflineRuleModel(), middlewares=[SwallowEveryEnd()])
     assert [h for h, layers in agent.layers.items() if layers] == ["on_reply"]
     assert agent._reasoning_chain.layers == []  # the core is called directly
+
+
+async def test_concurrency_safe_calls_run_together() -> None:
+    """Two concurrency-safe calls overlap (§2.6); the unsafe one after them runs alone."""
+    import asyncio
+
+    running: list[str] = []
+    overlap: list[int] = []
+
+    @tool(description="Slow and safe.", is_concurrency_safe=True)
+    async def safe_wait(name: str) -> str:
+        running.append(name)
+        overlap.append(len(running))
+        await asyncio.sleep(0.05)
+        running.remove(name)
+        return name
+
+    @tool(description="Slow and unsafe.")
+    async def unsafe_wait(name: str) -> str:
+        overlap.append(len(running) + 1)
+        await asyncio.sleep(0.01)
+        return name
+
+    calls = [
+        {"name": "safe_wait", "input": {"name": "a"}},
+        {"name": "safe_wait", "input": {"name": "b"}},
+        {"name": "unsafe_wait", "input": {"name": "c"}},
+    ]
+    model = OfflineRuleModel(script=[{"tool_calls": calls}, {"text": "all done"}])
+    agent = Agent(model=model, toolkit=Toolkit([safe_wait, unsafe_wait]))
+    items = await collect(agent, UserMsg("go"))
+    assert overlap == [1, 2, 1]
+    assert [r.output[0].text for r in tool_results(agent)] == ["a", "b", "c"]
+    assert items[-1].text == "all done"

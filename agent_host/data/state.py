@@ -21,18 +21,13 @@ class ReplyContext:
     model_id: str | None = None
 
 
-@dataclass(slots=True, kw_only=True)
-class AgentState:
-    session_id: str = field(default_factory=new_id)
-    summary: str = ""
-    context: list[Msg] = field(default_factory=list)
-    reply_context: ReplyContext = field(default_factory=ReplyContext)
-    middle_context: dict[str, Any] = field(default_factory=dict)
-    permission_rules: list[PermissionRule] = field(default_factory=list)
-    # block id -> key of the middleware that added it (only its adder may remove it)
-    block_owners: dict[str, str] = field(default_factory=dict)
-    # Bumped on every change a middleware could observe; remote layers resend their view when it moves.
-    version: int = 0
+class ReplyFields:
+    """``reply_id`` and ``cur_iter`` read through ``reply_context``, as on AgentScope's AgentState.
+    Shared by the host's state and a remote middleware's view of it; ``_cur_iter_changed`` says
+    what a write means where (a version bump here, a mutation there)."""
+
+    __slots__ = ()
+    reply_context: ReplyContext
 
     @property
     def reply_id(self) -> str:
@@ -45,6 +40,26 @@ class AgentState:
     @cur_iter.setter
     def cur_iter(self, value: int) -> None:
         self.reply_context.cur_iter = value
+        self._cur_iter_changed(value)
+
+    def _cur_iter_changed(self, value: int) -> None:
+        raise NotImplementedError
+
+
+@dataclass(slots=True, kw_only=True)
+class AgentState(ReplyFields):
+    session_id: str = field(default_factory=new_id)
+    summary: str = ""
+    context: list[Msg] = field(default_factory=list)
+    reply_context: ReplyContext = field(default_factory=ReplyContext)
+    middle_context: dict[str, Any] = field(default_factory=dict)
+    permission_rules: list[PermissionRule] = field(default_factory=list)
+    # block id -> key of the middleware that added it (only its adder may remove it)
+    block_owners: dict[str, str] = field(default_factory=dict)
+    # Bumped on every change a middleware could observe; remote layers resend their view when it moves.
+    version: int = 0
+
+    def _cur_iter_changed(self, value: int) -> None:
         self.version += 1
 
     def reply_message(self, name: str) -> Msg | None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent_host.codec import codec, json_to_value, value_to_json
 from agent_host.data import ContentBlock, ModelRef, Msg
+from agent_host.data.state import ReplyFields
 from agentmw.v1 import hooks_pb2
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class ReplyContextView:
         self.structured_output_pending = False
 
 
-class StateView:
+class StateView(ReplyFields):
     def __init__(self, session: HookSession, key: str) -> None:
         self._session = session
         self.session_id = ""
@@ -126,17 +127,7 @@ class StateView:
         self.middle_context = SlotDict(key)
         self.context = ContextView(session)
 
-    @property
-    def reply_id(self) -> str:
-        return self.reply_context.reply_id
-
-    @property
-    def cur_iter(self) -> int:
-        return self.reply_context.cur_iter
-
-    @cur_iter.setter
-    def cur_iter(self, value: int) -> None:
-        self.reply_context.cur_iter = value
+    def _cur_iter_changed(self, value: int) -> None:
         self._session.mutate(hooks_pb2.Mutation(set_cur_iter=value))
 
     def append_context(self, name: str, blocks: list[ContentBlock]) -> None:

@@ -3,16 +3,20 @@
 It starts every middleware server the repository has, each as its own process on a free
 loopback port (built-in servers ``mw_servers/<name>/`` through their ``__main__``, and every
 middleware class in ``mw_servers/examples/`` through the SDK launcher), then the agent host with
-all of them attached and the offline model, then runs a scripted conversation on one session:
-a tool call, an email that needs confirmation (answered automatically, with an edited input), a
-tool the client executes, each middleware-contributed tool, and a follow-up turn. It prints what
-happened and what each middleware kept in the session, and stops every process it started, also
-on an error or Ctrl-C. Exit status 0 means every reply completed.
+all of them attached and two offline models ("offline", the default, and "backup"), then runs a
+scripted conversation on one session: a tool call, an email that needs confirmation (answered
+automatically, with an edited input), a tool the client executes, each middleware-contributed
+tool, a question the offline model answers from its (dynamic) system prompt, a simulated outage
+of the default model that the fallback middleware answers with "backup", and a follow-up turn.
+It prints what happened (with the model that answered each model call) and what each middleware
+kept in the session, and stops every process it started, also on an error or Ctrl-C. Exit status
+0 means every reply completed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import inspect
 import json
@@ -24,13 +28,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .launch import LaunchError, ServerProcess, start_all
 
-# Constructor arguments some example servers need to be useful in the demo.
+# Constructor arguments some example servers need to be useful in the demo. The rate limit lets
+# a burst of 4 calls through, then 20 a second: the demo's later calls wait a little for a token.
 SERVER_ARGS: dict[str, dict[str, Any]] = {
-    "ModelFallbackMiddleware": {"fallback": "offline"},
-    "RateLimitMiddleware": {"rate": 50, "burst": 10},
+    "ModelFallbackMiddleware": {"fallback": "backup"},
+    "RateLimitMiddleware": {"rate": 20, "burst": 4},
 }
+
+OUTAGE = "the primary model is down (simulated outage)"
+
+
+def host_models() -> dict[str, Any]:
+    """The host's model registry: the embedded default ("offline") with two more rules (a text
+    answer that quotes the system prompt, a failure), and "backup" for the fallback middleware."""
+    from agent_host.config import DEFAULT_MODELS
+
+    models = copy.deepcopy(DEFAULT_MODELS)
+    models["models"]["offline"]["rules"] += [
+        {
+            "pattern": r"what do you know about (today|now)\b",
+            "text": "Here is what I know about {0}, from my system prompt:\n{system}",
+        },
+        {"pattern": r"simulate an? (?:outage|failure)", "error": {"type": "upstream", "message": OUTAGE}},
+    ]
+    models["models"]["backup"] = {
+        "provider": "offline",
+        "reply_template": "This is the backup model: the primary one failed, so I answer instead. You said: {text}",
+    }
+    return models
 
 
 @dataclass
@@ -64,9 +93,11 @@ def discover_servers() -> list[ServerSpec]:
         ]
         for cls in classes:
             name = info.name if len(classes) == 1 else f"{info.name}_{cls.__name__.lower()}"
-            args = [f"--arg={k}={json.dumps(v)}" for k, v in SERVER_ARGS.get(cls.__name__, {}).items()]
+            kwargs = SERVER_ARGS.get(cls.__name__, {})
+            args = [f"--arg={k}={json.dumps(v)}" for k, v in kwargs.items()]
             target = f"{module.__name__}:{cls.__name__}"
-            specs.append(ServerSpec(name, ["-m", "mw_servers.sdk", target, *address, *args], target))
+            what = " ".join([target, *(f"{k}={v}" for k, v in kwargs.items())])
+            specs.append(ServerSpec(name, ["-m", "mw_servers.sdk", target, *address, *args], what))
     return specs
 
 
@@ -99,8 +130,34 @@ def _steps(tools: list[str]) -> list[Step]:
     ]
     for name in tools:
         steps.append(Step(f"a tool contributed by a middleware: {name}", f"call {name} text=hello"))
-    steps.append(Step("a second turn on the same session", "Thanks! Now use add a=2 b=40"))
+    steps += [
+        Step("the dynamic system prompt: the model answers from it", "What do you know about today?"),
+        Step(
+            "a model outage: the default model fails, the fallback middleware switches to backup",
+            "Please simulate an outage",
+        ),
+        Step("a second turn on the same session", "Thanks! Now use add a=2 b=40"),
+    ]
     return steps
+
+
+def model_calls(view: Any) -> Any:
+    """``view.show`` plus one line per model call: which model was asked and which answered."""
+    from agent_host.data import ModelCallEndEvent, ModelCallStartEvent
+
+    asked = {"model": ""}
+
+    def show(item: Any) -> None:
+        view.show(item)
+        if isinstance(item, ModelCallStartEvent):
+            asked["model"] = item.model_name
+        elif isinstance(item, ModelCallEndEvent):
+            used = item.metadata.get("model", "?")
+            first = asked["model"] or used
+            who = used if used == first else f"{first} failed, {used} answered"
+            view._line(f"  · model call: {who} ({item.input_tokens} tokens in, {item.output_tokens} out)")
+
+    return show
 
 
 async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
@@ -119,6 +176,7 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
         for mw in attached:
             tools = f"; tools: {', '.join(mw.tools)}" if mw.tools else ""
             print(f"  {mw.name:<16} {mw.address:<22} hooks: {', '.join(mw.hooks) or '-'}{tools}", file=out)
+        show = model_calls(view)
         session = ""
         for i, step in enumerate(_steps([t for mw in attached for t in mw.tools]), 1):
             print(f"\n── {i}. {step.title}\n[you] {step.message}", file=out)
@@ -134,7 +192,7 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
                 return ToolResultBlock(id=call.id, name=call.name, output=step.external, state=ToolResultState.SUCCESS)
 
             turn = await converse(
-                client, session, UserMsg(step.message), on_item=view.show, on_confirm=confirm, on_external=external
+                client, session, UserMsg(step.message), on_item=show, on_confirm=confirm, on_external=external
             )
             session = turn.session_id
             reason = turn.end.finished_reason if turn.end is not None else None
@@ -149,9 +207,12 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
             file=out,
         )
         slots = json.loads(info.middle_context_json)
-        print("  middleware slots (middle_context):" + ("" if slots else " none written"), file=out)
-        for key, value in slots.items():
-            print(f"    {key}: {json.dumps(value, sort_keys=True)[:300]}", file=out)
+        print("  what each middleware kept in its slot (middle_context[key]):", file=out)
+        for mw in attached:
+            kept = json.dumps(slots.pop(mw.key), sort_keys=True)[:300] if mw.key in slots else "nothing"
+            print(f"    {mw.name:<16} [{mw.key}]: {kept}", file=out)
+        for key, value in slots.items():  # slots of middleware no longer attached
+            print(f"    {'':<16} [{key}]: {json.dumps(value, sort_keys=True)[:300]}", file=out)
     return outcome
 
 
@@ -179,9 +240,13 @@ def run(out: Any = sys.stdout) -> int:
                 print(f"  middleware {spec.name:<16} {proc.address:<22} ({spec.what})", file=out)
                 flags += ["--middleware", f"{spec.name}={proc.address}"]
             db = str(log_dir / "sessions.db")
-            host = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", db, "--log-level", "warning", *flags]
-            address = process("host", host).start().address
-            print(f"  agent host            {address:<22} (offline model, sessions in SQLite)", file=out)
+            config = log_dir / "host.yaml"
+            config.write_text(yaml.safe_dump({"models": host_models()}, sort_keys=False))
+            host = ["-m", "agent_host", "--config", str(config), "--listen", "127.0.0.1:0", "--db", db]
+            address = process("host", [*host, "--log-level", "warning", *flags]).start().address
+            print(
+                f"  agent host            {address:<22} (offline models: offline, backup; sessions in SQLite)", file=out
+            )
             outcome = asyncio.run(converse_demo(address, out))
         except KeyboardInterrupt:
             print("\nagentmw demo: interrupted", file=out)

@@ -7,9 +7,17 @@ It is the embedded default of the demo and the tests. Per call it takes, in orde
    "input"}], "error": {"type", "message", "retryable"}, "delay"}``);
 2. an answer that reports the tool results of the current user turn, once there are any;
 3. tool calls by rule: the user names a known tool ("call get_weather city=Paris", "use add
-   {"a": 1, "b": 2}"), or a configured ``rules`` regex matches (``{"pattern", "tool", "input"}``);
-4. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``; ``{system}`` is
-   the system prompt).
+   {"a": 1, "b": 2}"), or tool rules of ``rules`` match (``{"pattern", "tool", "input"}``, one
+   call per matching rule whose tool is offered);
+4. else the first matching text or error rule of ``rules``: ``{"pattern", "text"}`` answers with
+   that template, ``{"pattern", "error": {"type", "message", "retryable"}}`` fails the call with
+   a ``ModelError`` (as a scripted error does; ``type`` defaults to "upstream");
+5. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``).
+
+Rule patterns are case-insensitive regexes searched in the latest user message. Templates (tool
+inputs, ``text`` rules) take the regex groups as ``{0}``, ``{1}``, ... and ``{name}``; text
+templates (``text`` rules, ``reply_template``) also take ``{text}``, the user message, and
+``{system}``, the system prompt. A rule needs exactly one of ``tool``, ``text``, ``error``.
 
 Text streams word by word; tool-call input streams in two fragments; usage is counted as
 input ≈ UTF-8 bytes / 4 of the prompt and output = streamed words.
@@ -57,7 +65,7 @@ class OfflineRuleModel(ChatModel):
     ) -> None:
         super().__init__(id=id, model_name=kw.pop("model_name", "offline-rule-model"), **kw)
         self.script = list(script or [])
-        self.rules = [dict(r, regex=re.compile(r["pattern"], re.I)) for r in rules or []]
+        self.rules = [_rule(i, r) for i, r in enumerate(rules or [])]
         self.reply_template = reply_template
         self.delay = delay
         self.calls = 0
@@ -97,6 +105,14 @@ class OfflineRuleModel(ChatModel):
             if calls:
                 return {"tool_calls": calls}
         system = messages[0].text if messages and messages[0].role == Role.SYSTEM else ""
+        for rule in self.rules:
+            if "tool" in rule or not (match := rule["regex"].search(user_text)):
+                continue
+            if "error" in rule:
+                return {"error": rule["error"]}
+            groups = [g or "" for g in match.groups()]
+            named = {k: v or "" for k, v in match.groupdict().items()}
+            return {"text": rule["text"].format(*groups, **{"text": user_text, "system": system, **named})}
         return {"text": self.reply_template.format(text=user_text, system=system)}
 
     @staticmethod
@@ -125,6 +141,8 @@ class OfflineRuleModel(ChatModel):
     def _rule_calls(self, text: str, names: set[str]) -> list[dict[str, Any]]:
         calls = []
         for rule in self.rules:
+            if "tool" not in rule:
+                continue
             match = rule["regex"].search(text)
             if match and rule["tool"] in names:
                 args = {
@@ -158,6 +176,26 @@ class OfflineRuleModel(ChatModel):
                 yield ChatResponse(content=[ToolCallBlock(id=call_id, name=name, input=part)], is_last=False)
             words += 1
         yield ChatResponse(content=[], is_last=False, usage=ChatUsage(input_tokens=input_tokens, output_tokens=words))
+
+
+def _rule(index: int, rule: dict[str, Any]) -> dict[str, Any]:
+    """A configured rule, checked, with its compiled ``regex``; a malformed one is a ValueError."""
+    kinds = [k for k in ("tool", "text", "error") if k in rule]
+    if "pattern" not in rule or len(kinds) != 1:
+        raise ValueError(f"rules[{index}]: expected a 'pattern' and exactly one of 'tool', 'text', 'error'")
+    if "error" in rule:
+        if not isinstance(rule["error"], dict):
+            raise ValueError(f"rules[{index}].error: expected a mapping {{type, message, retryable}}")
+        try:
+            ErrorType(rule["error"].get("type", "upstream"))
+        except ValueError:
+            known = ", ".join(t.value for t in ErrorType)
+            raise ValueError(f"rules[{index}].error.type: unknown {rule['error']['type']!r} (known: {known})") from None
+    try:
+        regex = re.compile(rule["pattern"], re.I)
+    except re.error as exc:
+        raise ValueError(f"rules[{index}].pattern: {exc}") from None
+    return dict(rule, regex=regex)
 
 
 def _pieces(text: str) -> list[str]:

@@ -8,8 +8,10 @@ the SDK launcher, which passes constructor arguments as JSON::
 
 - ``timing``: ``TimingMiddleware`` logs each model call's time to first chunk and total time, and
   adds a ``CustomEvent("timing")`` with the reply's duration just before its ``ReplyEndEvent``.
-- ``rate_limit``: ``RateLimitMiddleware`` holds model calls back with a token bucket.
-- ``dynamic_prompt``: ``DynamicContextMiddleware`` appends the current date/time (and the
-  session's slot value, when set) to the system prompt.
-- ``fallback``: ``ModelFallbackMiddleware`` retries a failed model call on another model id.
+- ``rate_limit``: ``RateLimitMiddleware`` holds model calls back with a token bucket; its slot
+  counts the session's calls, how many had to wait and how long they waited.
+- ``dynamic_prompt``: ``DynamicContextMiddleware`` appends the current date/time and the
+  session's slot value (by default when it first saw the session) to the system prompt.
+- ``fallback``: ``ModelFallbackMiddleware`` retries a failed model call on another model id; its
+  slot counts the switches and keeps the last error.
 """

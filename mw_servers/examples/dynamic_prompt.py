@@ -1,9 +1,11 @@
 """DynamicContextMiddleware: live context appended to the system prompt.
 
-Adds the current date and time and, when the session has one, this middleware's slot value
-(``agent.state.middle_context[key]``, e.g. the user's locale or plan, set by a client or by
-another hook of this middleware). The host calls a remote ``on_system_prompt`` at most once per
-ReAct iteration, so the clock is read once per iteration.
+Adds the current date and time and this middleware's slot value (``agent.state.middle_context[key]``)
+as a "Session:" line. The slot is empty on a session's first prompt: the middleware then records
+when it first saw the session (``{"session_started": "<ISO time>"}``); a value put there another
+way (e.g. the user's locale or plan, by another hook of this middleware) is shown as it is. The
+host calls a remote ``on_system_prompt`` at most once per ReAct iteration, so the clock is read
+once per iteration.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ class DynamicContextMiddleware(MiddlewareBase):
         return self.key
 
     async def on_system_prompt(self, agent: Any, prompt: str) -> str:
-        lines = [f"Time: {datetime.now().astimezone().isoformat(timespec='seconds')}"]
+        now = datetime.now().astimezone().isoformat(timespec="seconds")
         slot = agent.state.middle_context.get(self.key)
-        if slot is not None:
-            lines.append(f"Session: {slot if isinstance(slot, str) else json.dumps(slot, ensure_ascii=False)}")
-        return f"{prompt}\n\n## {self.heading}\n" + "\n".join(lines)
+        if slot is None:  # the session's first prompt
+            slot = agent.state.middle_context[self.key] = {"session_started": now}
+        session = slot if isinstance(slot, str) else json.dumps(slot, ensure_ascii=False)
+        return f"{prompt}\n\n## {self.heading}\nTime: {now}\nSession: {session}"
 
 
 if __name__ == "__main__":

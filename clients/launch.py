@@ -1,4 +1,4 @@
-"""Start Python child processes that announce themselves with "... listening on HOST:PORT".
+"""Start child processes that announce themselves with "... listening on HOST:PORT".
 
 The one launcher for the demo (``clients.demo``), the tests and the benchmark: every middleware
 server, the echo server and the agent host print such a line once they serve.
@@ -8,6 +8,9 @@ server, the echo server and the agent host print such a line once they serve.
     proc.kill()               # SIGKILL, e.g. to simulate a crash
     proc.restart()            # the same port again: "{port}" in argv becomes the port it had
     proc.stop()               # SIGTERM, then SIGKILL if it does not exit in time
+
+A non-Python server (e.g. the Node.js example middleware) runs with ``executable``:
+``ServerProcess(["mw_servers/examples/node/server.js", "--address", "127.0.0.1:{port}"], executable="node")``.
 
 Output (stdout and stderr together) is drained by a thread so the child never blocks on a full
 pipe; the last lines are kept in memory and, with ``log_dir``, all of them go to a log file.
@@ -42,6 +45,7 @@ class ServerProcess:
 
     ``argv`` may contain ``{port}``: it becomes ``port`` (0 at first, so the child picks a free
     one; after a start, the port it announced, so that ``restart()`` binds the same one again).
+    ``executable`` runs ``<executable> <argv>`` instead (e.g. "node"); the default is this Python.
     """
 
     def __init__(
@@ -54,8 +58,10 @@ class ServerProcess:
         port: int = 0,
         startup: float = 30.0,
         new_session: bool = False,
+        executable: str | None = None,
     ) -> None:
         self.argv = list(argv)
+        self.executable = executable or sys.executable
         self.name = name or " ".join(self.argv)
         self.env = env or {}
         self.log_path = log_dir / (re.sub(r"[^\w.-]", "_", self.name) + ".log") if log_dir else None
@@ -90,7 +96,7 @@ class ServerProcess:
         self._ready.clear()
         self._stopping = False
         self.popen = subprocess.Popen(
-            [sys.executable, *argv],
+            [self.executable, *argv],
             cwd=ROOT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             stdout=subprocess.PIPE,

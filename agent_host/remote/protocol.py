@@ -17,7 +17,7 @@ import grpc
 from agentmw.v1 import hooks_pb2
 
 from ..codec import CodecError, codec, json_to_value, value_to_json
-from ..data import ChatResponse, CustomEvent
+from ..data import ChatResponse, CustomEvent, new_id, now
 from ..hooks import HookSpec, Kind
 from ..subscriptions import Mode, SubscriptionTable
 from ..wire import DEFAULT_CREDITS, decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
@@ -393,9 +393,14 @@ class HookCall:
             return item
         if which == "item":
             try:
-                return codec.decode_item(emit.item)
+                item = codec.decode_item(emit.item)
             except (CodecError, KeyError, ValueError) as exc:
                 raise self._violation(f"malformed item: {exc}") from None
+            if getattr(item, "id", None) == "":  # the spec lets a middleware leave these to the host
+                item.id = new_id()
+            if getattr(item, "created_at", None) == "":
+                item.created_at = now()
+            return item
         raise self._violation("an empty emit")
 
     # -- state --------------------------------------------------------------------------------------

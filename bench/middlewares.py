@@ -75,6 +75,15 @@ class PassThroughCall(Counted):
         await self._pass_value("on_compress_context", next_handler)
 
 
+class PassThroughCallEager(PassThroughCall):
+    """The same, declared eager_next: Begin -> inner_done -> finish, one round trip."""
+
+    subscriptions: dict[str, Subscription] = {
+        "on_check_permission": subscribe(eager_next=True),
+        "on_compress_context": subscribe(eager_next=True),
+    }
+
+
 class InterceptAll(Counted):
     """on_reply and on_reasoning, intercepting every item (lock-step, one round trip per item)."""
 
@@ -137,4 +146,12 @@ class Realistic(Counted):
             yield item
 
 
-__all__ = ["STATS_TOOL", "Counted", "InterceptAll", "PassThroughCall", "Realistic", "ReplyEndOnly"]
+__all__ = [
+    "STATS_TOOL",
+    "Counted",
+    "InterceptAll",
+    "PassThroughCall",
+    "PassThroughCallEager",
+    "Realistic",
+    "ReplyEndOnly",
+]

@@ -99,6 +99,7 @@ def verdict(ok: bool | None) -> str:
 class Figures:
     hook_ratio: float
     compress_ratio: float
+    eager_ratio: float
     hook_floor_ratio: float  # the 2-exchange bare stream over the 1-exchange one: the protocol's floor
     hook_over_floor: float  # the hook over the 2-exchange bare stream
     reused_estimate: float  # 2 ping-pongs on an open stream over 1a: a pass-through on a reused stream
@@ -135,6 +136,7 @@ def derive(r: Results) -> Figures:
     return Figures(
         hook_ratio=ratio(c["hook_permission"].walls, c["bare_exchange"].walls),
         compress_ratio=ratio(c["hook_compress"].walls, c["bare_exchange"].walls),
+        eager_ratio=ratio(c["hook_permission_eager"].walls, c["bare_exchange"].walls),
         hook_floor_ratio=ratio(c["bare_two"].walls, c["bare_exchange"].walls),
         hook_over_floor=ratio(c["hook_permission"].walls, c["bare_two"].walls),
         reused_estimate=ratio([2 * w for w in c["bare_pingpong"].walls], c["bare_exchange"].walls),
@@ -255,6 +257,12 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
             verdict(f.compress_ratio <= 1.25),
         ],
         [
+            "…on_check_permission pass-through declared eager_next (one round trip) / 1a",
+            times(f.eager_ratio),
+            "≤ 1.25x",
+            verdict(f.eager_ratio <= 1.25),
+        ],
+        [
             "…context: the floor of 2 round trips on a new stream (1c) / 1a; the hook / 1c",
             f"{times(f.hook_floor_ratio)}; {times(f.hook_over_floor)}",
             "—",
@@ -324,6 +332,7 @@ def _absolute_rows(r: Results, f: Figures) -> list[list[str]]:
         row("1c bare new stream with two exchanges (the floor of a value-hook pass-through)", c["bare_two"]),
         row("2 remote on_check_permission pass-through", c["hook_permission"]),
         row("2 remote on_compress_context pass-through", c["hook_compress"]),
+        row("2 remote on_check_permission pass-through, eager_next", c["hook_permission_eager"]),
         [
             f"3 intercepted item, (with - without) / {ITEMS}",
             us(statistics.median(f.item_values)),

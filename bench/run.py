@@ -38,7 +38,7 @@ def _agentscope_python(explicit: str | None) -> str | None:
     return candidate if Path(candidate).exists() else None
 
 
-MIDDLEWARE = ["PassThroughCall", "InterceptAll", "ReplyEndOnly", "Realistic"]
+MIDDLEWARE = ["PassThroughCall", "PassThroughCallEager", "InterceptAll", "ReplyEndOnly", "Realistic"]
 
 
 def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess]]:
@@ -73,6 +73,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         env = scenarios.Env(
             echo=channel,
             rm_call=await attach("PassThroughCall"),
+            rm_eager=await attach("PassThroughCallEager"),
             rm_icpt=await attach("InterceptAll"),
             rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
             rm_real=[await attach("Realistic") for _ in range(4)],

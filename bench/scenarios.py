@@ -51,6 +51,7 @@ class Env:
 
     echo: grpc.aio.Channel
     rm_call: RemoteMiddleware  # PassThroughCall
+    rm_eager: RemoteMiddleware  # PassThroughCallEager
     rm_icpt: RemoteMiddleware  # InterceptAll
     rm_end: list[RemoteMiddleware]  # ReplyEndOnly, 4 clients (4 layers) of one server
     rm_real: list[RemoteMiddleware]  # Realistic, 4 clients (4 layers) of one server
@@ -202,6 +203,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
     item = b"i" * max(protocol.item.bytes_out, 1)  # the size of an ItemDelivery
     agent = make_agent()
     perm, compress = permission_chain(env.rm_call), compress_chain(env.rm_call)
+    perm_eager = permission_chain(env.rm_eager)
     none_chain = reply_chain([], reply_events(agent, ITEMS))
     icpt_chain = reply_chain([env.rm_icpt], reply_events(agent, ITEMS))
 
@@ -245,6 +247,9 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "bare_two": lambda: timed_batch(bare_two, OPS, server_pid=echo_pid),
         "hook_permission": lambda: timed_batch(lambda: perm(agent), OPS, server_pid=call_pid),
         "hook_compress": lambda: timed_batch(lambda: compress(agent), OPS, server_pid=call_pid),
+        "hook_permission_eager": lambda: timed_batch(
+            lambda: perm_eager(agent), OPS, server_pid=env.pids["PassThroughCallEager"]
+        ),
         "bare_pingpong": pings,
         "stream_none": lambda: stream(none_chain, None),
         "stream_intercept": lambda: stream(icpt_chain, env.pids["InterceptAll"]),

@@ -47,6 +47,8 @@ class HookCall:
         self.result: Any = None
         self.sent_fingerprint: tuple[int, int] | None = None
         self.clean = False  # the invocation ended with finish / fail on a sound stream
+        self.held_begin: hooks_pb2.HostMessage | None = None  # an eager value hook's begin, sent with its outcome
+        self.reused = False
 
     # -- faces ------------------------------------------------------------------------------------
 
@@ -157,7 +159,13 @@ class HookCall:
                 yield item
             return
         if self.table.eager_next:  # the middleware calls next first thing: do not wait for it
-            await self._begin(begin, read=False)
+            if self.spec.kind is Kind.CALL:
+                # A value hook's inner pipeline is short: send begin together with its outcome
+                # (one Batch, one message fewer); see _write.
+                self.call, self.reused = self.mw.take_stream(self.spec.name)
+                self.held_begin = begin
+            else:
+                await self._begin(begin, read=False)
             await self._start_inner(hooks_pb2.CallNext())
             async for item in self._advance(DEFAULT_CREDITS):
                 yield item
@@ -489,6 +497,16 @@ class HookCall:
     # -- transport -------------------------------------------------------------------------------
 
     async def _write(self, msg: hooks_pb2.HostMessage) -> None:
+        if self.held_begin is not None:
+            msg = hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=[self.held_begin, msg]))
+            self.held_begin = None
+            if self.reused:  # as in _begin: a reused stream may have died; the first write tells
+                try:
+                    await self.call.write(msg)
+                    return
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    self.call.cancel()
+                    self.call = self.mw.new_stream(self.spec.name)
         try:
             await self.call.write(msg)
         except grpc.aio.AioRpcError as exc:

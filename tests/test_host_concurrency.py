@@ -1,0 +1,173 @@
+"""Replies in flight at once on a real host process: serialized per session, concurrent across sessions.
+
+The model is the offline one with a 20 ms pause per streamed piece, so a 20-word answer streams for
+about 0.4 s: long enough for two replies sent together to overlap unless the host serializes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import grpc
+import pytest
+
+from agent_host.data import (
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    ReplyStartEvent,
+    RequireUserConfirmEvent,
+    TextBlockDeltaEvent,
+    UserMsg,
+)
+from clients.chat import HostClient
+from clients.launch import ServerProcess
+
+from .host_util import get_session, kinds, processes
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW_MODEL = """
+models:
+  default: slow
+  models:
+    slow: {provider: offline, delay: 0.02}
+"""
+WORDS = 20  # streamed pieces per answer: "You said: w0 ... w17" is 20 words, ~0.4 s
+EMAIL = "call send_email to=bob@example.com body=hi"  # a named call: the YAML model has no rules
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("concurrency-host")
+    config = logs / "host.yaml"
+    config.write_text(SLOW_MODEL)
+    with processes(logs) as procs:
+        yield procs.host(logs / "sessions.db", "--config", str(config))
+
+
+def message(tag: str) -> str:
+    return " ".join(f"{tag}{i}" for i in range(WORDS - 2))
+
+
+@dataclass
+class Streamed:
+    """One Reply call: its items, when each arrived (client clock), and the session it ran in."""
+
+    session_id: str
+    items: list[Any] = field(default_factory=list)
+    arrived: list[float] = field(default_factory=list)
+
+    def one(self, kind: type) -> Any:
+        found = [i for i in self.items if isinstance(i, kind)]
+        assert len(found) == 1, kinds(self.items)
+        return found[0]
+
+    def stamp(self, kind: type) -> datetime:
+        """When the host made the event of that kind (its ``created_at``)."""
+        return datetime.fromisoformat(self.one(kind).created_at)
+
+    @property
+    def deltas(self) -> list[datetime]:
+        return [datetime.fromisoformat(i.created_at) for i in self.items if isinstance(i, TextBlockDeltaEvent)]
+
+
+async def stream(client: HostClient, session_id: str, text: str) -> Streamed:
+    call = client.reply(session_id, UserMsg(text))
+    out = Streamed(session_id)
+    async with asyncio.timeout(20):
+        async for item in call:
+            out.items.append(item)
+            out.arrived.append(time.monotonic())
+    out.session_id = call.session_id
+    return out
+
+
+def completed(run: Streamed, text: str) -> None:
+    assert run.one(ReplyEndEvent).finished_reason == ReplyFinishedReason.COMPLETED, kinds(run.items)
+    assert isinstance(run.items[-1], Msg) and run.items[-1].text == f"You said: {text}"
+    assert len(run.deltas) == WORDS
+
+
+async def test_replies_of_one_session_run_one_at_a_time(host: ServerProcess) -> None:
+    async with HostClient(host.address) as client:
+        first = await stream(client, "", "hello")
+        session = first.session_id
+        texts = {"a": message("a"), "b": message("b")}
+        a, b = await asyncio.gather(stream(client, session, texts["a"]), stream(client, session, texts["b"]))
+    assert a.session_id == b.session_id == session
+    completed(a, texts["a"])
+    completed(b, texts["b"])
+
+    # Which one the host took first is up to it; the other started only after it had ended.
+    earlier, later = (a, b) if a.stamp(ReplyStartEvent) < b.stamp(ReplyStartEvent) else (b, a)
+    assert earlier.stamp(ReplyEndEvent) <= later.stamp(ReplyStartEvent)
+    assert max(earlier.deltas) < min(later.deltas), "the two replies streamed at the same time"
+    assert earlier.arrived[-1] <= later.arrived[0], "the later reply's first item came before the earlier one ended"
+    assert earlier.one(ReplyStartEvent).reply_id != later.one(ReplyStartEvent).reply_id
+
+    # Both turns are in the session, whole and in the order they ran.
+    order = ["a", "b"] if earlier is a else ["b", "a"]
+    info, state, _ = await get_session(host.address, session)
+    assert not info.replying and not info.summary.parked
+    assert [(m.role.value, m.text) for m in state.context] == [
+        ("user", "hello"),
+        ("assistant", "You said: hello"),
+        *[pair for tag in order for pair in (("user", texts[tag]), ("assistant", f"You said: {texts[tag]}"))],
+    ]
+
+
+async def test_replies_of_different_sessions_run_concurrently(host: ServerProcess) -> None:
+    texts = {"x": message("x"), "y": message("y")}
+    async with HostClient(host.address) as one, HostClient(host.address) as two:
+        started = time.monotonic()
+        x, y = await asyncio.gather(stream(one, "", texts["x"]), stream(two, "", texts["y"]))
+        took = time.monotonic() - started
+    assert x.session_id and y.session_id and x.session_id != y.session_id
+    completed(x, texts["x"])
+    completed(y, texts["y"])
+
+    # Each started before the other ended, and their text streams interleave.
+    assert x.stamp(ReplyStartEvent) < y.stamp(ReplyEndEvent) and y.stamp(ReplyStartEvent) < x.stamp(ReplyEndEvent)
+    assert min(x.deltas) < max(y.deltas) and min(y.deltas) < max(x.deltas)
+    merged = sorted([(t, "x") for t in x.deltas] + [(t, "y") for t in y.deltas])
+    switches = sum(1 for (_, p), (_, q) in itertools.pairwise(merged) if p != q)
+    assert switches >= WORDS // 2, f"the streams hardly overlap ({switches} switches)"
+    one_alone = WORDS * 0.02
+    assert took < 2 * one_alone + 0.3, f"two sessions took {took:.2f}s, as if one after the other"
+
+    for run, tag in ((x, "x"), (y, "y")):
+        _, state, _ = await get_session(host.address, run.session_id)
+        assert [m.text for m in state.context] == [texts[tag], f"You said: {texts[tag]}"]
+
+
+async def test_message_sent_while_a_reply_parks_is_refused(host: ServerProcess) -> None:
+    """A message sent while the session's reply is streaming waits for the session; that reply parks
+    on a confirmation, so the message is refused once it gets the session, and nothing changes."""
+    async with HostClient(host.address) as client:
+        session = (await stream(client, "", "hello")).session_id
+        parking = client.reply(session, UserMsg(EMAIL))
+        items: list[Any] = []
+        queued: asyncio.Task[Streamed] | None = None
+        async with asyncio.timeout(20):
+            async for item in parking:
+                items.append(item)
+                if queued is None:  # the email reply holds the session now
+                    queued = asyncio.create_task(stream(client, session, "me too"))
+            assert queued is not None
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await queued
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "parked" in (refused.value.details() or "")
+    asks = [i for i in items if isinstance(i, RequireUserConfirmEvent)]
+    assert [c.name for a in asks for c in a.tool_calls] == ["send_email"]
+    assert not any(isinstance(i, ReplyEndEvent) for i in items)
+    info, state, _ = await get_session(host.address, session)
+    assert info.summary.parked and [c.name for c in info.pending_tool_calls] == ["send_email"]
+    assert [m.text for m in state.context if m.role.value == "user"] == ["hello", EMAIL]

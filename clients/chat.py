@@ -424,14 +424,18 @@ async def _turn(
         loop.remove_signal_handler(signal.SIGINT)
 
 
+class UnknownSession(Exception):
+    pass
+
+
 async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
     """What a session is parked on, as ``converse`` resume arguments ({} when it is not)."""
     async with HostClient(args.host) as client:
         try:
             session = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return {}
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # a mistyped id must not start a new conversation
+                raise UnknownSession(session_id) from None
             raise
     calls = [codec.decode(c) for c in session.pending_tool_calls]
     return {"parked_on": calls, "reply_id": session.state.reply_context.reply_id} if calls else {}
@@ -465,7 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     session_id = args.session
     try:
         parked = asyncio.run(_parked(args, session_id)) if session_id else {}
-        if args.message is not None or (parked and (args.yes or args.deny)):
+        non_interactive = args.message is not None or args.yes or args.deny or args.external_result is not None
+        if non_interactive:
+            if not parked and args.message is None:
+                print(f"agent-chat: session {session_id or '(new)'} waits on nothing; give --message")
+                return 0
             if parked:  # answer what the session waits on first
                 turn = asyncio.run(_turn(args, session_id, None, view, interactive=False, **parked))
                 if turn.parked or args.message is None:
@@ -490,6 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         if session_id:
             print(f"(session {session_id}; continue with: agent-chat --session {session_id})")
         return 0
+    except UnknownSession:
+        print(f"agent-chat: no session {session_id} on {args.host}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print()
         return 130

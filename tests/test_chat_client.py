@@ -144,6 +144,20 @@ async def test_parked_session_exit_3_then_answered_first(host: ServerProcess) ->
     assert not info.summary.parked
 
 
+def test_unknown_session_is_an_error_not_a_new_conversation(host: ServerProcess) -> None:
+    result = chat(host.address, "--session", "no-such-session", "--message", "hi")
+    assert result.returncode == 1
+    assert "no session no-such-session" in result.stderr
+
+
+def test_answer_flags_without_a_message_never_go_interactive(host: ServerProcess) -> None:
+    first = chat(host.address, "--message", "use add a=1 b=1")
+    session = first.stderr.split("(session ")[1].split(")")[0]
+    result = chat(host.address, "--session", session, "--yes")
+    assert result.returncode == 0
+    assert "waits on nothing" in result.stdout and "you>" not in result.stdout
+
+
 async def test_audio_blocks_saved_as_wav(tmp_path: Path) -> None:
     audio_dir = tmp_path / "audio"
     with processes(tmp_path) as procs:

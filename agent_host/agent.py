@@ -86,6 +86,10 @@ MAX_ITERS_HINT = (
     "You have reached the maximum of {n} reasoning-acting iterations. Give your final answer now, "
     "based on what you have. Do not call any tools."
 )
+TRUNCATED_REMINDER = (
+    "<<<TRUNCATED>>><system-reminder>The tool result was {size} bytes; only the first {limit} are kept "
+    "here. Ask for a narrower result if you need the rest.</system-reminder>"
+)
 MAX_ITERS_SOURCE = '{"label": "System", "sublabel": "Max Iterations Reached"}'
 COMPRESSION_PROMPT = (
     "<compress-context>Summarize the conversation above for your future self: the task, the current "
@@ -665,14 +669,34 @@ class Agent:
             yield event
 
     def _save_result(self, call: ToolCallBlock, output: Any, state: ToolResultState, metadata: dict) -> list[Any]:
-        result = ToolResultBlock(
-            id=call.id, name=call.name, output=copy.deepcopy(output), state=state, metadata=dict(metadata)
-        )
+        output = self._truncate(copy.deepcopy(output))
+        result = ToolResultBlock(id=call.id, name=call.name, output=output, state=state, metadata=dict(metadata))
         self.state.append_context(self.name, [result])
         call.state = ToolCallState.FINISHED
         return [
             ToolResultEndEvent(reply_id=self.state.reply_id, tool_call_id=call.id, state=state, metadata=dict(metadata))
         ]
+
+    def _truncate(self, output: Any) -> Any:
+        """Keep a tool result within ``tool_result_limit`` tokens (≈ 4 bytes each) in the context,
+        with a reminder that the rest was cut (§2.6); the client's events carry it all."""
+        limit = self.context_config.tool_result_limit * 4
+        blocks = [TextBlock(text=output)] if isinstance(output, str) else output
+        size = sum(len(b.text.encode()) for b in blocks if isinstance(b, TextBlock))
+        if size <= limit:
+            return output
+        kept: list[Any] = []
+        budget = limit
+        for block in blocks:
+            if isinstance(block, TextBlock):
+                text = block.text.encode()[: max(budget, 0)].decode(errors="ignore")
+                budget -= len(text.encode())
+                if text:
+                    kept.append(TextBlock(text=text, id=block.id))
+            else:
+                kept.append(block)
+        kept.append(TextBlock(text=TRUNCATED_REMINDER.format(size=size, limit=limit)))
+        return kept
 
     def _error_result(self, call: ToolCallBlock, message: str, state: ToolResultState) -> list[Any]:
         reply_id = self.state.reply_id

@@ -184,3 +184,20 @@ async def test_concurrency_safe_calls_run_together() -> None:
     assert overlap == [1, 2, 1]
     assert [r.output[0].text for r in tool_results(agent)] == ["a", "b", "c"]
     assert items[-1].text == "all done"
+
+
+async def test_a_huge_tool_result_is_cut_to_the_limit_in_the_context() -> None:
+    @tool(description="Returns a lot.")
+    def dump() -> str:
+        return "x" * 10_000
+
+    model = OfflineRuleModel(script=[{"tool_calls": [{"name": "dump", "input": {}}]}, {"text": "ok"}])
+    agent = Agent(model=model, toolkit=Toolkit([dump]), context_config=ContextConfig(tool_result_limit=100))
+    items = await collect(agent, UserMsg("go"))
+    saved = tool_results(agent)[0].output
+    assert saved[0].text == "x" * 400 and "<<<TRUNCATED>>>" in saved[-1].text
+    from agent_host.data import ToolResultTextDeltaEvent
+
+    assert (
+        sum(len(i.delta) for i in items if isinstance(i, ToolResultTextDeltaEvent)) == 10_000
+    )  # the client gets it all

@@ -14,6 +14,7 @@ from agent_host.data import (
     ReplyEndEvent,
     ReplyStartEvent,
     TextBlock,
+    TextBlockDeltaEvent,
     TextBlockEndEvent,
     ToolChoice,
     ToolChunk,
@@ -374,6 +375,50 @@ class DetachedWatcher(MiddlewareBase):
             return json.dumps(self.seen.get(session_id, {}), sort_keys=True)
 
         return [watch_stats]
+
+
+class StallingObserver(MiddlewareBase):
+    """Observes text deltas and stops answering at the 40th (past its first credit grant)."""
+
+    subscriptions = {"on_reply": subscribe(observe=[TextBlockDeltaEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        import asyncio
+
+        seen = 0
+        async for item in next_handler():
+            seen += 1
+            if seen == 40:
+                await asyncio.sleep(3600)
+            yield item
+
+
+class RaisingObserver(MiddlewareBase):
+    """Observes text deltas; its code raises at the 40th."""
+
+    subscriptions = {"on_reply": subscribe(observe=[TextBlockDeltaEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        seen = 0
+        async for item in next_handler():
+            seen += 1
+            if seen == 40:
+                raise ValueError("observer gave up at 40")
+            yield item
+
+
+class CountAfterYield(MiddlewareBase):
+    """Yields each item, then counts it in its slot (the TTS pattern: work after the yield)."""
+
+    subscriptions = {"on_reply": subscribe(observe=[TextBlockDeltaEvent], intercept=[ReplyStartEvent, Msg])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        async for item in next_handler():
+            yield item
+            if isinstance(item, (ReplyStartEvent, TextBlockDeltaEvent, Msg)):  # what it subscribed to
+                slot = agent.state.middle_context.setdefault(key, {"n": 0})
+                slot["n"] += 1
 
 
 MIDDLEWARE: dict[str, type[MiddlewareBase]] = {

@@ -54,6 +54,7 @@ SCENARIOS = [
     Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"),
     Scenario("middleware_raises", [Layer("Raises")]),
     Scenario("eager_next", [Layer("EagerPassThrough")], message="call add a=2 b=2"),
+    Scenario("slot_written_after_yield", [Layer("CountAfterYield")], models={"main": {"reply_template": "a b c d e"}}),
     Scenario("detached_watcher", [Layer("DetachedWatcher")], message="call add a=2 b=2"),
     Scenario(
         "two_layers_order",
@@ -207,7 +208,12 @@ def _detached(events, state):
     assert final_text(events) == "Done: add returned 4."  # a watcher changes nothing
 
 
+def _count_after_yield(events, state):
+    assert state["middle_context"]["CountAfterYield"] == {"n": 7}  # start, 5 deltas, the final Msg
+
+
 CHECKS = {
+    "slot_written_after_yield": _count_after_yield,
     "eager_next": _eager,
     "detached_watcher": _detached,
     "pass_through": _pass_through,

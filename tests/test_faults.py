@@ -226,3 +226,51 @@ async def test_a_dead_detached_watcher_never_fails_a_reply() -> None:
         await remote.close()
     finally:
         proc.stop()
+
+
+WORDS = " ".join(f"w{i}" for i in range(100))
+
+
+async def test_fail_open_loses_no_observed_item() -> None:
+    """The observer stalls while the host holds an observed item: the bypass forwards it."""
+    proc = middleware_server("tests.conformance_mw:StallingObserver").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=1)).connect()
+        agent = Agent(model=OfflineRuleModel(reply_template=WORDS), middlewares=[remote])
+        items = await reply(agent, "hi")
+        assert len(bypasses(items)) == 1
+        assert "".join(i.delta for i in items if isinstance(i, TextBlockDeltaEvent)) == WORDS
+        assert items[-1].text == WORDS
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_an_observer_that_raises_is_reported_as_its_exception() -> None:
+    proc = middleware_server("tests.conformance_mw:RaisingObserver").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=5)).connect()
+        agent = Agent(model=OfflineRuleModel(reply_template=WORDS), middlewares=[remote])
+        end = end_of(await reply(agent, "hi"))
+        # Its own exception propagates as in-process (no protocol violation, no silent bypass).
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "raised ValueError in on_reply: observer gave up at 40" in end.error.message
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_middleware_that_stops_reading_cannot_stall_a_large_write(marker: ServerProcess) -> None:
+    """SIGSTOPped with a 4 MB begin on the wire: the send is timed like a read."""
+    import signal
+
+    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=1)).connect()
+    agent = make_agent(remote)
+    marker.popen.send_signal(signal.SIGSTOP)
+    try:
+        end = end_of(await reply(agent, "x" * 4_000_000))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "middleware 'Marker' failed in on_reply" in end.error.message
+    finally:
+        marker.popen.send_signal(signal.SIGCONT)
+    await remote.close()

@@ -177,15 +177,14 @@ class RemoteMiddleware:
         self.described = False
         self._drop_idle()
 
-    def new_stream(self, hook: str) -> Any:
-        return self.stubs[hook]()
-
-    def take_stream(self, hook: str) -> tuple[Any, bool]:
-        """(stream, reused): an idle stream of this hook if there is one, else a new one."""
+    def take_stream(self, hook: str) -> Any:
+        """An idle stream of this hook if a live one is left, else a new one."""
         idle = self.idle[hook]
-        if idle:
-            return idle.pop(), True
-        return self.stubs[hook](), False
+        while idle:
+            call = idle.pop()
+            if not call.done():  # a stream whose server went away has ended by now
+                return call
+        return self.stubs[hook]()
 
     def release_stream(self, hook: str, call: Any) -> None:
         idle = self.idle[hook]
@@ -228,7 +227,7 @@ class RemoteMiddleware:
     async def on_system_prompt(self, agent: Any, prompt: str) -> str:
         # At most one call per ReAct iteration: cache by (prompt, reply, iteration, own slot).
         slot = agent.state.middle_context.get(self.key)
-        key = (hash(prompt), agent.state.session_id, agent.state.reply_id, agent.state.cur_iter, repr(slot))
+        key = (prompt, agent.state.session_id, agent.state.reply_id, agent.state.cur_iter, repr(slot))
         cached = self.prompt_cache.get(key)
         if cached is None:
             cached = await self._call(HOOKS["on_system_prompt"], agent, {"prompt": prompt}, None).value()

@@ -60,22 +60,12 @@ class DetachedDelivery:
 
     async def _run(self) -> None:
         mw = self.mw
-        call, reused = mw.take_stream(self.hook)
-        first = True
+        call = mw.take_stream(self.hook)
         try:
             while (batch := await self.queue.get()) is not None:
                 msg = batch[0] if len(batch) == 1 else hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=batch))
-                try:
-                    async with asyncio.timeout(mw.policy.timeout):
-                        await call.write(msg)
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    if not (first and reused):
-                        raise
-                    call.cancel()  # that idle stream had died: one fresh try
-                    call = mw.new_stream(self.hook)
-                    async with asyncio.timeout(mw.policy.timeout):
-                        await call.write(msg)
-                first = False
+                async with asyncio.timeout(mw.policy.timeout):
+                    await call.write(msg)
             async with asyncio.timeout(mw.policy.timeout):
                 while True:
                     answer = await call.read()

@@ -48,7 +48,8 @@ class HookCall:
         self.sent_fingerprint: tuple[int, int] | None = None
         self.clean = False  # the invocation ended with finish / fail on a sound stream
         self.held_begin: hooks_pb2.HostMessage | None = None  # an eager value hook's begin, sent with its outcome
-        self.reused = False
+        self.in_hand: Any = None  # an observed item taken from the inner pipeline, not yet forwarded
+        self.deferred: hooks_pb2.MiddlewareMessage | None = None  # a command read while items flowed
 
     # -- faces ------------------------------------------------------------------------------------
 
@@ -77,8 +78,8 @@ class HookCall:
             await gen.aclose()
 
     async def value(self) -> Any:
-        async for item in self._guarded():
-            raise ProtocolError(self.mw.name, self.spec.name, f"emitted {type(item).__name__} in a hook without items")
+        async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
+            pass
         return self.result
 
     # -- failure policy ------------------------------------------------------------------------
@@ -113,9 +114,10 @@ class HookCall:
         if self.spec.kind is Kind.TRANSFORM:
             self.result = self.input_kwargs["prompt"]
             return
-        if self.pending is not None:
-            yield self.pending
-            self.pending = None
+        for held in (self.in_hand, self.pending):  # nothing the host took from the inner pipeline is lost
+            if held is not None:
+                yield held
+        self.in_hand = self.pending = None
         if self.inner is None and not self.inner_done:
             self.inner = self._inner_items({})
         if self.inner is not None:
@@ -158,33 +160,26 @@ class HookCall:
             async for item in self._detached(begin):
                 yield item
             return
+        self.call = self.mw.take_stream(self.spec.name)
         if self.table.eager_next:  # the middleware calls next first thing: do not wait for it
             if self.spec.kind is Kind.CALL:
                 # A value hook's inner pipeline is short: send begin together with its outcome
                 # (one Batch, one message fewer); see _write.
-                self.call, self.reused = self.mw.take_stream(self.spec.name)
                 self.held_begin = begin
             else:
-                await self._begin(begin, read=False)
+                await self._write(begin)
             await self._start_inner(hooks_pb2.CallNext())
             async for item in self._advance(DEFAULT_CREDITS):
                 yield item
-            msg = await self._read()
         else:
-            msg = await self._begin(begin)
+            await self._write(begin)
         while True:
-            for action in msg.actions:
-                which = action.WhichOneof("action")
-                if which == "emit":
-                    yield self._emitted(action.emit)
-                elif which == "mutate":
-                    self._mutate(action.mutate)
-                else:
-                    raise self._violation("an empty action")
+            msg = self.deferred or await self._read()
+            self.deferred = None
+            async for item in self._actions(msg):
+                yield item
             command = msg.WhichOneof("command")
-            if command is None:
-                pass
-            elif command == "call_next":
+            if command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
                     raise self._violation("call_next in on_system_prompt (a transformer has no inner pipeline)")
                 await self._start_inner(msg.call_next)
@@ -199,29 +194,23 @@ class HookCall:
                 self.result = self._finish(msg.finish)
                 self.clean = True
                 return
-            else:  # fail
+            elif command == "fail":
                 self.clean = True
                 fail = msg.fail
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
-            msg = await self._read()
 
-    async def _begin(self, begin: hooks_pb2.HostMessage, *, read: bool = True) -> Any:
-        """Send begin on an idle stream (or a new one) and read the first answer. A reused stream
-        may have died since (the server restarted): then, and only then, begin again on a new one;
-        the middleware never saw the first begin."""
-        self.call, reused = self.mw.take_stream(self.spec.name)
-        try:
-            await self._write(begin)
-            return await self._read() if read else None
-        except StreamBroken:
-            if not reused:
-                raise
-        self.call.cancel()
-        self.call = self.mw.new_stream(self.spec.name)
-        await self._write(begin)
-        return await self._read() if read else None
+    async def _actions(self, msg: hooks_pb2.MiddlewareMessage) -> AsyncIterator[Any]:
+        """Apply a message's actions in order: emitted items go outward, mutations into state."""
+        for action in msg.actions:
+            which = action.WhichOneof("action")
+            if which == "emit":
+                yield self._emitted(action.emit)
+            elif which == "mutate":
+                self._mutate(action.mutate)
+            else:
+                raise self._violation("an empty action")
 
     async def _detached(self, begin: hooks_pb2.HostMessage) -> AsyncIterator[Any]:
         """A watcher: copies of the subscribed items go out in the background; nothing here ever
@@ -354,11 +343,24 @@ class HookCall:
                 yield item
                 continue
             if mode is Mode.OBSERVE:
+                self.in_hand = item  # taken from the inner pipeline, not yet forwarded
                 while self.credits <= 0:  # out of credits: read until the middleware grants more
-                    async for emitted in self._absorb_until_pull():
+                    msg = await self._read()
+                    async for emitted in self._actions(msg):
                         yield emitted
+                    command = msg.WhichOneof("command")
+                    if command == "pull":
+                        self.credits += max(msg.pull.credits, 1)
+                    elif command is not None:  # finish, fail or call_next: the main loop's business
+                        self.deferred = hooks_pb2.MiddlewareMessage()
+                        self.deferred.CopyFrom(msg)
+                        del self.deferred.actions[:]
+                        self.in_hand = None
+                        yield item  # observed items are the host's to forward
+                        return
                 self.credits -= 1
                 await self._deliver(item, observed=True)
+                self.in_hand = None
                 yield item
                 continue
             self.seq += 1
@@ -366,19 +368,6 @@ class HookCall:
             self.credits = 0
             await self._deliver(item, observed=False)
             return
-
-    async def _absorb_until_pull(self) -> AsyncIterator[Any]:
-        msg = await self._read()
-        for action in msg.actions:
-            if action.WhichOneof("action") == "emit":
-                yield self._emitted(action.emit)
-            else:
-                self._mutate(action.mutate)
-        command = msg.WhichOneof("command")
-        if command == "pull":
-            self.credits += max(msg.pull.credits, 1)
-        elif command is not None:
-            raise self._violation(f"{command} while observed items are still flowing (expected pull)")
 
     async def _deliver(self, item: Any, *, observed: bool) -> None:
         msg = hooks_pb2.HostMessage()
@@ -500,15 +489,12 @@ class HookCall:
         if self.held_begin is not None:
             msg = hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=[self.held_begin, msg]))
             self.held_begin = None
-            if self.reused:  # as in _begin: a reused stream may have died; the first write tells
-                try:
-                    await self.call.write(msg)
-                    return
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    self.call.cancel()
-                    self.call = self.mw.new_stream(self.spec.name)
+        timeout = self.mw.policy.timeout
         try:
-            await self.call.write(msg)
+            async with asyncio.timeout(timeout):  # a middleware that stops reading blocks a large write
+                await self.call.write(msg)
+        except TimeoutError:
+            raise MiddlewareFailure(self.mw.name, self.spec.name, f"could not send within {timeout}s") from None
         except grpc.aio.AioRpcError as exc:
             raise StreamBroken(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
         except asyncio.InvalidStateError:

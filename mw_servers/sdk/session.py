@@ -125,7 +125,7 @@ class HookSession:
     # -- outgoing --------------------------------------------------------------------------------
 
     def emit(self, out: Any) -> None:
-        self._sync_slot()
+        self.sync_slot()
         if self.observed.pop(id(out), None) is out:
             return  # the host already forwarded it
         if self.detached:
@@ -143,12 +143,12 @@ class HookSession:
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
         if self.detached:
             raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not change the agent's state")
-        self._sync_slot()
+        self.sync_slot()
         action = hooks_pb2.Action()
         action.mutate.CopyFrom(mutation)
         self._queue(action)
 
-    def _sync_slot(self) -> None:
+    def sync_slot(self) -> None:
         changed, value = self.view.state.middle_context.changed()
         if changed and self.detached:
             raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not change its slot")
@@ -172,7 +172,7 @@ class HookSession:
 
     async def send(self, msg: hooks_pb2.MiddlewareMessage) -> None:
         """Send pending actions (in order) together with ``msg``'s command."""
-        self._sync_slot()
+        self.sync_slot()
         async with self.write_lock:
             if self.actions:
                 msg.actions.extend(self.actions)

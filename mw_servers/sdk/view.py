@@ -30,12 +30,19 @@ class SlotDict(dict):
         self.key = key
         self.touched = False
         self.synced = "null"
+        self.pending: str | None = None  # a value sent as set_slot that the host has not shown back yet
 
     def load(self, value: Any) -> None:
+        """Take the host's value, unless it predates a set_slot still on its way (then ours stands)."""
+        text = json.dumps(value, sort_keys=True)
+        if self.pending is not None:
+            if text != self.pending:
+                return
+            self.pending = None
         dict.clear(self)
         if value is not None:
             dict.__setitem__(self, self.key, value)
-        self.synced = json.dumps(value, sort_keys=True)
+        self.synced = text
         self.touched = False
 
     def _check(self, key: str) -> None:
@@ -76,7 +83,7 @@ class SlotDict(dict):
         text = json.dumps(value, sort_keys=True)
         if text == self.synced:
             return False, None
-        self.synced = text
+        self.synced = self.pending = text
         return True, value
 
 
@@ -182,6 +189,7 @@ class AgentView:
         state.reply_context.reply_id = ctx.reply_id
         state.reply_context.cur_iter = ctx.cur_iter
         state.reply_context.structured_output_pending = ctx.structured_output_pending
+        self._session.sync_slot()  # local changes first: they must not be overwritten by older host state
         state.middle_context.load(value_to_json(ctx.slot) if ctx.HasField("slot") else None)
         if ctx.HasField("context"):
             list.clear(state.context)

@@ -111,6 +111,22 @@ def implements(layer: Any, hook: str) -> bool:
     return type(layer).is_implemented(hook)
 
 
+def check_input_messages(inputs: Any) -> list[Msg]:
+    """The messages of a new reply, or ReplyError saying why they cannot be one (§2.3.4, §3.1):
+    no system messages, no tool calls, tool results or thinking, and a user speaks text and data."""
+    msgs = [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
+    for msg in msgs:
+        if not isinstance(msg, Msg):
+            raise ReplyError(f"reply inputs must be Msg objects, got {type(msg).__name__}")
+        if msg.role == Role.SYSTEM:
+            raise ReplyError("a reply input cannot be a system message")
+        if any(b.type in ("tool_call", "tool_result", "thinking") for b in msg.content):
+            raise ReplyError("a reply input cannot carry tool_call, tool_result or thinking blocks")
+        if msg.role == Role.USER and any(b.type not in ("text", "data") for b in msg.content):
+            raise ReplyError("a user message holds only text and data blocks")
+    return msgs
+
+
 @dataclass
 class _Action:
     kind: str  # "reasoning" | "acting" | "exit"
@@ -151,12 +167,13 @@ class Agent:
         self.models.get(self.default_model_id)
         self.toolkit = toolkit or Toolkit()
         self.state = state or AgentState()
-        self.max_iters = max_iters
+        self.default_max_iters = max_iters
         self.context_config = context_config or ContextConfig()
         self._receive_reply_end = False
         self._interrupt_requested = False
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
+        self._tool_tasks: set[asyncio.Task] = set()  # concurrent tool calls in flight (see _concurrently)
         self.set_middlewares(middlewares)
 
     # -- configuration ---------------------------------------------------------------------
@@ -175,6 +192,16 @@ class Agent:
         self._compress_chain = Chain(
             "on_compress_context", self.layers["on_compress_context"], self._compress_context_impl
         )
+
+    @property
+    def max_iters(self) -> int:
+        """This reply's limit: a middleware's change (kept with the reply, across a pause) or the default."""
+        return self.state.reply_context.max_iters or self.default_max_iters
+
+    @max_iters.setter
+    def max_iters(self, value: int) -> None:
+        self.state.reply_context.max_iters = value
+        self.state.version += 1
 
     @property
     def model(self) -> ChatModel:
@@ -239,18 +266,31 @@ class Agent:
         self._receive_reply_end = False
         failure: BaseException | None = None
         try:
-            async with aclosing(self._reply_chain(self, inputs=inputs, structured_schema=structured_schema)) as items:
-                async for item in items:
-                    if isinstance(item, ReplyEndEvent):
-                        self._receive_reply_end = True
+            try:
+                async with aclosing(
+                    self._reply_chain(self, inputs=inputs, structured_schema=structured_schema)
+                ) as items:
+                    async for item in items:
+                        if isinstance(item, ReplyEndEvent):
+                            self._receive_reply_end = True
+                        yield item
+            except Exception as exc:
+                log.warning("a reply of session %s failed", self.state.session_id, exc_info=True)
+                failure = exc
+            await self._stop_tool_tasks()  # e.g. a batch left behind by a middleware that raised
+            if failure is not None:
+                async for item in self._end_with_error(failure):
                     yield item
-        except Exception as exc:
-            log.warning("a reply of session %s failed", self.state.session_id, exc_info=True)
-            failure = exc
-        if failure is not None:
-            async for item in self._end_with_error(failure):
-                yield item
-        self._interrupt_requested = False
+            if not self.awaiting_calls():  # the reply is over (not parked): its choices end with it
+                self.state.reply_context.model_id = None
+        finally:
+            self._interrupt_requested = False
+
+    async def _stop_tool_tasks(self) -> None:
+        tasks = list(self._tool_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _end_with_error(self, exc: BaseException) -> AsyncIterator[Any]:
         error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=f"{type(exc).__name__}: {exc}")
@@ -259,9 +299,13 @@ class Agent:
         ):
             yield event
         reply_id = self.state.reply_id
-        yield ReplyEndEvent(
-            session_id=self.state.session_id, reply_id=reply_id, finished_reason=ReplyFinishedReason.ERROR, error=error
-        )
+        if not self._receive_reply_end:  # the reply may have ended already (a middleware failed after it)
+            yield ReplyEndEvent(
+                session_id=self.state.session_id,
+                reply_id=reply_id,
+                finished_reason=ReplyFinishedReason.ERROR,
+                error=error,
+            )
         yield AssistantMsg(
             f"The reply failed: {error.message}",
             name=self.name,
@@ -345,14 +389,7 @@ class Agent:
             )
 
     def _handle_incoming_messages(self, inputs: Any) -> None:
-        msgs = [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
-        for msg in msgs:
-            if not isinstance(msg, Msg):
-                raise ReplyError(f"reply inputs must be Msg objects, got {type(msg).__name__}")
-            if msg.role == Role.SYSTEM:
-                raise ReplyError("a reply input cannot be a system message")
-            if any(b.type in ("tool_call", "tool_result", "thinking") for b in msg.content):
-                raise ReplyError("a reply input cannot carry tool_call, tool_result or thinking blocks")
+        for msg in check_input_messages(inputs):
             self.state.context.append(copy.deepcopy(msg))
         self.state.version += 1
 
@@ -449,6 +486,8 @@ class Agent:
                             # A fast model never suspends: let other sessions' replies stream too.
                             await asyncio.sleep(0)
         except asyncio.CancelledError:  # §2.9: interrupted; the model's partial response, if it sent one
+            if not self._interrupt_requested:  # not an interruption (the host is stopping): propagate
+                raise
             if completed is None:
                 completed = ChatResponse(content=[], finished_reason=FinishedReason.INTERRUPTED)
         for event in converter.close_all():
@@ -591,6 +630,9 @@ class Agent:
                 queue.put_nowait(done)
 
         tasks = [asyncio.create_task(run(call)) for call in batch]
+        for task in tasks:  # tracked by the agent too: a reply never ends with tool tasks still running
+            self._tool_tasks.add(task)
+            task.add_done_callback(self._tool_tasks.discard)
         try:
             remaining = len(tasks)
             while remaining:
@@ -602,9 +644,10 @@ class Agent:
             errors = [t.exception() for t in tasks if t.exception() is not None]
             if errors:
                 raise errors[0]
-        finally:
+        finally:  # an abandoned batch leaves no task behind to write into the context later
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _execute_tool_call(self, call: ToolCallBlock) -> AsyncIterator[Any]:
         reply_id = self.state.reply_id
@@ -654,6 +697,8 @@ class Agent:
                         for event in _chunk_events(reply_id, call.id, item):
                             yield event
         except asyncio.CancelledError:  # §2.9: the tool run was interrupted
+            if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
+                raise
             response = ToolResponse(
                 content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
             )
@@ -665,6 +710,9 @@ class Agent:
                 id=call.id,
             )
             yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() and not self._interrupt_requested:
+            raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
         for event in self._save_result(call, response.content, response.state, response.metadata):
             yield event
 
@@ -817,6 +865,8 @@ class Agent:
             )
         self.state.summary = summary
         self.state.context = context[split:]
+        live = {b.id for m in self.state.context for b in m.content}  # forget owners of summarized blocks
+        self.state.block_owners = {k: v for k, v in self.state.block_owners.items() if k in live}
         self.state.version += 1
 
 
@@ -931,4 +981,4 @@ def _output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
     return out
 
 
-__all__ = ["Agent", "ReplyError", "implements"]
+__all__ = ["Agent", "ReplyError", "check_input_messages", "implements"]

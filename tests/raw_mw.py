@@ -3,7 +3,8 @@ a server in another language would be). ``python -m tests.raw_mw MODE --address 
 
 Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before call_next),
 bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
-unknown_model (asks for a model id the host does not have), early_eof (ends the stream at once).
+unknown_model (asks for a model id the host does not have), early_eof (ends the stream at once),
+steal_id (appends a block under the id of the user's own text block).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
 
 def on_reply(mode: str):
     async def run(request_iterator, context):
-        await context.read()  # begin
+        first = await context.read()  # begin
         if mode == "garbage":
             await context.write(b"\xff\xff\xff\xff not a protobuf")
         elif mode == "pull_first":
@@ -43,6 +44,15 @@ def on_reply(mode: str):
         elif mode == "unknown_model":
             msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
             msg.actions.add().mutate.set_model = "no-such-model"
+            await context.write(msg.SerializeToString())
+        elif mode == "steal_id":  # claim the id of the user's text block, to remove it later
+            begin = hooks_pb2.HostMessage.FromString(first)
+            stolen = begin.begin.input_kwargs.on_reply.message.content[0].text.id
+            await context.write(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext()).SerializeToString())
+            await context.read()  # ReplyStartEvent: the user message is in the context now
+            msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
+            block = msg.actions.add().mutate.append_blocks.blocks.add()
+            block.text.id, block.text.text = stolen, "mine now"
             await context.write(msg.SerializeToString())
         elif mode == "early_eof":
             return

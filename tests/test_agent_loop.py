@@ -201,3 +201,59 @@ async def test_a_huge_tool_result_is_cut_to_the_limit_in_the_context() -> None:
     assert (
         sum(len(i.delta) for i in items if isinstance(i, ToolResultTextDeltaEvent)) == 10_000
     )  # the client gets it all
+
+
+async def test_a_failed_reply_leaves_no_tool_task_writing_later() -> None:
+    """The reply fails while a concurrent batch runs: every call ends with exactly one result."""
+    import asyncio
+
+    @tool(description="Fast.", is_concurrency_safe=True)
+    async def fast() -> str:
+        return "fast"
+
+    @tool(description="Slow.", is_concurrency_safe=True)
+    async def slow() -> str:
+        await asyncio.sleep(0.3)
+        return "slow"
+
+    class FailOnFirstResult(MiddlewareBase):
+        async def on_reply(self, agent, input_kwargs, next_handler):
+            async for item in next_handler():
+                if isinstance(item, ToolResultEndEvent):
+                    raise RuntimeError("the budget service went away")
+                yield item
+
+    calls = [{"name": "fast", "input": {}}, {"name": "slow", "input": {}}]
+    model = OfflineRuleModel(script=[{"tool_calls": calls}, {"text": "never"}])
+    agent = Agent(model=model, toolkit=Toolkit([fast, slow]), middlewares=[FailOnFirstResult()])
+    items = await collect(agent, UserMsg("go"))
+    assert items[-1].error is not None and "budget service went away" in items[-1].error.message
+    await asyncio.sleep(0.5)  # a leaked task would add a second result for "slow" by now
+    ids = [r.id for r in tool_results(agent)]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 2
+
+
+async def test_a_middleware_max_iters_survives_a_pause_and_a_new_agent() -> None:
+    """The host builds a new Agent per reply from the stored state: a reply-scoped max_iters must
+    come back with it (and end with the reply)."""
+    from agent_host.codec import codec
+
+    class Tight(MiddlewareBase):
+        async def on_reply(self, agent, input_kwargs, next_handler):
+            async for item in next_handler():
+                if isinstance(item, ReplyStartEvent):
+                    agent.max_iters = 1
+                yield item
+
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]), middlewares=[Tight()], max_iters=10)
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    stored = codec.decode(codec.encode(agent.state))  # as the session store keeps it
+    again = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]), state=stored, max_iters=10)
+    assert again.max_iters == 1
+    resumed = await collect(again, UserConfirmResultEvent(
+        reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=ask.tool_calls[0])]))  # fmt: skip
+    end = next(i for i in resumed if isinstance(i, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.EXCEED_MAX_ITERS  # the limit of 1 held
+    await collect(again, UserMsg("next"))
+    assert again.max_iters == 10  # a new reply starts from the agent's own limit

@@ -158,6 +158,7 @@ LIES = {
     "foreign_block": "not a block this middleware added",
     "unknown_model": "unknown model id 'no-such-model'",
     "early_eof": "the stream ended before finish",
+    "steal_id": "is already in the context",
 }
 
 

@@ -17,8 +17,11 @@ class ReplyContext:
     cur_iter: int = 0
     structured_schema: dict[str, Any] | None = None
     structured_output: dict[str, Any] | None = None
-    # A model id a middleware chose for this reply (``set_model``); cleared when the reply ends.
+    # A model id a middleware chose for this reply (``set_model``); kept while the reply is parked,
+    # cleared when it ends.
     model_id: str | None = None
+    # A max_iters a middleware set for this reply (``agent.max_iters = n``); None = the agent's own.
+    max_iters: int | None = None
 
 
 class ReplyFields:

@@ -8,6 +8,7 @@ implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidir
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import grpc
 
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
-from ..codec import codec, json_to_value
+from ..codec import CodecError, codec, json_to_value
 from ..data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec, Kind
 from ..subscriptions import SubscriptionTable
@@ -146,6 +147,8 @@ class RemoteMiddleware:
                 tables[spec.name] = SubscriptionTable(hook)
             except ValueError as exc:
                 raise ProtocolError(self.name, "Describe", str(exc)) from None
+        if self.key and desc.key != self.key:  # the slot it owns is fixed at attach
+            raise ProtocolError(self.name, "Describe", f"key changed from {self.key!r} to {desc.key!r}")
         self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
         self.described = True
         self._drop_idle()  # streams of an earlier connection are of no use
@@ -266,7 +269,7 @@ class RemoteTool(Tool):
     async def _stream(self, tool_input: dict[str, Any], state: Any) -> AsyncIterator[ToolChunk | ToolResponse]:
         mw = self.middleware
         request = hooks_pb2.CallToolRequest()
-        codec.encode(ToolCallBlock(id="", name=self.descriptor.name), request.tool_call)
+        codec.encode(ToolCallBlock(id="", name=self.descriptor.name, input=json.dumps(tool_input)), request.tool_call)
         request.tool_input.update(tool_input)
         if state is not None:
             request.context.session_id = state.session_id
@@ -281,10 +284,17 @@ class RemoteTool(Tool):
                     async with asyncio.timeout(mw.policy.timeout):
                         msg = await call.read()
                 except TimeoutError:
+                    mw.failed()
                     raise MiddlewareFailure(mw.name, "CallTool", f"no answer within {mw.policy.timeout}s") from None
-                if msg is grpc.aio.EOF:
+                if msg is grpc.aio.EOF or msg is None:
                     raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
-                item = codec.decode_item(msg)
+                try:
+                    item = codec.decode_item(msg)
+                except (CodecError, KeyError, ValueError) as exc:
+                    raise ProtocolError(mw.name, "CallTool", f"malformed item: {exc}") from None
+                if not isinstance(item, (ToolChunk, ToolResponse)):
+                    what = type(item).__name__
+                    raise ProtocolError(mw.name, "CallTool", f"a tool streams chunks, then a response; not {what}")
                 yield item
                 if isinstance(item, ToolResponse):
                     return

@@ -472,16 +472,21 @@ class HookCall:
                 if mutation.set_max_iters < 1:
                     raise self._violation("set_max_iters below 1")
                 agent.max_iters = mutation.set_max_iters
-                state.version += 1
             else:
                 raise self._violation("an empty mutation")
         except (CodecError, KeyError, TypeError, ValueError) as exc:
             raise self._violation(f"invalid {op}: {exc}") from None
 
     def _own(self, blocks: list[Any]) -> None:
-        owners = self.agent.state.block_owners
+        """Record the adder of each new block; an id already in the context is refused (a middleware
+        must not come to own, and then remove, a block someone else added)."""
+        state = self.agent.state
+        taken = state.block_owners.keys() | {b.id for m in state.context for b in m.content}
         for block in blocks:
-            owners[block.id] = self.mw.key
+            if block.id in taken:
+                raise self._violation(f"block id {block.id!r} is already in the context")
+        for block in blocks:
+            state.block_owners[block.id] = self.mw.key
 
     # -- transport -------------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from ..agent import Agent, ReplyError
+from ..agent import Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..data import (
     ExternalExecutionResultEvent,
@@ -209,6 +209,10 @@ class Host:
         awaiting = agent.awaiting_calls()
         sid = agent.state.session_id
         if isinstance(inputs, Msg):
+            try:
+                check_input_messages(inputs)
+            except ReplyError as exc:
+                raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             if awaiting:
                 names = ", ".join(f"{c.name} ({c.id})" for c in awaiting)
                 raise ReplyRejected(
@@ -269,6 +273,12 @@ class Host:
                 await remote.connect()
                 if any(a.name == remote.name for a in self.middleware):
                     raise ValueError(f"a middleware named {remote.name!r} is already attached")
+                clash = next((a for a in self.middleware if a.remote.key == remote.key), None)
+                if clash is not None:  # one key = one middle_context slot: two would share it
+                    raise ValueError(
+                        f"{mc.address} reports key {remote.key!r}, already used by middleware {clash.name!r}; "
+                        "give one of them another get_middleware_key()"
+                    )
                 tools: dict[str, Tool] = {}
                 for t in await remote.list_tools():
                     t.descriptor.owner = remote.name

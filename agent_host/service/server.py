@@ -81,6 +81,8 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
+        if request.timeout < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout must be positive, got {request.timeout}")
         mc = MiddlewareConfig(
             address=request.address,
             name=request.name,

@@ -33,10 +33,14 @@ class AgentScopePeer:
     @classmethod
     async def start(cls, python: str) -> AgentScopePeer:
         proc = await asyncio.create_subprocess_exec(
-            python, str(SCRIPT), "--serve",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+            python,
+            str(SCRIPT),
+            "--serve",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
             cwd="/tmp",  # so that the repo's packages can never shadow the peer's
-        )  # fmt: skip
+        )
         peer = cls(proc, python)
         try:
             peer.version = (await peer.ask({"op": "hello"}, timeout=60.0))["version"]

@@ -307,17 +307,34 @@ def _peer_rows(r: Results) -> list[list[str]]:
         cpu = ratio(rep[key].cpus, rep[peer_key].cpus)
         ttft = statistics.median(per_round(rep[key].firsts, rep[peer_key].firsts, lambda a, b: a - b))
         rows += [
-            [f"Reply host CPU, 3 tool rounds + 1,000 deltas: {label} (4 hooks each) remote / AgentScope with "
-             f"{label} in-process", times(cpu), "≤ 1.5x", verdict(cpu <= 1.5)],
-            [f"Time to first text, same reply, {label}: remote - AgentScope in-process", ms(ttft), "≤ +5 ms",
-             verdict(ttft <= 0.005)],
-        ]  # fmt: skip
-    for key, label in (("none", "no middleware"), ("remote", "1 remote middleware"),
-                       ("none_yielding", "no middleware + fix prototype")):  # fmt: skip
+            [
+                f"Reply host CPU, 3 tool rounds + 1,000 deltas: {label} (4 hooks each) remote / AgentScope with "
+                f"{label} in-process",
+                times(cpu),
+                "≤ 1.5x",
+                verdict(cpu <= 1.5),
+            ],
+            [
+                f"Time to first text, same reply, {label}: remote - AgentScope in-process",
+                ms(ttft),
+                "≤ +5 ms",
+                verdict(ttft <= 0.005),
+            ],
+        ]
+    for key, label in (
+        ("none", "no middleware"),
+        ("remote", "1 remote middleware"),
+        ("none_yielding", "no middleware + fix prototype"),
+    ):
         frac = ratio(fair[key].firsts, fair["peer"].firsts)
-        rows.append([f"Median time to first text, {CONCURRENT} concurrent replies, {label} / AgentScope's (no "
-                     "middleware)", times(frac), f"a fraction (≤ {FAIR_FRACTION}x)",
-                     verdict(frac <= FAIR_FRACTION)])  # fmt: skip
+        rows.append(
+            [
+                f"Median time to first text, {CONCURRENT} concurrent replies, {label} / AgentScope's (no middleware)",
+                times(frac),
+                f"a fraction (≤ {FAIR_FRACTION}x)",
+                verdict(frac <= FAIR_FRACTION),
+            ]
+        )
     return rows
 
 

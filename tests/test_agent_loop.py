@@ -251,8 +251,12 @@ async def test_a_middleware_max_iters_survives_a_pause_and_a_new_agent() -> None
     stored = codec.decode(codec.encode(agent.state))  # as the session store keeps it
     again = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]), state=stored, max_iters=10)
     assert again.max_iters == 1
-    resumed = await collect(again, UserConfirmResultEvent(
-        reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=ask.tool_calls[0])]))  # fmt: skip
+    resumed = await collect(
+        again,
+        UserConfirmResultEvent(
+            reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=ask.tool_calls[0])]
+        ),
+    )
     end = next(i for i in resumed if isinstance(i, ReplyEndEvent))
     assert end.finished_reason == ReplyFinishedReason.EXCEED_MAX_ITERS  # the limit of 1 held
     await collect(again, UserMsg("next"))

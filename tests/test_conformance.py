@@ -275,10 +275,19 @@ async def test_a_detached_watcher_sees_what_it_subscribed_to(servers: Servers) -
     events = [e async for e in agent.reply_stream(UserMsg("call add a=2 b=2"))]
     for _ in range(50):  # its last copies are read in the background
         stats = json.loads(
-            [c async for c in toolkit.call_tool(
-                ToolCallBlock(id="s", name="DetachedWatcher__watch_stats", input=json.dumps(
-                    {"session_id": agent.state.session_id})))][-1].content[0].text
-        )  # fmt: skip
+            [
+                c
+                async for c in toolkit.call_tool(
+                    ToolCallBlock(
+                        id="s",
+                        name="DetachedWatcher__watch_stats",
+                        input=json.dumps({"session_id": agent.state.session_id}),
+                    )
+                )
+            ][-1]
+            .content[0]
+            .text
+        )
         if stats.get("on_reply:Msg"):
             break
         await asyncio.sleep(0.05)

@@ -32,6 +32,8 @@ protos: $(VENV)/.installed
 	$(PY) -m agent_host.protogen
 
 test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 demo: install

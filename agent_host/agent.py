@@ -461,13 +461,17 @@ class Agent:
     async def _reasoning_impl(self, tool_choice: ToolChoice | None = None) -> AsyncIterator[Any]:
         state = self.state
         reply_id = state.reply_id
-        yield ModelCallStartEvent(reply_id=reply_id, model_name=self.model.id)
         messages, tools = await self.prepare_model_input(tool_choice)
         completed: ChatResponse | None = None
         converter = _ChunkConverter(reply_id)
         used = self.model.id
+        started = False
         try:
             result, used = await self._interruptible(self._call_model(messages, tools, tool_choice))
+            # Emitted once the call is under way, so it names the model that answers (after any
+            # retry or fallback), not merely the one first asked.
+            yield ModelCallStartEvent(reply_id=reply_id, model_name=used)
+            started = True
             if isinstance(result, ChatResponse):
                 completed = result
                 for event in converter.convert(result):
@@ -490,6 +494,8 @@ class Agent:
                 raise
             if completed is None:
                 completed = ChatResponse(content=[], finished_reason=FinishedReason.INTERRUPTED)
+            if not started:
+                yield ModelCallStartEvent(reply_id=reply_id, model_name=used)
         for event in converter.close_all():
             yield event
         if completed is None:

@@ -111,8 +111,9 @@ def _override(events, state):
 
 def _fallback(events, state):
     assert final_text(events).startswith("backup answered")
+    start = next(e for e in events if e["class"] == "ModelCallStartEvent")
     end = next(e for e in events if e["class"] == "ModelCallEndEvent")
-    assert end["metadata"] == {"model": "backup"}
+    assert start["model_name"] == "backup" and end["metadata"] == {"model": "backup"}  # the model that answered
 
 
 def _short_reasoning(events, state):

@@ -421,6 +421,20 @@ class CountAfterYield(MiddlewareBase):
                 slot["n"] += 1
 
 
+class Replica(MiddlewareBase):
+    """Says which process served: injects its pid after ReplyStartEvent."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        import os
+
+        async for item in next_handler():
+            yield item
+            if isinstance(item, ReplyStartEvent):
+                yield CustomEvent(name="served_by", value={"pid": os.getpid()})
+
+
 MIDDLEWARE: dict[str, type[MiddlewareBase]] = {
     name: obj
     for name, obj in list(globals().items())

@@ -15,6 +15,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import propagate, trace
+
 from .chain import Chain, transform
 from .data import (
     AssistantMsg,
@@ -192,6 +194,15 @@ class Agent:
         self._compress_chain = Chain(
             "on_compress_context", self.layers["on_compress_context"], self._compress_context_impl
         )
+
+    @property
+    def trace_context(self) -> dict[str, str]:
+        """The W3C trace context of the current span ("traceparent", ...); empty when not tracing.
+        A remote middleware reads the same from its ``agent`` view."""
+        carrier: dict[str, str] = {}
+        if trace.get_current_span().get_span_context().is_valid:
+            propagate.inject(carrier)
+        return carrier
 
     @property
     def max_iters(self) -> int:

@@ -91,8 +91,10 @@ def json_to_value(value: Any, out: struct_pb2.Value) -> None:
     elif isinstance(value, str):
         out.string_value = value
     elif isinstance(value, dict):
+        out.struct_value.SetInParent()  # so that {} is a value, not an unset field
         out.struct_value.update(value)
     elif isinstance(value, (list, tuple)):
+        out.list_value.SetInParent()
         out.list_value.extend(value)
     elif isinstance(value, Enum):
         out.string_value = value.value

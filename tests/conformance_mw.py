@@ -435,6 +435,15 @@ class Replica(MiddlewareBase):
                 yield CustomEvent(name="served_by", value={"pid": os.getpid()})
 
 
+class TraceEcho(MiddlewareBase):
+    """Keeps the host's trace context of its on_reply call in its slot."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        agent.state.middle_context[await self.get_middleware_key()] = dict(agent.trace_context)
+        async for item in next_handler():
+            yield item
+
+
 MIDDLEWARE: dict[str, type[MiddlewareBase]] = {
     name: obj
     for name, obj in list(globals().items())

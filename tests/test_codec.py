@@ -128,3 +128,14 @@ def test_values_that_do_not_fit_are_clear_errors() -> None:
         codec.encode_item(object())
     with pytest.raises(CodecError, match="hint"):
         codec.encode(d.HintBlock(hint=42))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [{}, [], {"a": {}}, {"a": []}, 0, "", False, None, [1, "x", {"k": None}]])
+def test_empty_and_falsy_json_values_survive(value: object) -> None:
+    from google.protobuf import struct_pb2
+
+    from agent_host.codec import json_to_value, value_to_json
+
+    out = struct_pb2.Value()
+    json_to_value(value, out)
+    assert value_to_json(struct_pb2.Value.FromString(out.SerializeToString())) == value

@@ -66,7 +66,7 @@ SCENARIOS = [
 
 @pytest.fixture(scope="module")
 def servers():
-    started = Servers([*SCENARIOS, PROMPT_ORDER])
+    started = Servers([*SCENARIOS, PROMPT_ORDER, Scenario("trace", [Layer("TraceEcho")])])
     yield started
     started.stop()
 
@@ -296,4 +296,29 @@ async def test_a_detached_watcher_sees_what_it_subscribed_to(servers: Servers) -
     assert stats["on_reasoning:ModelCallEndEvent"] == 2
     assert stats["on_model_call:ChatResponse"] == 2  # the final chunk of each model call
     assert stats["on_acting:ToolResponse"] == 1
+    await remote.close()
+
+
+async def test_trace_context_reaches_middleware_in_and_out_of_process(servers: Servers) -> None:
+    """The host's current span continues in the middleware: W3C traceparent in its HookContext."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from agent_host.agent import Agent
+    from agent_host.data import UserMsg
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import RemoteMiddleware
+
+    from . import conformance_mw
+
+    tracer = TracerProvider().get_tracer("test")  # a local provider: the global one stays untouched
+    remote = await RemoteMiddleware(servers.address(Layer("TraceEcho"))).connect()
+    for layer in (conformance_mw.TraceEcho(), remote):
+        agent = Agent(model=OfflineRuleModel(), middlewares=[layer])
+        with tracer.start_as_current_span("host reply") as span:
+            [i async for i in agent.reply_stream(UserMsg("hi"))]
+        trace_id = format(span.get_span_context().trace_id, "032x")
+        assert agent.state.middle_context["TraceEcho"]["traceparent"].split("-")[1] == trace_id
+    agent = Agent(model=OfflineRuleModel(), middlewares=[remote])  # no span: nothing is sent
+    [i async for i in agent.reply_stream(UserMsg("hi"))]
+    assert agent.state.middle_context["TraceEcho"] == {}
     await remote.close()

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from opentelemetry import propagate, trace
 
 from agentmw.v1 import hooks_pb2
 
@@ -158,6 +159,8 @@ class HookCall:
             return
         begin = hooks_pb2.HostMessage()
         self._context(begin.begin.context, force=True)
+        if trace.get_current_span().get_span_context().is_valid:  # zero cost when the host does not trace
+            propagate.inject(begin.begin.context.trace_context)
         try:
             encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
         except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's

@@ -165,6 +165,8 @@ class AgentView:
         self._max_iters = 0
         self.model: ModelRef | None = None
         self.state = StateView(session, key)
+        # The host's W3C trace context for this call ("traceparent", ...), empty when it does not trace.
+        self.trace_context: dict[str, str] = {}
 
     @property
     def max_iters(self) -> int:
@@ -181,6 +183,8 @@ class AgentView:
     def refresh(self, ctx: hooks_pb2.HookContext) -> None:
         """Take in the host's state as sent with Begin / an item / inner_done."""
         self.name, self.description = ctx.agent_name, ctx.agent_description
+        if ctx.trace_context:
+            self.trace_context = dict(ctx.trace_context)
         self._max_iters = ctx.max_iters
         if ctx.HasField("model"):
             self.model = codec.decode(ctx.model)

@@ -60,6 +60,7 @@ from .data import (
     ToolCallState,
     ToolChoice,
     ToolChunk,
+    ToolDescriptor,
     ToolResponse,
     ToolResultBlock,
     ToolResultDataDeltaEvent,
@@ -87,6 +88,13 @@ INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by 
 MAX_ITERS_HINT = (
     "You have reached the maximum of {n} reasoning-acting iterations. Give your final answer now, "
     "based on what you have. Do not call any tools."
+)
+STRUCTURED_OUTPUT_TOOL = "GenerateStructuredOutput"
+STRUCTURED_OUTPUT_GRACE_ITERS = 5  # extra rounds a reply owing a structured output may take
+STRUCTURED_OUTPUT_SOURCE = '{"label": "System", "sublabel": "Structured Output Requirement"}'
+STRUCTURED_OUTPUT_DESCRIPTION = (
+    "Generate the required structured output by this tool. Its input schema is the required output. "
+    "You MUST end your response by calling it, once you have what you need; its input is sent to the user."
 )
 TRUNCATED_REMINDER = (
     "<<<TRUNCATED>>><system-reminder>The tool result was {size} bytes; only the first {limit} are kept "
@@ -194,6 +202,14 @@ class Agent:
         self._compress_chain = Chain(
             "on_compress_context", self.layers["on_compress_context"], self._compress_context_impl
         )
+
+    @property
+    def tools(self) -> Toolkit:
+        """The toolkit of this reply: the agent's, plus the structured-output tool while one is owed."""
+        rc = self.state.reply_context
+        if rc.structured_schema is None or rc.structured_output is not None:
+            return self.toolkit
+        return self.toolkit.overlay(_StructuredOutputTool(rc.structured_schema, self.state))
 
     @property
     def trace_context(self) -> dict[str, str]:
@@ -406,6 +422,10 @@ class Agent:
 
     # -- the decision table (§2.4) ---------------------------------------------------------------
 
+    def _reply_usage(self) -> Any:
+        msg = self.state.reply_message(self.name)
+        return copy.copy(msg.usage) if msg is not None and msg.usage is not None else None
+
     def _tool_calls(self) -> tuple[list[ToolCallBlock], set[str]]:
         msg = self.state.reply_message(self.name)
         if msg is None:
@@ -436,6 +456,49 @@ class Agent:
         if awaiting:
             return _Action("exit", msg=AssistantMsg(WAITING_MESSAGE, name=self.name, id=state.reply_id))
         end = ReplyEndEvent(session_id=state.session_id, reply_id=state.reply_id)
+        rc = state.reply_context
+        if rc.structured_schema is not None:  # §2.4 rules 3-4: only the structured output ends it
+            if rc.structured_output is not None:
+                msg = AssistantMsg(
+                    "The required structured output is generated.",
+                    name=self.name,
+                    id=state.reply_id,
+                    usage=self._reply_usage(),
+                    finished_reason=ReplyFinishedReason.COMPLETED,
+                    structured_output=copy.deepcopy(rc.structured_output),
+                )
+                return _Action("exit", events=[end], msg=msg)
+            if state.cur_iter >= self.max_iters + STRUCTURED_OUTPUT_GRACE_ITERS:
+                end.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
+                msg = AssistantMsg(
+                    "The maximum reasoning-acting iterations are exceeded.",
+                    name=self.name,
+                    id=state.reply_id,
+                    usage=self._reply_usage(),
+                    finished_reason=end.finished_reason,
+                )
+                return _Action(
+                    "exit", events=[ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name), end], msg=msg
+                )
+            forced = state.cur_iter >= self.max_iters
+            suffix = (
+                "You have reached the maximum reasoning-acting iterations, so call this tool at once to "
+                "generate the final structured output."
+                if forced
+                else "Call it when you are ready to generate the final structured output."
+            )
+            hint = HintBlock(
+                hint=[
+                    TextBlock(
+                        text=f"<system-reminder>You're required to generate structured output by calling the "
+                        f"'{STRUCTURED_OUTPUT_TOOL}' tool. {suffix}</system-reminder>"
+                    )
+                ],
+                source=STRUCTURED_OUTPUT_SOURCE,
+            )
+            return _Action(
+                "reasoning", hint=hint, tool_choice=ToolChoice(mode=STRUCTURED_OUTPUT_TOOL) if forced else None
+            )
         if final_msg is not None:
             events: list[Any] = [end]
             if state.cur_iter > self.max_iters:
@@ -467,7 +530,7 @@ class Agent:
             messages.append(UserMsg(self.state.summary))
         messages.extend(self.state.context)
         only = tool_choice.tools if tool_choice is not None else None
-        return messages, self.toolkit.schemas(only)
+        return messages, self.tools.schemas(only)
 
     async def _reasoning_impl(self, tool_choice: ToolChoice | None = None) -> AsyncIterator[Any]:
         state = self.state
@@ -612,7 +675,7 @@ class Agent:
     def _batches(self, calls: list[ToolCallBlock]) -> list[tuple[bool, list[ToolCallBlock]]]:
         batches: list[tuple[bool, list[ToolCallBlock]]] = []
         for call in calls:
-            tool = self.toolkit.get(call.name)
+            tool = self.tools.get(call.name)
             safe = tool is None or tool.is_concurrency_safe  # an unknown tool only yields an error
             if safe and batches and batches[-1][0]:
                 batches[-1][1].append(call)
@@ -668,7 +731,7 @@ class Agent:
 
     async def _execute_tool_call(self, call: ToolCallBlock) -> AsyncIterator[Any]:
         reply_id = self.state.reply_id
-        tool = self.toolkit.get(call.name)
+        tool = self.tools.get(call.name)
         if tool is None:
             for event in self._error_result(call, f"Error: tool {call.name!r} does not exist.", ToolResultState.ERROR):
                 yield event
@@ -772,7 +835,7 @@ class Agent:
         return events + self._save_result(call, message, state, {})
 
     async def _acting_impl(self, tool_call: ToolCallBlock) -> AsyncIterator[Any]:
-        async for item in self.toolkit.call_tool(tool_call, self.state):
+        async for item in self.tools.call_tool(tool_call, self.state):
             yield item
 
     async def _check_permission_impl(
@@ -885,6 +948,21 @@ class Agent:
         live = {b.id for m in self.state.context for b in m.content}  # forget owners of summarized blocks
         self.state.block_owners = {k: v for k, v in self.state.block_owners.items() if k in live}
         self.state.version += 1
+
+
+class _StructuredOutputTool(Tool):
+    """The reply's GenerateStructuredOutput tool: its input, valid against the schema, is the output."""
+
+    def __init__(self, schema: dict, state: AgentState) -> None:
+        super().__init__(
+            ToolDescriptor(name=STRUCTURED_OUTPUT_TOOL, description=STRUCTURED_OUTPUT_DESCRIPTION, input_schema=schema)
+        )
+        self.state = state
+
+    async def call(self, tool_input: dict[str, Any], state: Any = None) -> str:
+        self.state.reply_context.structured_output = copy.deepcopy(tool_input)
+        self.state.version += 1
+        return "The structured output is generated."
 
 
 # -- streaming conversions --------------------------------------------------------------------

@@ -148,6 +148,12 @@ class Toolkit:
             raise ValueError(f"tool {name!r} is already registered")
         self.tools[name] = t
 
+    def overlay(self, *tools: Tool) -> Toolkit:
+        """This toolkit plus ``tools`` (shadowing same names), without changing this one."""
+        combined = Toolkit()
+        combined.tools = {**self.tools, **{t.name: t for t in tools}}
+        return combined
+
     def unregister_owner(self, owner: str) -> None:
         for name in [n for n, t in self.tools.items() if t.descriptor.owner == owner]:
             del self.tools[name]

@@ -261,3 +261,46 @@ async def test_a_middleware_max_iters_survives_a_pause_and_a_new_agent() -> None
     assert end.finished_reason == ReplyFinishedReason.EXCEED_MAX_ITERS  # the limit of 1 held
     await collect(again, UserMsg("next"))
     assert again.max_iters == 10  # a new reply starts from the agent's own limit
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+async def test_structured_output_ends_the_reply_with_the_tools_input() -> None:
+    from agent_host.agent import STRUCTURED_OUTPUT_TOOL
+
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([add]))
+    items = [i async for i in agent.reply_stream(UserMsg("Alice is 30 years old"), structured_schema=PERSON)]
+    final = items[-1]
+    assert final.structured_output == {"name": "Alice", "age": 30}
+    assert final.text == "The required structured output is generated."
+    assert next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason == ReplyFinishedReason.COMPLETED
+    assert STRUCTURED_OUTPUT_TOOL not in agent.toolkit.tools  # the shared toolkit is left as it was
+    # A plain reply afterwards owes nothing.
+    assert (await agent.reply(UserMsg("hi"))).structured_output is None
+
+
+async def test_structured_output_is_forced_then_given_up_on() -> None:
+    """Text answers do not end a reply that owes a structured output: it is reminded, forced at
+    max_iters, and ends EXCEED_MAX_ITERS after the grace rounds."""
+    from agent_host.agent import STRUCTURED_OUTPUT_GRACE_ITERS, STRUCTURED_OUTPUT_TOOL
+
+    class Recorder(MiddlewareBase):
+        choices: list = []
+
+        async def on_model_call(self, agent, input_kwargs, next_handler):
+            Recorder.choices.append(getattr(input_kwargs["tool_choice"], "mode", None))
+            return await next_handler()
+
+    stubborn = OfflineRuleModel(script=[{"text": "I refuse"}] * 20)
+    agent = Agent(model=stubborn, middlewares=[Recorder()], max_iters=2)
+    items = [i async for i in agent.reply_stream(UserMsg("who?"), structured_schema=PERSON)]
+    end = next(i for i in items if isinstance(i, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.EXCEED_MAX_ITERS
+    assert Recorder.choices == [None, None] + [STRUCTURED_OUTPUT_TOOL] * STRUCTURED_OUTPUT_GRACE_ITERS
+    hints = [b for b in agent.state.context[-1].content if isinstance(b, HintBlock)]
+    assert len(hints) == 2 + STRUCTURED_OUTPUT_GRACE_ITERS and "GenerateStructuredOutput" in hints[0].hint[0].text

@@ -5,14 +5,16 @@ It is the embedded default of the demo and the tests. Per call it takes, in orde
 0. a summary, when the agent asks to compress its context;
 1. the next scripted turn, if a script is set (``{"text", "thinking", "tool_calls": [{"name",
    "input"}], "error": {"type", "message", "retryable"}, "delay"}``);
-2. an answer that reports the tool results of the current user turn, once there are any;
-3. tool calls by rule: the user names a known tool ("call get_weather city=Paris", "use add
-   {"a": 1, "b": 2}"), or tool rules of ``rules`` match (``{"pattern", "tool", "input"}``, one
-   call per matching rule whose tool is offered);
-4. else the first matching text or error rule of ``rules``: ``{"pattern", "text"}`` answers with
+2. tool calls by rule, while the user's turn has no tool results yet: the user names a known tool
+   ("call get_weather city=Paris", "use add {"a": 1, "b": 2}"), or tool rules of ``rules`` match
+   (``{"pattern", "tool", "input"}``, one call per matching rule whose tool is offered);
+3. the structured-output tool, when the agent owes one: its input filled from the user's words
+   and the tool results (numbers from the first number, names from the first capitalized word);
+4. an answer that reports the tool results of the current user turn, once there are any;
+5. else the first matching text or error rule of ``rules``: ``{"pattern", "text"}`` answers with
    that template, ``{"pattern", "error": {"type", "message", "retryable"}}`` fails the call with
    a ``ModelError`` (as a scripted error does; ``type`` defaults to "upstream");
-5. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``).
+6. otherwise a text answer from ``reply_template`` (default ``"You said: {text}"``).
 
 Rule patterns are case-insensitive regexes searched in the latest user message. Templates (tool
 inputs, ``text`` rules) take the regex groups as ``{0}``, ``{1}``, ... and ``{name}``; text
@@ -47,6 +49,7 @@ from ..data import (
 )
 from .base import ChatModel, ModelError
 
+STRUCTURED = "GenerateStructuredOutput"  # the agent's structured-output tool (agent_host.agent)
 _KV = re.compile(r"(\w+)=(\"[^\"]*\"|'[^']*'|\S+)")
 
 
@@ -94,16 +97,21 @@ class OfflineRuleModel(ChatModel):
         user_idx = max((i for i, m in enumerate(messages) if m.role == Role.USER and m.text), default=-1)
         user_text = messages[user_idx].text if user_idx >= 0 else ""
         results = [b for m in messages[user_idx + 1 :] for b in m.content if isinstance(b, ToolResultBlock)]
-        if results:
-            lines = [f"{r.name} returned {block_text(r.output).strip()}" for r in results]
-            return {"text": "Done: " + "; ".join(lines) + "."}
         names = {t["function"]["name"] for t in tools if "function" in t}
         if tool_choice is not None and tool_choice.tools is not None:
             names &= set(tool_choice.tools)
-        if names and (tool_choice is None or tool_choice.mode != "none"):
+        may_call = bool(names) and (tool_choice is None or tool_choice.mode != "none")
+        if may_call and not results:
             calls = self._named_calls(user_text, names) or self._rule_calls(user_text, names)
             if calls:
                 return {"tool_calls": calls}
+        structured = next((t["function"] for t in tools if t.get("function", {}).get("name") == STRUCTURED), None)
+        if structured is not None and may_call and STRUCTURED in names:  # a structured output is owed
+            facts = " ".join([user_text, *(block_text(r.output) for r in results)])
+            return {"tool_calls": [{"name": STRUCTURED, "input": _fill(structured.get("parameters", {}), facts, "")}]}
+        if results:
+            lines = [f"{r.name} returned {block_text(r.output).strip()}" for r in results]
+            return {"text": "Done: " + "; ".join(lines) + "."}
         system = messages[0].text if messages and messages[0].role == Role.SYSTEM else ""
         for rule in self.rules:
             if "tool" in rule or not (match := rule["regex"].search(user_text)):
@@ -196,6 +204,27 @@ def _rule(index: int, rule: dict[str, Any]) -> dict[str, Any]:
     except re.error as exc:
         raise ValueError(f"rules[{index}].pattern: {exc}") from None
     return dict(rule, regex=regex)
+
+
+def _fill(schema: dict[str, Any], text: str, key: str) -> Any:
+    """A value for ``schema`` taken from ``text``: the first number for numbers, the first
+    capitalized word for a string named like a name, the text itself for other strings."""
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if kind == "object" or "properties" in schema:
+        return {k: _fill(sub, text, k) for k, sub in (schema.get("properties") or {}).items()}
+    if kind in ("integer", "number"):
+        number = re.search(r"-?\d+(?:\.\d+)?", text)
+        value = float(number.group(0)) if number else float(len(text.split()))
+        return int(value) if kind == "integer" else value
+    if kind == "boolean":
+        return True
+    if kind == "array":
+        return [_fill(schema.get("items") or {"type": "string"}, word, key) for word in text.split()[:3]]
+    if "name" in key.lower():
+        return next((w for w in re.findall(r"[A-Z][\w'-]*", text)), text.split()[0] if text.split() else "")
+    return text.strip()
 
 
 def _pieces(text: str) -> list[str]:

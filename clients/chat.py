@@ -4,10 +4,13 @@
     agent-chat --session 3f2a...                # continue a session
     agent-chat --message "weather in Paris?"    # one reply, printed, then exit
     agent-chat --message "email bob@example.com saying hi" --yes   # answer confirmations
+    agent-chat --message "Alice is 30" --schema @person.json        # and a structured output
 
 Text streams as it arrives; tool calls and results are shown as they finish; a tool that needs
 confirmation asks (y / n / edit its input); a tool the client must run asks for its result; audio
 (data blocks with an audio/* media type, e.g. from the TTS middleware) is saved as WAV files.
+With ``--schema`` the reply must also fill that JSON schema: its ``structured_output`` is printed
+as JSON after the answer.
 Ctrl-C while a reply streams interrupts it (the host ends it cleanly); Ctrl-C at the prompt quits.
 
 The pieces (``HostClient``, ``converse``, ``View``) are reused by ``clients.demo``.
@@ -80,8 +83,8 @@ class HostClient:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = host_pb2_grpc.AgentHostStub(self.channel)
 
-    def reply(self, session_id: str, inputs: Any) -> ReplyCall:
-        return ReplyCall(self.stub, session_id, inputs)
+    def reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyCall:
+        return ReplyCall(self.stub, session_id, inputs, structured_schema)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -94,13 +97,21 @@ class HostClient:
 
 
 class ReplyCall:
-    """One reply: iterate it for its items (events, then the final Msg); ``cancel()`` interrupts."""
+    """One reply: iterate it for its items (events, then the final Msg); ``cancel()`` interrupts.
+    ``structured_schema`` (with a message only): a JSON schema the final Msg's structured_output fills."""
 
-    def __init__(self, stub: host_pb2_grpc.AgentHostStub, session_id: str, inputs: Any) -> None:
+    def __init__(
+        self,
+        stub: host_pb2_grpc.AgentHostStub,
+        session_id: str,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None = None,
+    ) -> None:
         self.session_id = session_id
         self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
         start = host_pb2.ReplyRequest()
-        codec.encode_record({"session_id": session_id, "input": inputs}, start.start)
+        record = {"session_id": session_id, "input": inputs, "structured_schema": structured_schema}
+        codec.encode_record(record, start.start)
         self._requests.put_nowait(start)
         self.call = stub.Reply(self._send())
 
@@ -162,9 +173,11 @@ async def converse(
     on_call: Callable[[ReplyCall], None] = lambda call: None,
     parked_on: list[ToolCallBlock] = (),  # type: ignore[assignment]
     reply_id: str = "",
+    structured_schema: dict[str, Any] | None = None,
 ) -> Turn:
     """Run a reply (``inputs``: a message or a resumption event) and answer whatever it parks on,
-    until it ends. ``inputs=None`` with ``parked_on``/``reply_id``: answer a reply parked earlier."""
+    until it ends. ``inputs=None`` with ``parked_on``/``reply_id``: answer a reply parked earlier.
+    ``structured_schema`` goes with the first call only (the message; the resumptions keep it)."""
     turn = Turn(session_id)
     pending = {c.id: c for c in parked_on}
     while True:
@@ -173,7 +186,8 @@ async def converse(
             if inputs is None:
                 turn.parked = bool(pending)
                 return turn
-        call = client.reply(turn.session_id, inputs)
+        call = client.reply(turn.session_id, inputs, structured_schema)
+        structured_schema = None
         on_call(call)
         turn.final = None
         async for item in call:
@@ -376,7 +390,14 @@ def _auto_external(result: str | None) -> ExternalAnswer:
 
 
 async def _turn(
-    args: argparse.Namespace, session_id: str, inputs: Any, view: View, *, interactive: bool, **resume: Any
+    args: argparse.Namespace,
+    session_id: str,
+    inputs: Any,
+    view: View,
+    *,
+    interactive: bool,
+    structured_schema: dict[str, Any] | None = None,
+    **resume: Any,
 ) -> Turn:
     """One turn, with Ctrl-C while streaming sending a cancel (a second Ctrl-C gives up)."""
     loop = asyncio.get_running_loop()
@@ -418,6 +439,7 @@ async def _turn(
                 on_confirm=on_confirm,
                 on_external=on_external,
                 on_call=current.append,
+                structured_schema=structured_schema,
                 **resume,
             )
     finally:
@@ -441,6 +463,25 @@ async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
     return {"parked_on": calls, "reply_id": session.state.reply_context.reply_id} if calls else {}
 
 
+def _schema(parser: argparse.ArgumentParser, text: str) -> dict[str, Any]:
+    """``--schema``: a JSON object, given inline or as @path (whether it is a valid JSON schema is
+    the host's to say)."""
+    where = "--schema"
+    if text.startswith("@"):
+        where = f"--schema {text}"
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            parser.error(f"{where}: cannot read it: {exc.strerror or exc}")
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        parser.error(f"{where}: not JSON: {exc}")
+    if not isinstance(schema, dict):
+        parser.error(f"{where}: a JSON schema is a JSON object, got {type(schema).__name__}")
+    return schema
+
+
 def _report(turn: Turn) -> int:
     if turn.parked:
         print(f"  (the reply is waiting; answer with: agent-chat --session {turn.session_id} --yes | --deny)")
@@ -459,12 +500,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--session", default="", help="continue this session (default: a new one)")
     parser.add_argument("--message", "-m", help="send this one message, print the reply and exit")
+    parser.add_argument(
+        "--schema",
+        metavar="JSON",
+        help="with --message: a JSON schema (type object), inline or @path to a file, that the reply must "
+        "fill; its structured output is printed as JSON after the answer",
+    )
     answers = parser.add_mutually_exclusive_group()
     answers.add_argument("--yes", action="store_true", help="non-interactive: allow every tool confirmation")
     answers.add_argument("--deny", action="store_true", help="non-interactive: deny every tool confirmation")
     parser.add_argument("--external-result", help="non-interactive: the result to give client-side tools")
     parser.add_argument("--audio-dir", default="agent-audio", help="where audio is saved (default ./agent-audio)")
     args = parser.parse_args(argv)
+    if args.schema is not None and args.message is None:
+        parser.error("--schema goes with --message")
+    schema = _schema(parser, args.schema) if args.schema is not None else None
     view = View(audio_dir=args.audio_dir)
     session_id = args.session
     try:
@@ -478,7 +528,11 @@ def main(argv: list[str] | None = None) -> int:
                 turn = asyncio.run(_turn(args, session_id, None, view, interactive=False, **parked))
                 if turn.parked or args.message is None:
                     return _report(turn)
-            turn = asyncio.run(_turn(args, session_id, UserMsg(args.message), view, interactive=False))
+            turn = asyncio.run(
+                _turn(args, session_id, UserMsg(args.message), view, interactive=False, structured_schema=schema)
+            )
+            if turn.final is not None and turn.final.structured_output is not None:
+                print(json.dumps(turn.final.structured_output, indent=2, ensure_ascii=False), flush=True)
             print(f"(session {turn.session_id})", file=sys.stderr)
             return _report(turn)
         print(f"agent-chat: connected to {args.host}. Ctrl-C interrupts a reply; /quit or Ctrl-D leaves.")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import jsonschema
 
 from ..agent import Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
@@ -137,16 +138,18 @@ class Host:
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def start_reply(self, session_id: str, inputs: Any) -> ReplyRun:
+    def start_reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyRun:
+        """Run a reply to ``inputs`` (a message, or an event resuming a parked reply); with
+        ``structured_schema`` (a message only) its final Msg carries a ``structured_output``."""
         run = ReplyRun(session_id)
-        run.task = asyncio.create_task(self._run(run, inputs), name=f"reply {session_id}")
+        run.task = asyncio.create_task(self._run(run, inputs, structured_schema), name=f"reply {session_id}")
         self._runs.add(run)
         run.task.add_done_callback(lambda _t: self._runs.discard(run))
         return run
 
-    async def _run(self, run: ReplyRun, inputs: Any) -> None:
+    async def _run(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
         try:
-            await self._reply(run, inputs)
+            await self._reply(run, inputs, structured_schema)
         except ReplyRejected as exc:
             await run.put(exc)
         except Exception:  # a host bug: say so on the stream rather than hang the client
@@ -155,8 +158,9 @@ class Host:
         finally:
             await run.put(_END)
 
-    async def _reply(self, run: ReplyRun, inputs: Any) -> None:
+    async def _reply(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
         sid = run.session_id
+        check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         async with self._session_lock(sid):
             state = await self.store.load(sid)
             if state is None:
@@ -173,7 +177,7 @@ class Host:
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
                 try:
-                    async for item in agent.reply_stream(inputs):
+                    async for item in agent.reply_stream(inputs, structured_schema):
                         await run.put(item)
                 finally:
                     # Shielded: a host shutdown that cancels this task must not lose the session.
@@ -340,4 +344,31 @@ class Host:
         self.store.close()
 
 
-__all__ = ["Attached", "Host", "ReplyRejected", "ReplyRun"]
+def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:
+    """Refuse (INVALID_ARGUMENT) a structured-output schema sent with a resumption event (a resumed
+    reply keeps the schema it started with), or one that is not a JSON schema of type object."""
+    if schema is None:
+        return
+    if not isinstance(inputs, Msg):
+        raise ReplyRejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"structured_schema goes only with a new message, not with a {type(inputs).__name__} "
+            "(a resumed reply keeps the schema it started with)",
+        )
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ReplyRejected(
+            grpc.StatusCode.INVALID_ARGUMENT, f"structured_schema is not a valid JSON schema: {exc.message}"
+        ) from None
+    except TypeError:  # e.g. an unhashable "$schema"
+        raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, "structured_schema is not a valid JSON schema") from None
+    if schema.get("type") != "object":
+        raise ReplyRejected(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f'structured_schema must be of "type": "object" (the structured output is an object), '
+            f"got {schema.get('type')!r}",
+        )
+
+
+__all__ = ["Attached", "Host", "ReplyRejected", "ReplyRun", "check_structured_schema"]

@@ -46,7 +46,9 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         if inputs is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StartReply needs a message or a resumption event")
         session_id = start.get("session_id") or new_id()
-        run = self.host.start_reply(session_id, inputs)
+        # A JSON object (the codec's struct_to_dict) when set; the host checks it before anything is stored.
+        structured_schema = start.get("structured_schema")
+        run = self.host.start_reply(session_id, inputs, structured_schema)
         watcher = asyncio.create_task(_watch_cancel(request_iterator, run))
         try:
             async for batch in run.batches():

@@ -20,21 +20,27 @@ async def test_replicas_share_the_load_and_cover_for_each_other() -> None:
     replicas = start_all([middleware_server("tests.conformance_mw:Replica") for _ in range(2)])
     try:
         address = "ipv4:" + ",".join(r.address for r in replicas)
-        remote = await RemoteMiddleware(address, policy=Policy(timeout=5)).connect()
 
-        async def one(text: str) -> list:
+        async def one(remote: RemoteMiddleware, text: str) -> list:
             agent = Agent(model=OfflineRuleModel(reply_template="ok", delay=0.02), middlewares=[remote])
             async with asyncio.timeout(30):
                 return [item async for item in agent.reply_stream(UserMsg(text))]
 
-        # Concurrent replies open several streams, which the channel spreads over the replicas.
-        replies = await asyncio.gather(*(one(f"hello {i}") for i in range(8)))
+        # Concurrent replies open several streams, which the channel spreads over the replicas it
+        # has connected to. A fresh channel may not have reached both yet: a few bounded tries.
+        for _attempt in range(5):
+            remote = await RemoteMiddleware(address, policy=Policy(timeout=5)).connect()
+            await asyncio.sleep(0.2)
+            replies = await asyncio.gather(*(one(remote, f"hello {i}") for i in range(8)))
+            if {served_by(items) for items in replies} == {r.pid for r in replicas}:
+                break
+            await remote.close()
         assert {served_by(items) for items in replies} == {r.pid for r in replicas}
 
         replicas[0].kill()
         ends = []
         for i in range(4):  # a reply in flight on the dead replica may fail; the next ones go on
-            items = await one(f"after {i}")
+            items = await one(remote, f"after {i}")
             ends.append(next(e for e in items if isinstance(e, ReplyEndEvent)).finished_reason)
             if ends[-1] == ReplyFinishedReason.COMPLETED:
                 assert served_by(items) == replicas[1].pid

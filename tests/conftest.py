@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from clients.launch import ServerProcess
+from tests.host_util import processes
 from tests.model_servers import ScriptedServer
 
 
@@ -14,3 +16,12 @@ def server() -> Iterator[ScriptedServer]:
     """A local model wire server (OpenAI- and DashScope-style), stopped after the test."""
     with ScriptedServer() as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One host process with the embedded defaults for a test module (each test uses sessions of
+    its own); a module that needs another configuration defines its own ``host``."""
+    logs = tmp_path_factory.mktemp("host")
+    with processes(logs) as procs:
+        yield procs.host(logs / "sessions.db")

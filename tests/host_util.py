@@ -138,3 +138,18 @@ def kinds(items: list[Any]) -> list[str]:
 
 
 __all__ = ["KEY", "Procs", "RecorderMiddleware", "get_session", "kinds", "processes", "run_cli", "stub"]
+
+
+# An offline model that pauses 20 ms per streamed piece: replies last long enough to overlap,
+# to be cancelled, or to be restarted under.
+SLOW_MODEL = """
+models:
+  default: slow
+  models:
+    slow: {provider: offline, delay: 0.02}
+"""
+
+
+def chat(address: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """agent-chat as a user runs it, against the host at ``address``."""
+    return run_cli("clients.chat", "--host", address, *args, timeout=20)

@@ -10,7 +10,6 @@ import itertools
 import re
 import subprocess
 import wave
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,25 +19,13 @@ from agent_host.data import ToolCallState, ToolResultState
 from clients.launch import ServerProcess
 
 from .audio_mw import FREQUENCY, RATE, SECONDS, tone
-from .host_util import Procs, get_session, processes, run_cli
+from .host_util import Procs, chat, get_session, processes
 
 pytestmark = pytest.mark.timeout(60)
 
 SESSION = re.compile(r"^\(session ([0-9A-Za-z_-]+)\)$", re.M)  # what --message prints on stderr
 WAITING = re.compile(r"answer with: agent-chat --session ([0-9A-Za-z_-]+) --yes \| --deny")
 EMAIL = "email bob@example.com saying hi"
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One host for the module's plain tests (each test works in sessions of its own)."""
-    logs = tmp_path_factory.mktemp("chat-host")
-    with processes(logs) as procs:
-        yield procs.host(logs / "sessions.db")
-
-
-def chat(address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli("clients.chat", "--host", address, *args, timeout=20)
 
 
 def session_of(done: subprocess.CompletedProcess[str]) -> str:

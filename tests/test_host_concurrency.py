@@ -29,16 +29,10 @@ from agent_host.data import (
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
-from .host_util import get_session, kinds, processes
+from .host_util import SLOW_MODEL, get_session, kinds, processes
 
 pytestmark = pytest.mark.timeout(60)
 
-SLOW_MODEL = """
-models:
-  default: slow
-  models:
-    slow: {provider: offline, delay: 0.02}
-"""
 WORDS = 20  # streamed pieces per answer: "You said: w0 ... w17" is 20 words, ~0.4 s
 EMAIL = "call send_email to=bob@example.com body=hi"  # a named call: the YAML model has no rules
 

@@ -36,16 +36,9 @@ from agent_host.data import (
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, converse
 
-from .host_util import KEY, Procs, get_session, kinds, processes, run_cli, stub
+from .host_util import KEY, SLOW_MODEL, Procs, get_session, kinds, processes, run_cli, stub
 
 pytestmark = pytest.mark.timeout(60)
-
-SLOW_MODEL = """
-models:
-  default: slow
-  models:
-    slow: {provider: offline, delay: 0.02}
-"""
 
 
 @pytest.fixture

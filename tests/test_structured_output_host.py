@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
-from .host_util import get_session, processes, run_cli, stub
+from .host_util import chat, get_session, stub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,18 +40,6 @@ PERSON = {
     "required": ["name", "age"],
 }
 SESSION = re.compile(r"^\(session ([0-9A-Za-z_-]+)\)$", re.M)  # what --message prints on stderr
-
-
-@pytest.fixture(scope="module")
-def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One host for the module (each test works in sessions of its own)."""
-    logs = tmp_path_factory.mktemp("structured-host")
-    with processes(logs) as procs:
-        yield procs.host(logs / "sessions.db")
-
-
-def chat(address: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli("clients.chat", "--host", address, *args, timeout=20)
 
 
 def printed_json(stdout: str) -> Any:

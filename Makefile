@@ -21,7 +21,8 @@ install: $(VENV)/.installed $(STUBS)
 	@if ! command -v npm >/dev/null; then echo "npm not found: the Node.js example middleware is skipped"; \
 	elif [ ! -f mw_servers/examples/node/node_modules/.package-lock.json ] || \
 	     [ mw_servers/examples/node/package-lock.json -nt mw_servers/examples/node/node_modules/.package-lock.json ]; then \
-	  npm ci --prefix mw_servers/examples/node --no-audit --no-fund; fi
+	  npm ci --prefix mw_servers/examples/node --no-audit --no-fund || \
+	  echo "npm ci failed: tests/test_node_middleware.py will say why"; fi
 
 # Python stubs for protos/agentmw/v1/*.proto, into the importable package agentmw.v1.
 $(STUBS): $(PROTOS) $(VENV)/.installed

@@ -68,6 +68,7 @@ from .data import (
     ToolResultStartEvent,
     ToolResultState,
     ToolResultTextDeltaEvent,
+    Usage,
     UserConfirmResultEvent,
     UserInterruptEvent,
     UserMsg,
@@ -184,6 +185,7 @@ class Agent:
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
         self._tool_tasks: set[asyncio.Task] = set()  # concurrent tool calls in flight (see _concurrently)
+        self._reply_tools: tuple[ReplyContext, Toolkit] | None = None  # see ``tools``
         self.set_middlewares(middlewares)
 
     # -- configuration ---------------------------------------------------------------------
@@ -205,11 +207,14 @@ class Agent:
 
     @property
     def tools(self) -> Toolkit:
-        """The toolkit of this reply: the agent's, plus the structured-output tool while one is owed."""
+        """The toolkit of this reply: the agent's, plus the structured-output tool while one is owed
+        (built once per reply: it is looked up for every call and schema list)."""
         rc = self.state.reply_context
         if rc.structured_schema is None or rc.structured_output is not None:
             return self.toolkit
-        return self.toolkit.overlay(_StructuredOutputTool(rc.structured_schema, self.state))
+        if self._reply_tools is None or self._reply_tools[0] is not rc:
+            self._reply_tools = (rc, self.toolkit.overlay(_StructuredOutputTool(rc.structured_schema, self.state)))
+        return self._reply_tools[1]
 
     @property
     def trace_context(self) -> dict[str, str]:
@@ -422,6 +427,22 @@ class Agent:
 
     # -- the decision table (§2.4) ---------------------------------------------------------------
 
+    def _exit(self, msg: Msg | str, reason: ReplyFinishedReason | None = None, **fields: Any) -> _Action:
+        """End the reply with ``msg`` (or an assistant message of that text): ReplyEndEvent, preceded
+        by the deprecated ExceedMaxItersEvent when it ends for that. ``reason`` None: COMPLETED, and a
+        given message keeps its own finished_reason."""
+        state = self.state
+        finished = reason or ReplyFinishedReason.COMPLETED
+        if isinstance(msg, str):
+            msg = AssistantMsg(msg, name=self.name, id=state.reply_id, finished_reason=finished, **fields)
+        elif reason is not None:
+            msg.finished_reason = reason
+        end = ReplyEndEvent(session_id=state.session_id, reply_id=state.reply_id, finished_reason=finished)
+        events: list[Any] = [end]
+        if end.finished_reason == ReplyFinishedReason.EXCEED_MAX_ITERS:
+            events.insert(0, ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name))
+        return _Action("exit", events=events, msg=msg)
+
     def _reply_usage(self) -> Any:
         msg = self.state.reply_message(self.name)
         return copy.copy(msg.usage) if msg is not None and msg.usage is not None else None
@@ -455,30 +476,19 @@ class Agent:
             return _Action("acting", tool_calls=executable)
         if awaiting:
             return _Action("exit", msg=AssistantMsg(WAITING_MESSAGE, name=self.name, id=state.reply_id))
-        end = ReplyEndEvent(session_id=state.session_id, reply_id=state.reply_id)
         rc = state.reply_context
         if rc.structured_schema is not None:  # §2.4 rules 3-4: only the structured output ends it
             if rc.structured_output is not None:
-                msg = AssistantMsg(
+                return self._exit(
                     "The required structured output is generated.",
-                    name=self.name,
-                    id=state.reply_id,
                     usage=self._reply_usage(),
-                    finished_reason=ReplyFinishedReason.COMPLETED,
                     structured_output=copy.deepcopy(rc.structured_output),
                 )
-                return _Action("exit", events=[end], msg=msg)
             if state.cur_iter >= self.max_iters + STRUCTURED_OUTPUT_GRACE_ITERS:
-                end.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
-                msg = AssistantMsg(
+                return self._exit(
                     "The maximum reasoning-acting iterations are exceeded.",
-                    name=self.name,
-                    id=state.reply_id,
+                    ReplyFinishedReason.EXCEED_MAX_ITERS,
                     usage=self._reply_usage(),
-                    finished_reason=end.finished_reason,
-                )
-                return _Action(
-                    "exit", events=[ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name), end], msg=msg
                 )
             forced = state.cur_iter >= self.max_iters
             suffix = (
@@ -500,23 +510,16 @@ class Agent:
                 "reasoning", hint=hint, tool_choice=ToolChoice(mode=STRUCTURED_OUTPUT_TOOL) if forced else None
             )
         if final_msg is not None:
-            events: list[Any] = [end]
-            if state.cur_iter > self.max_iters:
-                end.finished_reason = final_msg.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
-                events.insert(0, ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name))
-            return _Action("exit", events=events, msg=final_msg)
+            exceeded = state.cur_iter > self.max_iters  # the forced final answer
+            return self._exit(final_msg, ReplyFinishedReason.EXCEED_MAX_ITERS if exceeded else None)
         if state.cur_iter == self.max_iters:
             hint = HintBlock(hint=MAX_ITERS_HINT.format(n=self.max_iters), source=MAX_ITERS_SOURCE)
             return _Action("reasoning", hint=hint, tool_choice=ToolChoice(mode="none"))
         if state.cur_iter > self.max_iters:
-            end.finished_reason = ReplyFinishedReason.EXCEED_MAX_ITERS
-            msg = AssistantMsg(
+            return self._exit(
                 f"I stopped after reaching the maximum of {self.max_iters} iterations.",
-                name=self.name,
-                id=state.reply_id,
-                finished_reason=end.finished_reason,
+                ReplyFinishedReason.EXCEED_MAX_ITERS,
             )
-            return _Action("exit", events=[ExceedMaxItersEvent(reply_id=state.reply_id, name=self.name), end], msg=msg)
         return _Action("reasoning")
 
     # -- reasoning (§2.5) ---------------------------------------------------------------------
@@ -601,8 +604,6 @@ class Agent:
             )
 
     def _save_to_context(self, completed: ChatResponse) -> Msg | None:
-        from .data import Usage
-
         blocks = [
             copy.deepcopy(b)
             for b in completed.content
@@ -662,10 +663,8 @@ class Agent:
             events = self._concurrently(batch) if concurrent else self._one_by_one(batch)
             async with aclosing(events) as stream:
                 async for event in stream:
-                    parked = parked or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
-                    interrupted = interrupted or (
-                        isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED
-                    )
+                    parked = parked or _parks(event)
+                    interrupted = interrupted or _interrupted(event)
                     yield event
             if interrupted:
                 raise asyncio.CancelledError
@@ -687,11 +686,7 @@ class Agent:
         for call in batch:
             stop = False
             async for event in self._execute_tool_call(call):
-                stop = (
-                    stop
-                    or isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
-                    or (isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED)
-                )
+                stop = stop or _parks(event) or _interrupted(event)
                 yield event
             if stop:
                 return
@@ -1041,6 +1036,15 @@ class _ChunkConverter:
         self.open_tools.clear()
         self.data_ids.clear()
         return out
+
+
+def _parks(event: Any) -> bool:
+    """The call now waits for the user or the client: its batch is the reply's last for now."""
+    return isinstance(event, (RequireUserConfirmEvent, RequireExternalExecutionEvent))
+
+
+def _interrupted(event: Any) -> bool:
+    return isinstance(event, ToolResultEndEvent) and event.state == ToolResultState.INTERRUPTED
 
 
 def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:

@@ -9,7 +9,7 @@ count) and runs the rest of the chain anew each time it is called.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from .hooks import HOOKS, HookSpec
@@ -48,3 +48,17 @@ async def transform(hook: str, layers: Sequence[Any], agent: Any, value: Any) ->
     for layer in layers:
         value = await getattr(layer, hook)(agent, value)
     return value
+
+
+async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """``first`` (unless None), then the rest: a stream whose first item was fetched early, as
+    on_model_call's ``next_handler()`` does so that call-time errors raise at the call."""
+    try:
+        if first is not None:
+            yield first
+        async for item in rest:
+            yield item
+    finally:
+        close = getattr(rest, "aclose", None)
+        if close is not None:
+            await close()

@@ -18,6 +18,7 @@ Records that are dicts in Python (the hooks' input kwargs) use the same plans.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable
 from enum import Enum
@@ -125,11 +126,8 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
 def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:
     try:
         out.update(value)
-    except (ValueError, TypeError) as exc:  # non-JSON leaves, e.g. an enum or a dataclass
-        import json
-
+    except (ValueError, TypeError):  # non-JSON leaves (an enum, a dataclass): once through JSON
         out.update(json.loads(json.dumps(value, default=_json_default)))
-        del exc
 
 
 def _json_default(obj: Any) -> Any:

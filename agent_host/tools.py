@@ -121,19 +121,24 @@ def error_response(message: str, call_id: str, state: ToolResultState = ToolResu
     return ToolResponse(content=[TextBlock(text=message)], state=state, id=call_id)
 
 
-async def add_middleware_tools(toolkit: Toolkit, middleware: Any, name: str | None = None) -> list[str]:
-    """Register the tools a middleware contributes (``list_tools``) as ``<name>__<tool>``.
-
-    ``name`` defaults to the middleware key; the prefix keeps tools of different middleware apart
-    and uses only characters every model API accepts in a function name."""
+async def middleware_tools(middleware: Any, name: str | None = None) -> dict[str, Tool]:
+    """The tools a middleware contributes (``list_tools``), by their registered name
+    ``<name>__<tool>``. ``name`` defaults to the middleware key; the prefix keeps tools of
+    different middleware apart and uses only characters every model API accepts in a function name."""
     prefix = name or await middleware.get_middleware_key()
-    added = []
+    tools = {}
     for t in await middleware.list_tools():
         t.descriptor.owner = prefix
-        full = f"{prefix}__{t.name}"
+        tools[f"{prefix}__{t.name}"] = t
+    return tools
+
+
+async def add_middleware_tools(toolkit: Toolkit, middleware: Any, name: str | None = None) -> list[str]:
+    """Register a middleware's tools in ``toolkit`` (see ``middleware_tools``); their names."""
+    tools = await middleware_tools(middleware, name)
+    for full, t in tools.items():
         toolkit.register(t, name=full)
-        added.append(full)
-    return added
+    return list(tools)
 
 
 class Toolkit:

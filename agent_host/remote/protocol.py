@@ -17,6 +17,7 @@ from opentelemetry import propagate, trace
 
 from agentmw.v1 import hooks_pb2
 
+from ..chain import prepend
 from ..codec import CodecError, codec, json_to_value, value_to_json
 from ..data import ChatResponse, CustomEvent, new_id, now
 from ..hooks import HookSpec, Kind
@@ -71,16 +72,7 @@ class HookCall:
         except BaseException:
             await gen.aclose()
             raise
-        return self._chain_first(first, gen)
-
-    async def _chain_first(self, first: Any, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        try:
-            if first is not None:
-                yield first
-            async for item in gen:
-                yield item
-        finally:
-            await gen.aclose()
+        return prepend(first, gen)
 
     async def value(self) -> Any:
         async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
@@ -116,6 +108,12 @@ class HookCall:
                 name="middleware_bypassed",
                 value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
             )
+        async for item in self._without_middleware():
+            yield item
+
+    async def _without_middleware(self) -> AsyncIterator[Any]:
+        """The rest of the hook as if the middleware were not there: whatever the host already
+        took from the inner pipeline, then the inner pipeline itself (started if it was not)."""
         if self.spec.kind is Kind.TRANSFORM:
             self.result = self.input_kwargs["prompt"]
             return
@@ -152,10 +150,8 @@ class HookCall:
         await mw.ensure_described()
         self.table = mw.tables.get(spec.name)
         if self.table is None:  # the server no longer implements this hook (it was restarted)
-            self.inner = self._inner_items({})
-            async for item in self.inner:
+            async for item in self._without_middleware():
                 yield item
-            self.result = self.inner_result if spec.kind is not Kind.TRANSFORM else self.input_kwargs["prompt"]
             return
         begin = hooks_pb2.HostMessage()
         self._context(begin.begin.context, force=True)
@@ -234,38 +230,25 @@ class HookCall:
         try:
             async for item in inner:
                 if table.mode_of(item) is not Mode.BYPASS:
-                    msg = hooks_pb2.HostMessage()
-                    copy = msg.item
-                    copy.observed, copy.inner = True, 1
-                    codec.encode_item(item, copy.item)
-                    self._context(copy.context)
-                    delivery.add(msg)
+                    delivery.add(self._item_message(item, observed=True))
                 yield item
         except Exception as exc:
-            err = hooks_pb2.HostMessage()
-            err.inner_error.type, err.inner_error.message, err.inner_error.inner = type(exc).__name__, str(exc), 1
-            delivery.add(err)
+            delivery.add(self._error_message(exc))
             delivery.end()
             raise
         except GeneratorExit:  # the consumer had what it needed (e.g. the ToolResponse): a normal end
-            self._detached_done(delivery)
+            delivery.add(self._done_message())
+            delivery.end()
             raise
         except BaseException:  # cancelled half-way
             delivery.abandon()
             raise
         else:
-            self._detached_done(delivery)
+            delivery.add(self._done_message())
+            delivery.end()
             self.result = self.inner_result
         finally:
             self.inner = None
-
-    def _detached_done(self, delivery: DetachedDelivery) -> None:
-        done = hooks_pb2.HostMessage()
-        done.inner_done.inner = 1
-        if self.spec.kind is Kind.CALL:
-            encode_result(self.inner_result, done.inner_done.result)
-        delivery.add(done)
-        delivery.end()
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec
@@ -331,22 +314,11 @@ class HookCall:
                 item = await anext(inner)
             except StopAsyncIteration:
                 self.inner, self.inner_done = None, True
-                done = hooks_pb2.HostMessage()
-                if self.spec.kind is Kind.CALL:
-                    encode_result(self.inner_result, done.inner_done.result)
-                done.inner_done.inner = self.generation
-                self._context(done.inner_done.context)
-                await self._write(done)
+                await self._write(self._done_message())
                 return
             except Exception as exc:  # the inner pipeline raised: the middleware decides
                 self.inner, self.inner_done, self.inner_exc = None, True, exc
-                err = hooks_pb2.HostMessage()
-                err.inner_error.type = type(exc).__name__
-                err.inner_error.message = str(exc)
-                err.inner_error.retryable = bool(getattr(exc, "retryable", False))
-                err.inner_error.inner = self.generation
-                self._context(err.inner_error.context)
-                await self._write(err)
+                await self._write(self._error_message(exc))
                 return
             mode = table.mode_of(item)
             if mode is Mode.BYPASS:
@@ -369,25 +341,42 @@ class HookCall:
                         yield item  # observed items are the host's to forward
                         return
                 self.credits -= 1
-                await self._deliver(item, observed=True)
+                await self._write(self._item_message(item, observed=True))
                 self.in_hand = None
                 yield item
                 continue
             self.seq += 1
             self.pending = item
             self.credits = 0
-            await self._deliver(item, observed=False)
+            await self._write(self._item_message(item, observed=False))
             return
 
-    async def _deliver(self, item: Any, *, observed: bool) -> None:
+    # -- host messages (the same for interactive and detached hooks) ------------------------------
+
+    def _item_message(self, item: Any, *, observed: bool) -> hooks_pb2.HostMessage:
         msg = hooks_pb2.HostMessage()
         delivery = msg.item
-        delivery.seq = self.seq
-        delivery.observed = observed
-        delivery.inner = self.generation
+        delivery.seq, delivery.observed, delivery.inner = self.seq, observed, self.generation
         codec.encode_item(item, delivery.item)
         self._context(delivery.context)
-        await self._write(msg)
+        return msg
+
+    def _done_message(self) -> hooks_pb2.HostMessage:
+        msg = hooks_pb2.HostMessage()
+        done = msg.inner_done
+        done.inner = self.generation
+        if self.spec.kind is Kind.CALL:
+            encode_result(self.inner_result, done.result)
+        self._context(done.context)
+        return msg
+
+    def _error_message(self, exc: BaseException) -> hooks_pb2.HostMessage:
+        msg = hooks_pb2.HostMessage()
+        err = msg.inner_error
+        err.type, err.message, err.inner = type(exc).__name__, str(exc), self.generation
+        err.retryable = bool(getattr(exc, "retryable", False))
+        self._context(err.context)
+        return msg
 
     def _emitted(self, emit: hooks_pb2.Emit) -> Any:
         if not self.spec.has_items:

@@ -37,7 +37,7 @@ from ..hooks import HOOKS
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
 from ..store import SessionRecord, SessionStore
-from ..tools import Tool, Toolkit
+from ..tools import Tool, Toolkit, middleware_tools
 
 log = logging.getLogger("agentmw.host")
 
@@ -283,10 +283,7 @@ class Host:
                         f"{mc.address} reports key {remote.key!r}, already used by middleware {clash.name!r}; "
                         "give one of them another get_middleware_key()"
                     )
-                tools: dict[str, Tool] = {}
-                for t in await remote.list_tools():
-                    t.descriptor.owner = remote.name
-                    tools[f"{remote.name}__{t.name}"] = t
+                tools = await middleware_tools(remote, remote.name)
                 attached = Attached(mc, remote, tools)
                 middleware = list(self.middleware)
                 middleware.insert(len(middleware) if position is None else position, attached)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from agent_host.codec import codec
+from agent_host.chain import prepend
+from agent_host.codec import codec, json_to_value
 from agent_host.data import ChatResponse
 from agent_host.hooks import HookSpec, Kind
 from agent_host.wire import (
@@ -120,7 +120,7 @@ class HookSession:
             first = await inner.__anext__()  # call-time errors raise here, as in-process
         except StopAsyncIteration:
             first = None
-        return _prepend(first, inner)
+        return prepend(first, inner)
 
     # -- outgoing --------------------------------------------------------------------------------
 
@@ -128,21 +128,18 @@ class HookSession:
         self.sync_slot()
         if self.observed.pop(id(out), None) is out:
             return  # the host already forwarded it
-        if self.detached:
-            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not emit {type(out).__name__}")
+        self._refuse_if_detached(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
+        codec.encode_item(out, action.emit.item)
         current = self.current
-        if current is not None and current[0] is out and codec.encode_item(out) == current[1]:
-            action.emit.forward_seq = current[2]  # unchanged: no need to resend it
-        else:
-            codec.encode_item(out, action.emit.item)
         if current is not None and current[0] is out:
+            if action.emit.item == current[1]:  # unchanged: point at it instead of resending it
+                action.emit.forward_seq = current[2]
             self.current = None
         self._queue(action)
 
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
-        if self.detached:
-            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not change the agent's state")
+        self._refuse_if_detached("change the agent's state")
         self.sync_slot()
         action = hooks_pb2.Action()
         action.mutate.CopyFrom(mutation)
@@ -150,14 +147,15 @@ class HookSession:
 
     def sync_slot(self) -> None:
         changed, value = self.view.state.middle_context.changed()
-        if changed and self.detached:
-            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not change its slot")
         if changed:
-            from agent_host.codec import json_to_value
-
+            self._refuse_if_detached("change its slot")
             action = hooks_pb2.Action()
             json_to_value(value, action.mutate.set_slot)
             self.actions.append(action)
+
+    def _refuse_if_detached(self, what: str) -> None:
+        if self.detached:
+            raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not {what}")
 
     def _queue(self, action: hooks_pb2.Action) -> None:
         self.actions.append(action)
@@ -300,10 +298,3 @@ class InnerStream:
                 s.last_inner_error = InnerPipelineError(body.type, body.message, body.retryable)
                 raise s.last_inner_error
             raise RuntimeError(f"unexpected {which} from the host")
-
-
-async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import sys
 
+from . import tracing
 from .config import ConfigError, load_config
 from .service import StartupError, run_host
 
@@ -54,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(level, int):
             raise ConfigError(f"log_level: unknown level {config.log_level!r}")
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+        try:  # spans only when configured (OTEL_* variables or ``tracing:``); else the API's no-op
+            tracing.configure("agent-host", settings=config.tracing)
+        except ValueError as exc:
+            raise ConfigError(f"{config.source}: tracing: {exc}") from None
         asyncio.run(run_host(config))
     except ConfigError as exc:
         print(f"agent-host: configuration error: {exc}", file=sys.stderr)

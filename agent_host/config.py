@@ -15,6 +15,8 @@ YAML (every key optional)::
     tools: [get_weather, add, send_email, lookup_order]   # built-in demo tools to enable
     middleware:                    # onion order: first = outermost
       - {name: budget, address: 127.0.0.1:50062, fail_open: false, timeout: 10}
+    tracing: {endpoint: http://127.0.0.1:4317}   # OTLP/gRPC spans (also: exporter, service_name);
+                                   # without it the standard OTEL_* variables decide (docs/tracing.md)
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
 AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port").
@@ -89,6 +91,7 @@ class HostConfig:
     models: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(DEFAULT_MODELS))
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_TOOLS))
     middleware: list[MiddlewareConfig] = field(default_factory=list)
+    tracing: dict[str, Any] = field(default_factory=dict)  # see agent_host/tracing.py
     source: str = "defaults"  # the YAML file, when there is one
 
     def build_models(self) -> Any:
@@ -210,7 +213,7 @@ def _check_listen(address: str, where: str) -> None:
 # YAML.
 
 
-_TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware"}
+_TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware", "tracing"}
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int}
 _MW_KEYS = {"name", "address", "fail_open", "timeout"}
 
@@ -262,6 +265,10 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
                 raise ConfigError(f"{src}: tools[{i}]: unknown built-in tool {name!r} (known: {known})")
         cfg.tools = list(tools)
     cfg.middleware = _yaml_middleware(data.get("middleware"), src)
+    if data.get("tracing") is not None:
+        if not isinstance(data["tracing"], Mapping):
+            raise ConfigError(f"{src}: tracing: expected a mapping, got {_kind(data['tracing'])}")
+        cfg.tracing = {k: _expect(v, str, f"{src}: tracing.{k}") for k, v in data["tracing"].items()}
 
 
 def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:

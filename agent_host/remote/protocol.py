@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 import grpc
-from opentelemetry import propagate, trace
 
 from agentmw.v1 import hooks_pb2
 
+from .. import tracing
 from ..chain import prepend
 from ..codec import CodecError, codec, json_to_value, value_to_json
 from ..data import ChatResponse, CustomEvent, new_id, now
@@ -56,6 +57,7 @@ class HookCall:
         self.watchdog: asyncio.TimerHandle | None = None
         self.waiting_since: float | None = None  # loop time since when the host waits on the stream
         self.timed_out = False
+        self.span: Any = None  # this invocation's span, when the host traces
 
     # -- faces ------------------------------------------------------------------------------------
 
@@ -93,9 +95,11 @@ class HookCall:
                 watcher = table is not None and table.detached  # as last described
                 if not (self.mw.policy.fail_open or watcher):
                     raise
+                tracing.hook_bypassed(self.span, exc)
                 async for item in self._bypass(exc, record=not watcher):
                     yield item
         finally:
+            tracing.end_hook_span(self.span, sys.exc_info()[1])
             await self._close()
 
     async def _bypass(self, exc: MiddlewareFailure, *, record: bool = True) -> AsyncIterator[Any]:
@@ -155,8 +159,7 @@ class HookCall:
             return
         begin = hooks_pb2.HostMessage()
         self._context(begin.begin.context, force=True)
-        if trace.get_current_span().get_span_context().is_valid:  # zero cost when the host does not trace
-            propagate.inject(begin.begin.context.trace_context)
+        self.span = tracing.hook_span(mw.name, spec.name, self.table.detached, begin.begin.context.trace_context)
         try:
             encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
         except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import jsonschema
 
+from .. import tracing
 from ..agent import Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..data import (
@@ -177,8 +178,9 @@ class Host:
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
                 try:
-                    async for item in agent.reply_stream(inputs, structured_schema):
-                        await run.put(item)
+                    with tracing.reply_span(agent, inputs):
+                        async for item in agent.reply_stream(inputs, structured_schema):
+                            await run.put(item)
                 finally:
                     # Shielded: a host shutdown that cancels this task must not lose the session.
                     await asyncio.shield(self.store.save(agent.state, parked=bool(agent.awaiting_calls())))

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from agent_host import tracing
 from agent_host.codec import codec
 from agent_host.data import ToolCallBlock
 from agent_host.hooks import HOOKS
@@ -74,7 +75,8 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str) -> grpc.RpcMe
         reader = HostReader(context)
         try:
             while (begin := await reader.next_begin()) is not None:
-                await HookSession(middleware, key, spec, context, reader).run(begin)
+                with tracing.continued(begin.context.trace_context):  # the host's trace goes on in the author's code
+                    await HookSession(middleware, key, spec, context, reader).run(begin)
         except Exception:
             log.exception("%s: the hook session failed", hook)
             raise

@@ -172,7 +172,8 @@ def format_trace(spans: list[dict[str, Any]]) -> str:
             shown = " ".join(f"{label}={_short(attrs[key])}" for key, label in KEY_ATTRIBUTES.items() if key in attrs)
             error = f" ERROR {span['status_message']}" if span["status"] == "error" else ""
             duration = (span["end_ns"] - span["start_ns"]) / 1e6
-            lines.append(f"{'  ' * depth}{span['name']}  {duration:.1f} ms  [{span['service']}]{error}  {shown}".rstrip())
+            head = f"{'  ' * depth}{span['name']}  {duration:.1f} ms  [{span['service']}]{error}"
+            lines.append(f"{head}  {shown}".rstrip())
             walk(span["span_id"], depth + 1)
 
     walk("", 1)

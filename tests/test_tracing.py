@@ -1,0 +1,278 @@
+"""Tracing across processes: a host, the tracing server, an author's middleware that makes a span
+of its own, and an OTLP receiver (clients/traces.py) in this process, all on 127.0.0.1.
+
+Every wait is bounded; nothing asserts absolute times (only that spans nest in time).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_host.data import (
+    ConfirmResult,
+    ModelCallEndEvent,
+    ReplyFinishedReason,
+    ToolCallBlock,
+    ToolResultBlock,
+    ToolResultState,
+    ToolResultTextDeltaEvent,
+    UserMsg,
+)
+from agent_host.middleware import MiddlewareBase, subscribe
+from clients.chat import HostClient, Turn, converse
+from clients.launch import ServerProcess
+from clients.traces import Receiver, format_trace
+
+from .host_util import Procs, processes
+
+pytestmark = pytest.mark.timeout(90)
+
+Span = dict[str, Any]
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # batches go out every 50 ms, not every 5 s
+
+
+class AuthorSpans(MiddlewareBase):
+    """An author's middleware with no tracing code beyond making a span in the current context
+    (the SDK continues the host's trace around it). Served in its own process."""
+
+    subscriptions = {"on_model_call": subscribe(eager_next=True)}
+
+    def __init__(self) -> None:
+        from agent_host import tracing
+
+        tracing.configure("author-mw")  # the exporter from the OTEL_* variables of its process
+
+    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+        from opentelemetry import trace
+
+        with trace.get_tracer("author").start_as_current_span("author work"):
+            return await next_handler()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    rec = Receiver().start()
+    try:
+        yield rec
+    finally:
+        rec.stop()
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    with processes(tmp_path) as p:
+        yield p
+
+
+def start(procs: Procs, name: str, argv: list[str], env: dict[str, str]) -> ServerProcess:
+    proc = ServerProcess(argv, name=name, env=env, log_dir=procs.log_dir, startup=20, new_session=True)
+    procs.procs.append(proc)
+    return proc.start()
+
+
+def system(procs: Procs, env: dict[str, str]) -> tuple[ServerProcess, ServerProcess]:
+    """The tracing server, the author's middleware and the host with both attached (tracing first)."""
+    tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
+    author = start(
+        procs, "author", ["-m", "mw_servers.sdk", "tests.test_tracing:AuthorSpans", "--address", "127.0.0.1:0"], env
+    )
+    middleware = ["--middleware", f"tracing={tracer.address}", "--middleware", f"author={author.address}"]
+    host = start(procs, "host", ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", *middleware], env)
+    return host, tracer
+
+
+async def talk(address: str, session: str, text: str, **answers: Any) -> Turn:
+    async with HostClient(address) as client:
+        return await converse(client, session, UserMsg(text), **answers)
+
+
+def trace_of(receiver: Receiver, reply_id: str, want: dict[str, int], halves: int = 1) -> list[Span]:
+    """The spans of the last trace of reply ``reply_id`` (a parked and resumed reply has
+    ``halves`` = 2 traces), once it holds at least ``want[name prefix]`` spans of each kind."""
+    want = {"reply ": 1, "invoke_agent": 1, **want}  # the host's reply span ends last: maybe a later batch
+
+    def last_trace(spans: list[Span]) -> list[Span]:
+        agents = named_for(spans, reply_id)
+        if len(agents) < halves:
+            return []
+        return [s for s in spans if s["trace_id"] == agents[-1]["trace_id"]]
+
+    def complete(spans: list[Span]) -> bool:
+        mine = last_trace(spans)
+        return all(sum(s["name"].startswith(k) for s in mine) >= n for k, n in want.items())
+
+    everything = receiver.collector.wait_for(complete, 10.0)
+    spans = last_trace(everything)
+    assert complete(everything), f"incomplete trace for reply {reply_id}:\n{format_trace(spans) if spans else 'none'}"
+    return spans
+
+
+def named(spans: list[Span], prefix: str) -> list[Span]:
+    return sorted((s for s in spans if s["name"].startswith(prefix)), key=lambda s: s["start_ns"])
+
+
+def parent(spans: list[Span], span: Span) -> Span:
+    return next(s for s in spans if s["span_id"] == span["parent_span_id"])
+
+
+def check_shape(spans: list[Span], session: str) -> Span:
+    """One trace: the host's reply span is its root; every middleware span hangs under the host's
+    span of the hook invocation it came from; spans nest in time. Returns the root."""
+    assert len({s["trace_id"] for s in spans}) == 1
+    roots = [s for s in spans if not s["parent_span_id"]]
+    assert [(r["name"], r["service"]) for r in roots] == [("reply assistant", "agent-host")]
+    root = roots[0]
+    hook_of = {"invoke_agent": "on_reply tracing", "chat": "on_model_call tracing", "execute_tool": "on_acting tracing"}
+    for span in spans:
+        kind = span["name"].split(" ")[0]
+        if span["service"] == "agentmw-tracing" and not span["attributes"].get(
+            "agentscope.agent.is_external_execution"
+        ):
+            hook = parent(spans, span)
+            assert (hook["name"], hook["service"]) == (hook_of[kind], "agent-host"), format_trace(spans)
+            assert parent(spans, hook) is root
+            assert span["attributes"]["gen_ai.conversation.id"] == session
+            assert span["attributes"]["gen_ai.operation.name"] == kind
+        if span is not root:
+            assert root["start_ns"] <= span["start_ns"] <= span["end_ns"] <= root["end_ns"], format_trace(spans)
+    for author in named(spans, "author work"):  # the SDK continued the host's context in plain author code
+        hook = parent(spans, author)
+        assert (hook["name"], author["service"]) == ("on_model_call author", "author-mw")
+        assert parent(spans, hook) is root
+    return root
+
+
+def check_chats(spans: list[Span], turn: Turn) -> None:
+    """One chat span per model call, with the usage and finish reason the client saw."""
+    ends = [i for i in turn.items if isinstance(i, ModelCallEndEvent)]
+    chats = named(spans, "chat ")
+    assert [
+        (c["attributes"]["gen_ai.usage.input_tokens"], c["attributes"]["gen_ai.usage.output_tokens"]) for c in chats
+    ] == [(e.input_tokens, e.output_tokens) for e in ends]
+    for chat in chats:
+        attrs = chat["attributes"]
+        assert json.loads(attrs["gen_ai.response.finish_reasons"]) == ["stop"]
+        assert attrs["gen_ai.provider.name"] == "offline" and attrs["gen_ai.request.model"]
+        assert {t["name"] for t in json.loads(attrs["gen_ai.tool.definitions"])} >= {"get_weather", "send_email"}
+        assert json.loads(attrs["gen_ai.input.messages"])[0]["role"] == "system"
+    assert len(named(spans, "author work")) == len(ends)
+
+
+def tool_text(turn: Turn, call_id: str) -> str:
+    return "".join(i.delta for i in turn.items if isinstance(i, ToolResultTextDeltaEvent) and i.tool_call_id == call_id)
+
+
+async def test_one_trace_per_reply_with_genai_attributes(procs: Procs, receiver: Receiver) -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    host, _ = system(procs, env)
+
+    # A tool call.
+    turn = await talk(host.address, "", "What's the weather in Paris?")
+    session = turn.session_id
+    spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1, "author work": 2})
+    check_shape(spans, session)
+    check_chats(spans, turn)
+    (tool,) = named(spans, "execute_tool")
+    attrs = tool["attributes"]
+    assert attrs["gen_ai.tool.name"] == "get_weather" and json.loads(attrs["gen_ai.tool.call.arguments"]) == {
+        "city": "Paris"
+    }
+    result = json.loads(attrs["gen_ai.tool.call.result"])
+    assert result["content"][0]["text"] == tool_text(turn, attrs["gen_ai.tool.call.id"]) != ""
+    (agent,) = named(spans, "invoke_agent")
+    assert json.loads(agent["attributes"]["gen_ai.input.messages"])[0]["parts"] == [
+        {"type": "text", "content": "What's the weather in Paris?"}
+    ]
+    output = json.loads(agent["attributes"]["gen_ai.output.messages"])[0]
+    assert output["parts"][0]["content"] == turn.final.text
+
+    # Human in the loop: one trace parks, the next one resumes and runs the confirmed tool.
+    asked: list[ToolCallBlock] = []
+
+    async def confirm(call: ToolCallBlock) -> ConfirmResult:
+        asked.append(call)
+        return ConfirmResult(confirmed=True, tool_call=call)
+
+    turn = await talk(host.address, session, "email bob@example.com saying hi", on_confirm=confirm)
+    assert turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.COMPLETED
+    parked, resumed = both_halves(receiver, turn.final.id)
+    assert json.loads(parked["attributes"]["agentscope.agent.hitl_pending_tools"]) == ["send_email"]
+    assert resumed["attributes"]["agentscope.agent.incoming_event_type"] == "user_confirm_result"
+    spans = trace_of(receiver, turn.final.id, {"execute_tool": 1, "chat": 1}, halves=2)
+    check_shape(spans, session)
+    (tool,) = named(spans, "execute_tool")
+    assert tool["attributes"]["gen_ai.tool.call.id"] == asked[0].id
+    assert json.loads(tool["attributes"]["gen_ai.tool.call.arguments"]) == json.loads(asked[0].input)
+
+    # External execution: the result the client sent gets a span of its own under invoke_agent.
+    async def external(call: ToolCallBlock) -> ToolResultBlock:
+        return ToolResultBlock(id=call.id, name=call.name, output="shipped on Monday", state=ToolResultState.SUCCESS)
+
+    turn = await talk(host.address, session, "where is my order A-17?", on_external=external)
+    parked, resumed = both_halves(receiver, turn.final.id)
+    assert json.loads(parked["attributes"]["agentscope.agent.external_execution_pending_tools"]) == ["lookup_order"]
+    spans = trace_of(receiver, turn.final.id, {"execute_tool": 1, "chat": 1}, halves=2)
+    check_shape(spans, session)
+    (compensating,) = [s for s in spans if s["attributes"].get("agentscope.agent.is_external_execution")]
+    assert compensating["name"] == "execute_tool lookup_order" and parent(spans, compensating) is resumed
+    assert json.loads(compensating["attributes"]["gen_ai.tool.call.result"]) == "shipped on Monday"
+
+
+def both_halves(receiver: Receiver, reply_id: str) -> tuple[Span, Span]:
+    """The invoke_agent spans of a reply that parked and was resumed."""
+    spans = receiver.collector.wait_for(lambda spans: len(named_for(spans, reply_id)) >= 2, 10)
+    parked, resumed = named_for(spans, reply_id)
+    assert parked["trace_id"] != resumed["trace_id"]  # one trace per Reply call
+    return parked, resumed
+
+
+def named_for(spans: list[Span], reply_id: str) -> list[Span]:
+    """The invoke_agent spans of one reply (a parked reply has two: parked, resumed), by time."""
+    return sorted(
+        (
+            s
+            for s in spans
+            if s["name"].startswith("invoke_agent") and s["attributes"].get("agentscope.agent.reply_id") == reply_id
+        ),
+        key=lambda s: s["start_ns"],
+    )
+
+
+async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, receiver: Receiver) -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    host, tracer = system(procs, env)
+    first = await talk(host.address, "", "What's the weather in Paris?")
+    trace_of(receiver, first.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1})
+
+    tracer.kill()  # SIGKILL: gone without a word
+    down = await talk(host.address, first.session_id, "What's the weather in Rome?")
+    assert down.end is not None and down.end.finished_reason == ReplyFinishedReason.COMPLETED
+    assert "Rome" in down.final.text  # the reply is the same with the tracer gone
+
+    tracer.restart()  # the same port
+    for _ in range(20):  # bounded: the host's channel reconnects within a second
+        turn = await talk(host.address, first.session_id, "What's the weather in Oslo?")
+        spans = receiver.collector.wait_for(lambda s, rid=turn.final.id: bool(named_for(s, rid)), 2.0)
+        if named_for(spans, turn.final.id):
+            break
+    else:
+        pytest.fail("no spans from the restarted tracing server")
+    spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1})
+    check_shape(spans, first.session_id)
+    assert not named_for(receiver.collector.spans, down.final.id)  # nothing was traced while it was down
+
+
+async def test_no_exporter_configured_no_spans(procs: Procs, receiver: Receiver, tmp_path: Path) -> None:
+    # The endpoint is set but the exporter is "none": neither the host nor the tracing server
+    # (nor the author's middleware) may send anything.
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_EXPORTER": "none", **FAST_EXPORT}
+    host, tracer = system(procs, env)
+    turn = await talk(host.address, "", "What's the weather in Paris?")
+    assert turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.COMPLETED
+    assert receiver.collector.wait_for(bool, 1.0) == []
+    assert "no span exporter configured" in tracer.tail()

@@ -10,7 +10,9 @@ tool, a question the offline model answers from its (dynamic) system prompt, a s
 of the default model that the fallback middleware answers with "backup", and a follow-up turn.
 It prints what happened (with the model that answered each model call) and what each middleware
 kept in the session, and stops every process it started, also on an error or Ctrl-C. Exit status
-0 means every reply completed.
+0 means every reply completed. Every process traces to an OTLP receiver in the demo itself
+(clients/traces.py; the tracing server ``mw_servers/tracing`` is one of the middleware), and the
+span tree of each reply is printed at the end.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import yaml
 
 from .launch import LaunchError, ServerProcess, start_all
+from .traces import Receiver, format_trace
 
 # Constructor arguments some example servers need to be useful in the demo. The rate limit lets
 # a burst of 4 calls through, then 20 a second: the demo's later calls wait a little for a token.
@@ -220,14 +223,24 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
 # Main.
 
 
+def print_traces(receiver: Receiver, out: Any) -> None:
+    """Each reply's trace (host, tracing server), oldest first; the processes have flushed by now."""
+    traces = sorted(receiver.collector.traces().values(), key=lambda spans: min(s["start_ns"] for s in spans))
+    print(f"\n── the traces of the conversation ({len(traces)}; one per Reply call, all processes)", file=out)
+    for spans in traces:
+        print(format_trace(spans), file=out)
+
+
 def run(out: Any = sys.stdout) -> int:
     procs: list[ServerProcess] = []
+    receiver = Receiver().start()  # the processes export their spans here (OTLP/gRPC)
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     with tempfile.TemporaryDirectory(prefix="agentmw-demo-") as tmp:
         log_dir = Path(tmp)
 
         def process(name: str, argv: list[str]) -> ServerProcess:
             # A session of its own: a Ctrl-C in the terminal reaches only the demo, which stops it.
-            proc = ServerProcess(argv, name=name, log_dir=log_dir, new_session=True)
+            proc = ServerProcess(argv, name=name, env=env, log_dir=log_dir, new_session=True)
             procs.append(proc)
             return proc
 
@@ -260,7 +273,9 @@ def run(out: Any = sys.stdout) -> int:
             return 1
         finally:
             for proc in reversed(procs):
-                proc.stop()
+                proc.stop()  # a stopping process sends the spans it still holds
+            receiver.stop()
+    print_traces(receiver, out)
     if outcome.failures:
         print("\nagentmw demo: FAILED: " + "; ".join(outcome.failures), file=out)
         return 1

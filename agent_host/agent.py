@@ -362,7 +362,7 @@ class Agent:
                 yield event
         for event in grammar.closing_events():
             yield event
-        if began:  # §3: a failed reply keeps what happened, the error included
+        if began:  # a failed reply keeps what happened, its error included
             msg = state.append_context(self.name, [TextBlock(text=f"The reply failed: {error.message}")])
             msg.finished_reason, msg.error = ReplyFinishedReason.ERROR, error
         yield ReplyEndEvent(

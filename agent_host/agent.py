@@ -19,6 +19,7 @@ from opentelemetry import propagate, trace
 
 from .chain import Chain, transform
 from .data import (
+    RESUME_EVENTS,
     AssistantMsg,
     ChatResponse,
     ContextConfig,
@@ -78,6 +79,7 @@ from .data import (
 from .data.state import AgentState
 from .hooks import HOOKS
 from .models import ChatModel, ModelRegistry
+from .reply_grammar import ReplyGrammar, blame_of
 from .tools import Tool, ToolInputError, Toolkit
 
 log = logging.getLogger("agentmw.agent")
@@ -294,8 +296,17 @@ class Agent:
 
     async def reply_stream(self, inputs: Any = None, structured_schema: dict | None = None) -> AsyncIterator[Any]:
         """Every event of the reply and, last, the final Msg. Failures end the reply with
-        ReplyEndEvent(ERROR) and an error Msg instead of raising."""
+        ReplyEndEvent(ERROR) and an error Msg instead of raising.
+
+        Every item is checked against the reply grammar (reply_grammar.py); a violation fails the
+        reply like an exception. The ReplyEndEvent and what follows it are held back until the
+        chain has finished, so a failure after it still ends the reply with ERROR: the client never
+        sees a completed end followed by an error. Nothing before the end is held."""
         self._receive_reply_end = False
+        grammar = ReplyGrammar(
+            self, resuming=isinstance(inputs, RESUME_EVENTS), blame=blame_of(self.layers["on_reply"])
+        )
+        held: list[Any] = []  # the ReplyEndEvent / final Msg and anything after them
         failure: BaseException | None = None
         try:
             try:
@@ -303,16 +314,21 @@ class Agent:
                     self._reply_chain(self, inputs=inputs, structured_schema=structured_schema)
                 ) as items:
                     async for item in items:
-                        if isinstance(item, ReplyEndEvent):
-                            self._receive_reply_end = True
-                        yield item
+                        grammar.feed(item)
+                        if grammar.closing:
+                            self._receive_reply_end = grammar.ended
+                            held.append(item)
+                        else:
+                            yield item
+                grammar.finish()
             except Exception as exc:
                 log.warning("a reply of session %s failed", self.state.session_id, exc_info=True)
                 failure = exc
             await self._stop_tool_tasks()  # e.g. a batch left behind by a middleware that raised
             if failure is not None:
-                async for item in self._end_with_error(failure):
-                    yield item
+                held = [item async for item in self._end_with_error(failure, grammar)]
+            for item in held:
+                yield item
             if not self.awaiting_calls():  # the reply is over (not parked): its choices end with it
                 self.state.reply_context.model_id = None
         finally:
@@ -324,20 +340,34 @@ class Agent:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _end_with_error(self, exc: BaseException) -> AsyncIterator[Any]:
+    async def _end_with_error(self, exc: BaseException, grammar: ReplyGrammar) -> AsyncIterator[Any]:
+        """The end of a failed reply, well formed whatever the client saw so far (a ReplyStartEvent
+        if it saw none, its open blocks closed, one ReplyEndEvent(ERROR), the error Msg); the error
+        is stored in the reply's message when the reply had begun (its user message is stored)."""
         error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=f"{type(exc).__name__}: {exc}")
+        state = self.state
+        grammar.retract()  # the held end / final Msg are dropped: the clean-up continues the stream
+        began = grammar.parked or state.reply_id != grammar.previous_reply_id
+        if grammar.reply_id is None:  # the client saw no start (e.g. a middleware failed before next)
+            start = ReplyStartEvent(
+                session_id=state.session_id, reply_id=state.reply_id if began else new_id(), name=self.name
+            )
+            grammar.feed(start)
+            yield start
+        reply_id = grammar.reply_id
         for event in self._close_unfinished_tool_calls(
             ToolResultState.ERROR, f"<system-reminder>{error.message}</system-reminder>"
         ):
+            if grammar.accepts(event):  # skips what the client's view cannot take (e.g. a forged start)
+                yield event
+        for event in grammar.closing_events():
             yield event
-        reply_id = self.state.reply_id
-        if not self._receive_reply_end:  # the reply may have ended already (a middleware failed after it)
-            yield ReplyEndEvent(
-                session_id=self.state.session_id,
-                reply_id=reply_id,
-                finished_reason=ReplyFinishedReason.ERROR,
-                error=error,
-            )
+        if began:  # a failed reply keeps what happened, its error included
+            msg = state.append_context(self.name, [TextBlock(text=f"The reply failed: {error.message}")])
+            msg.finished_reason, msg.error = ReplyFinishedReason.ERROR, error
+        yield ReplyEndEvent(
+            session_id=state.session_id, reply_id=reply_id, finished_reason=ReplyFinishedReason.ERROR, error=error
+        )
         yield AssistantMsg(
             f"The reply failed: {error.message}",
             name=self.name,

@@ -94,9 +94,10 @@ async def test_middleware_killed_mid_reply(marker: ServerProcess, fail_open: boo
         assert end.finished_reason == ReplyFinishedReason.ERROR
         assert "middleware 'Marker' failed in on_reply" in end.error.message
         assert items[-1].error == end.error
-    # The session stays consistent: the user message, then (fail_open) this reply's answer.
-    roles = [m.role for m in agent.state.context]
-    assert roles == ([Role.USER, Role.ASSISTANT] if fail_open else [Role.USER])
+    # The session stays consistent: the user message, then this reply's answer or (fail_closed) its error.
+    assert [m.role for m in agent.state.context] == [Role.USER, Role.ASSISTANT]
+    if not fail_open:
+        assert agent.state.context[-1].error == end.error
     assert all_calls_answered(agent)
     await remote.close()
 
@@ -173,9 +174,10 @@ async def test_protocol_violations_give_a_clear_error(mode: str) -> None:
         assert end.finished_reason == ReplyFinishedReason.ERROR
         assert "middleware 'Raw' failed in on_reply" in end.error.message
         assert LIES[mode] in end.error.message, end.error.message
-        # The session holds at most the user's message of the failed reply; the host goes on:
-        # the same agent answers the next reply once the liar is detached.
-        assert [m.role for m in agent.state.context] in ([], [Role.USER])
+        # The session holds the user's message and the error of the failed reply, or nothing when
+        # it failed before the reply began; the host goes on: the same agent answers the next
+        # reply once the liar is detached.
+        assert [m.role for m in agent.state.context] in ([], [Role.USER, Role.ASSISTANT])
         agent.set_middlewares([])
         items = await reply(agent, "again")
         assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED

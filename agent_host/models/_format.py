@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..data import (
@@ -57,14 +57,16 @@ def _assistant_messages(msg: Msg) -> list[dict[str, Any]]:
 
     def flush() -> None:
         nonlocal turn
-        if turn is not None and (turn["content"] or turn.get("tool_calls")):
-            out.append(turn)
+        if turn is not None:
+            turn["content"] = "".join(turn["content"])
+            if turn["content"] or turn.get("tool_calls"):
+                out.append(turn)
         turn = None
 
     for block in msg.content:
         if isinstance(block, (TextBlock, DataBlock, ToolCallBlock)):
             if turn is None:
-                turn = {"role": "assistant", "content": ""}
+                turn = {"role": "assistant", "content": []}  # text pieces, joined in flush()
             if isinstance(block, ToolCallBlock):
                 turn.setdefault("tool_calls", []).append(
                     {
@@ -74,7 +76,7 @@ def _assistant_messages(msg: Msg) -> list[dict[str, Any]]:
                     }
                 )
             else:
-                turn["content"] += _text_of([block])
+                turn["content"].append(_text_of([block]))
         elif isinstance(block, ToolResultBlock):
             flush()
             out.append(
@@ -151,7 +153,7 @@ def _force(name: str) -> dict[str, Any]:
 class _Call:
     id: str
     name: str = ""
-    waiting: str = ""  # argument text that arrived before the name
+    waiting: list[str] = field(default_factory=list)  # argument pieces that arrived before the name
     announced: bool = False
 
 
@@ -181,9 +183,9 @@ class ToolCallMerger:
             if not isinstance(args, str):  # some servers send the arguments as an object
                 args = json.dumps(args, ensure_ascii=False)
             if not call.name:
-                call.waiting += args
+                call.waiting.append(args)
                 continue
-            args, call.waiting = call.waiting + args, ""
+            args, call.waiting = "".join(call.waiting) + args, []
             if args or not call.announced:
                 call.announced = True
                 out.append(ToolCallBlock(id=call.id, name=call.name, input=args))
@@ -205,7 +207,11 @@ class ToolCallMerger:
 
     def finish(self) -> list[ToolCallBlock]:
         """Calls whose name never arrived, so the failure is visible instead of silently lost."""
-        out = [ToolCallBlock(id=c.id, name=c.name, input=c.waiting) for c in self.calls.values() if not c.announced]
+        out = [
+            ToolCallBlock(id=c.id, name=c.name, input="".join(c.waiting))
+            for c in self.calls.values()
+            if not c.announced
+        ]
         for call in self.calls.values():
             call.announced = True
         return out

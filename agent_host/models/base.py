@@ -125,10 +125,14 @@ class ChatModel:
 
 
 class Accumulator:
-    """Merges delta chunks by block id (text/thinking concatenate, tool-call input concatenates)."""
+    """Merges delta chunks by block id (text/thinking concatenate, tool-call input concatenates).
+
+    The pieces of each block are kept in a list and joined once, in ``result``: ``block.text +=
+    piece`` copies the whole text on every chunk (quadratic: 400k chunks took 5.5 s)."""
 
     def __init__(self) -> None:
         self.blocks: dict[str, Any] = {}
+        self.pieces: dict[str, list[str]] = {}  # block id -> its streamed pieces, in order
         self.usage: ChatUsage | None = None
         self.id = ""
 
@@ -139,24 +143,47 @@ class Accumulator:
         for block in chunk.content:
             have = self.blocks.get(block.id)
             if have is None:
-                self.blocks[block.id] = _copy_block(block)
-            elif isinstance(block, TextBlock):
-                have.text += block.text
-            elif isinstance(block, ThinkingBlock):
-                have.thinking += block.thinking
-            elif isinstance(block, ToolCallBlock):
-                have.input += block.input
+                have = self.blocks[block.id] = _copy_block(block)
+                if _streamed_field(have) is not None:
+                    self.pieces[block.id] = [_streamed(have)]
+                continue
+            pieces = self.pieces.get(block.id)
+            if pieces is not None and type(block) is type(have):
+                pieces.append(_streamed(block))
+            if isinstance(block, ToolCallBlock):
                 have.name = have.name or block.name
-            elif isinstance(block, DataBlock):
-                have.source.data += getattr(block.source, "data", "")
 
     def result(self, finished: FinishedReason, started: float) -> ChatResponse:
+        for block_id, pieces in self.pieces.items():
+            block = self.blocks[block_id]
+            joined = "".join(pieces)
+            pieces[:] = [joined]  # a second result() costs nothing more
+            if isinstance(block, DataBlock):
+                block.source.data = joined
+            else:
+                setattr(block, _streamed_field(block), joined)
         usage = self.usage or ChatUsage()
         usage.time = usage.time or round(time.monotonic() - started, 6)
         kw = {"id": self.id} if self.id else {}
         return ChatResponse(
             content=list(self.blocks.values()), is_last=True, usage=usage, finished_reason=finished, **kw
         )
+
+
+# The text field each kind of streamed block grows by (a data block: its base64 source's data).
+_STREAMED = {TextBlock: "text", ThinkingBlock: "thinking", ToolCallBlock: "input"}
+
+
+def _streamed_field(block: Any) -> str | None:
+    if isinstance(block, DataBlock):
+        return "data" if isinstance(getattr(block.source, "data", None), str) else None
+    return _STREAMED.get(type(block))
+
+
+def _streamed(block: Any) -> str:
+    if isinstance(block, DataBlock):
+        return getattr(block.source, "data", "") or ""
+    return getattr(block, _STREAMED[type(block)])
 
 
 def _copy_block(block: Any) -> Any:

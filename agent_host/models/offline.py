@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from ..data import (
@@ -50,6 +50,8 @@ from ..data import (
 from .base import ChatModel, ModelError
 
 STRUCTURED = "GenerateStructuredOutput"  # the agent's structured-output tool (agent_host.agent)
+_WORD = re.compile(r"\S+\s*|\s+")
+YIELD_EVERY = 64  # chunks streamed between two returns to the event loop when there is no delay
 _KV = re.compile(r"(\w+)=(\"[^\"]*\"|'[^']*'|\S+)")
 
 
@@ -163,15 +165,25 @@ class OfflineRuleModel(ChatModel):
     async def _stream(self, turn: dict[str, Any], input_tokens: int) -> AsyncIterator[ChatResponse]:
         delay = turn.get("delay", self.delay)
         words = 0
+        sent = 0  # chunks so far: without a delay, hand the event loop back every YIELD_EVERY of them
+
+        async def pause() -> None:
+            nonlocal sent
+            sent += 1
+            if delay:
+                await asyncio.sleep(delay)
+            elif sent % YIELD_EVERY == 0:  # a long text (a big summary) must not freeze the host
+                await asyncio.sleep(0)
+
         if turn.get("thinking"):
             block_id = new_id()
             for piece in _pieces(turn["thinking"]):
-                await _pause(delay)
+                await pause()
                 yield ChatResponse(content=[ThinkingBlock(id=block_id, thinking=piece)], is_last=False)
         if turn.get("text"):
             block_id = new_id()
             for piece in _pieces(turn["text"]):
-                await _pause(delay)
+                await pause()
                 words += 1
                 yield ChatResponse(content=[TextBlock(id=block_id, text=piece)], is_last=False)
         for i, call in enumerate(turn.get("tool_calls", [])):
@@ -179,7 +191,7 @@ class OfflineRuleModel(ChatModel):
             call_id = call.get("id") or f"call_{self.calls}_{i}"
             half = len(raw) // 2
             for j, part in enumerate((raw[:half], raw[half:])):
-                await _pause(delay)
+                await pause()
                 name = call["name"] if j == 0 else ""
                 yield ChatResponse(content=[ToolCallBlock(id=call_id, name=name, input=part)], is_last=False)
             words += 1
@@ -227,8 +239,12 @@ def _fill(schema: dict[str, Any], text: str, key: str) -> Any:
     return text.strip()
 
 
-def _pieces(text: str) -> list[str]:
-    return re.findall(r"\S+\s*|\s+", text) or [text]
+def _pieces(text: str) -> Iterator[str]:
+    """Word by word, found lazily (a 0.5 MB text is 80k words: no list of them all up front)."""
+    if not text:
+        yield text
+    for match in _WORD.finditer(text):
+        yield match.group(0)
 
 
 def _scalar(text: str) -> Any:
@@ -237,8 +253,3 @@ def _scalar(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
-
-
-async def _pause(delay: float) -> None:
-    if delay:
-        await asyncio.sleep(delay)

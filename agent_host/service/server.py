@@ -115,11 +115,63 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
 
 async def _watch_cancel(request_iterator: Any, run: ReplyRun) -> None:
     """After `start`, the only thing a client may send is `cancel` (a half-close is not one)."""
-    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+    # AbortError: an undecodable request ended the call (see _DecodeErrors)
+    with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.AbortError, asyncio.InvalidStateError):
         async for request in request_iterator:
             if request.WhichOneof("request") == "cancel":
                 log.info("session %s: the client cancelled the reply", run.session_id)
                 run.interrupt()
+
+
+class _Undecodable:
+    """A request that is not the method's proto; the call ends with INVALID_ARGUMENT."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class _DecodeErrors(grpc.aio.ServerInterceptor):
+    """Undecodable AgentHost requests end with INVALID_ARGUMENT, not UNKNOWN.
+
+    grpc answers UNKNOWN to any exception of a request deserializer, so the deserializer returns
+    an ``_Undecodable`` instead, and the method (or its request stream) aborts on it."""
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE}/") or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except Exception as exc:  # DecodeError, or anything the parser raises on garbage
+                return _Undecodable(f"{details.method}: the request is not a valid message: {exc}")
+
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def checked_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                return await unary(request, context)
+
+            return handler._replace(request_deserializer=lenient, unary_unary=checked_unary)
+        if handler.stream_stream is not None:
+            stream = handler.stream_stream
+
+            async def checked_requests(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for request in requests:
+                    if isinstance(request, _Undecodable):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    yield request
+
+            async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for response in stream(checked_requests(requests, context), context):  # grpc wants an async gen
+                    yield response
+
+            return handler._replace(request_deserializer=lenient, stream_stream=checked_stream)
+        return handler  # AgentHost has no other kind of method
 
 
 def _summary(r: SessionRecord) -> host_pb2.SessionSummary:
@@ -181,7 +233,7 @@ async def build_host(config: HostConfig) -> Host:
 
 
 async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[_DecodeErrors()])
     host_pb2_grpc.add_AgentHostServicer_to_server(AgentHostServicer(host), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,63 @@
+"""No quadratic work on the host, and no long stall of its event loop, whatever the message size.
+
+Only relative timings: a run against a run of the same code in the same test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+from agent_host.agent import Agent
+from agent_host.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
+from agent_host.models import OfflineRuleModel
+
+
+async def stream_time(words: int) -> float:
+    """Seconds to stream and accumulate an echo of ``words`` words (the best of a few runs)."""
+    model = OfflineRuleModel(reply_template="{text}")
+    text = ("w" * 39 + " ") * words  # long words: the quadratic copy shows at few chunks
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        async for chunk in await model([UserMsg(text)]):
+            if chunk.is_last:
+                assert len(chunk.content[0].text) == len(text)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+async def test_streaming_a_long_answer_is_linear() -> None:
+    """8x the chunks take about 8x the time (quadratic accumulation took 64x)."""
+    n = 5_000
+    small, large = await stream_time(n), await stream_time(8 * n)
+    assert large / small < 16, f"{n} words: {small:.3f}s, {8 * n}: {large:.3f}s"
+
+
+async def test_a_large_message_does_not_stall_the_event_loop() -> None:
+    """A ~0.5 MB message, then "hello" (whose context compression summarizes it): a ticker on
+    the same loop never waits much longer than it typically does."""
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while not done.is_set():
+            before = loop.time()
+            await asyncio.sleep(0.001)
+            gaps.append(loop.time() - before)
+
+    agent = Agent(model=OfflineRuleModel())
+    task = asyncio.create_task(ticker())
+    try:
+        async with asyncio.timeout(60):
+            for text in ("w" * 19 + " ") * 25_000, "hello":  # 0.5 MB in 25k words
+                ends = [i async for i in agent.reply_stream(UserMsg(text)) if isinstance(i, ReplyEndEvent)]
+                assert [e.finished_reason for e in ends] == [ReplyFinishedReason.COMPLETED]
+        assert agent.state.summary  # "hello" did compress the context
+    finally:
+        done.set()
+        await task
+    typical = statistics.median(gaps)
+    assert max(gaps) < 50 * typical, f"longest gap {max(gaps):.3f}s, typical {typical:.4f}s, {len(gaps)} ticks"

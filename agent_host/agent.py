@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
 
@@ -79,9 +79,6 @@ from .data.state import AgentState
 from .hooks import HOOKS
 from .models import ChatModel, ModelRegistry
 from .tools import Tool, ToolInputError, Toolkit
-
-if TYPE_CHECKING:
-    from .store import Journal
 
 log = logging.getLogger("agentmw.agent")
 
@@ -150,6 +147,19 @@ def check_input_messages(inputs: Any) -> list[Msg]:
     return msgs
 
 
+class ReplyJournal(Protocol):
+    """Where the agent makes a reply's progress durable as it goes (the host passes its session
+    store's ``Journal``). Each call returns once the step is stored."""
+
+    async def begin_reply(self) -> None: ...  # the user turn is in the state
+
+    async def record_step(self) -> None: ...  # tool decisions / client results are in the state
+
+    async def record_tool_started(self, call_id: str) -> None: ...  # before the tool runs
+
+    async def record_tool_result(self, call_id: str) -> None: ...  # its result is in the state
+
+
 @dataclass
 class _Action:
     kind: str  # "reasoning" | "acting" | "exit"
@@ -174,7 +184,7 @@ class Agent:
         max_iters: int = 10,
         context_config: ContextConfig | None = None,
         description: str = "",
-        journal: Journal | None = None,
+        journal: ReplyJournal | None = None,
     ) -> None:
         self.name = name
         self.description = description or "No description available"
@@ -194,7 +204,7 @@ class Agent:
         self.default_max_iters = max_iters
         self.context_config = context_config or ContextConfig()
         # Where the reply's progress is made durable as it goes (the host's session store).
-        self.journal: Journal = journal or _NoJournal()
+        self.journal: ReplyJournal = journal or _NoJournal()
         self._receive_reply_end = False
         self._interrupt_requested = False
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
@@ -1131,4 +1141,4 @@ def _output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
     return out
 
 
-__all__ = ["Agent", "ReplyError", "check_input_messages", "implements"]
+__all__ = ["Agent", "ReplyError", "ReplyJournal", "check_input_messages", "implements"]

@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
 
@@ -104,6 +104,15 @@ TRUNCATED_REMINDER = (
     "here. Ask for a narrower result if you need the rest.</system-reminder>"
 )
 MAX_ITERS_SOURCE = '{"label": "System", "sublabel": "Max Iterations Reached"}'
+IN_DOUBT_TOOL_TEXT = (
+    "<system-reminder>The host stopped while this tool call ran, before its result was recorded: it may or "
+    "may not have taken effect. It was not run again.</system-reminder>"
+)
+NOT_RUN_TOOL_TEXT = "<system-reminder>The host stopped before this tool call ran; it was not run.</system-reminder>"
+HOST_STOPPED_TEXT = (
+    "<system-reminder>The host stopped before this reply ended; the reply was closed when the session was next "
+    "loaded.</system-reminder>"
+)
 COMPRESSION_PROMPT = (
     "<compress-context>Summarize the conversation above for your future self: the task, the current "
     "state, important discoveries, next steps. Reply with the summary only.</compress-context>"
@@ -140,6 +149,19 @@ def check_input_messages(inputs: Any) -> list[Msg]:
     return msgs
 
 
+class ReplyJournal(Protocol):
+    """Where the agent makes a reply's progress durable as it goes (the host passes its session
+    store's ``Journal``). Each call returns once the step is stored."""
+
+    async def begin_reply(self) -> None: ...  # the user turn is in the state
+
+    async def record_step(self) -> None: ...  # tool decisions / client results are in the state
+
+    async def record_tool_started(self, call_id: str) -> None: ...  # before the tool runs
+
+    async def record_tool_result(self, call_id: str) -> None: ...  # its result is in the state
+
+
 @dataclass
 class _Action:
     kind: str  # "reasoning" | "acting" | "exit"
@@ -164,6 +186,7 @@ class Agent:
         max_iters: int = 10,
         context_config: ContextConfig | None = None,
         description: str = "",
+        journal: ReplyJournal | None = None,
     ) -> None:
         self.name = name
         self.description = description or "No description available"
@@ -182,6 +205,8 @@ class Agent:
         self.state = state or AgentState()
         self.default_max_iters = max_iters
         self.context_config = context_config or ContextConfig()
+        # Where the reply's progress is made durable as it goes (the host's session store).
+        self.journal: ReplyJournal = journal or _NoJournal()
         self._receive_reply_end = False
         self._interrupt_requested = False
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
@@ -392,6 +417,7 @@ class Agent:
                 self._handle_incoming_messages(inputs)
                 state.reply_context = ReplyContext(reply_id=new_id(), structured_schema=structured_schema)
                 state.version += 1
+                await self.journal.begin_reply()  # the accepted user turn, before anything can happen
                 yield ReplyStartEvent(session_id=state.session_id, reply_id=state.reply_id, name=self.name)
 
             final_msg: Msg | None = None
@@ -791,6 +817,7 @@ class Agent:
             self.state.version += 1
             yield RequireExternalExecutionEvent(reply_id=reply_id, tool_calls=[copy.deepcopy(call)])
             return
+        await self.journal.record_tool_started(call.id)  # after a crash: in doubt, never run again
         response: ToolResponse | None = None
         try:
             async with aclosing(self._acting_chain(self, tool_call=call)) as items:
@@ -818,7 +845,9 @@ class Agent:
         task = asyncio.current_task()
         if task is not None and task.cancelling() and not self._interrupt_requested:
             raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
-        for event in self._save_result(call, response.content, response.state, response.metadata):
+        events = self._save_result(call, response.content, response.state, response.metadata)
+        await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
+        for event in events:
             yield event
 
     def _save_result(self, call: ToolCallBlock, output: Any, state: ToolResultState, metadata: dict) -> list[Any]:
@@ -910,13 +939,29 @@ class Agent:
                     ):
                         yield ev
             self.state.version += 1
+            await self.journal.record_step()  # the decisions: a confirmed call never runs twice
             return
+        events: list[Any] = []
         for result in event.execution_results:
             call = calls[result.id]
-            for ev in _output_events(reply_id, call.id, result.output):
-                yield ev
-            for ev in self._save_result(call, result.output, result.state, result.metadata):
-                yield ev
+            events += _output_events(reply_id, call.id, result.output)
+            events += self._save_result(call, result.output, result.state, result.metadata)
+        await self.journal.record_step()
+        for ev in events:
+            yield ev
+
+    def close_interrupted_reply(self, in_doubt: frozenset[str]) -> None:
+        """Close a reply whose host stopped during it (found OPEN at load): a call started without a
+        recorded result gets an error result saying it may have run (it is never run again), any
+        other unanswered call one saying it did not run; the reply's message ends with a note."""
+        for call in self._unanswered_calls():
+            self._save_result(
+                call, IN_DOUBT_TOOL_TEXT if call.id in in_doubt else NOT_RUN_TOOL_TEXT, ToolResultState.ERROR, {}
+            )
+        msg = self.state.append_context(self.name, [TextBlock(text=HOST_STOPPED_TEXT)])
+        msg.finished_reason = ReplyFinishedReason.INTERRUPTED
+        msg.error = ErrorInfo(type=ErrorType.INTERNAL, message="the host stopped during the reply")
+        self.state.reply_context.model_id = None
 
     def _close_unfinished_tool_calls(self, state: ToolResultState, text: str) -> list[Any]:
         reply_id = self.state.reply_id
@@ -973,6 +1018,22 @@ class Agent:
         live = {b.id for m in self.state.context for b in m.content}  # forget owners of summarized blocks
         self.state.block_owners = {k: v for k, v in self.state.block_owners.items() if k in live}
         self.state.version += 1
+
+
+class _NoJournal:
+    """No durable record (an Agent used as a library): every step is a no-op."""
+
+    async def begin_reply(self) -> None:
+        pass
+
+    async def record_step(self) -> None:
+        pass
+
+    async def record_tool_started(self, call_id: str) -> None:
+        pass
+
+    async def record_tool_result(self, call_id: str) -> None:
+        pass
 
 
 class _StructuredOutputTool(Tool):
@@ -1110,4 +1171,4 @@ def _output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
     return out
 
 
-__all__ = ["Agent", "ReplyError", "check_input_messages", "implements"]
+__all__ = ["Agent", "ReplyError", "ReplyJournal", "check_input_messages", "implements"]

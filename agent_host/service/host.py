@@ -6,8 +6,10 @@
 * One Agent per reply, built from shared parts: the model registry, the toolkit and the
   middleware list as they are when the reply starts (attach / detach apply to the next reply).
 * Replies of one session are serialized by a per-session lock; different sessions run
-  concurrently. State is loaded from the store when a reply starts and saved when it ends,
-  parked or not, so a restarted host continues any session.
+  concurrently. A reply's progress is written to the store step by step through the session's
+  ``Journal`` (the user turn, each tool start and result, the park or the end), so a restarted
+  host continues any session; a reply its host stopped during is closed when the session is
+  next loaded (``_open``), and a tool whose result is recorded, or that was started, never runs again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..data.state import AgentState
 from ..hooks import HOOKS
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
-from ..store import SessionRecord, SessionStore
+from ..store import Journal, ReplyStatus, SessionRecord, SessionStore
 from ..tools import Tool, Toolkit, middleware_tools
 
 log = logging.getLogger("agentmw.host")
@@ -163,16 +165,16 @@ class Host:
         sid = run.session_id
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         async with self._session_lock(sid):
-            state = await self.store.load(sid)
-            if state is None:
+            journal = await self._open(sid)
+            if journal is None:
                 if not isinstance(inputs, Msg):
                     raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
-                state = AgentState(session_id=sid)
+                journal = self.store.create(sid)
             setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
             for a in setup.middleware:
                 a.users += 1
             try:
-                agent = self._agent(state, setup)
+                agent = self._agent(journal.state, setup, journal)
                 self._check_inputs(agent, inputs)
                 run.agent = agent
                 if run.interrupted:  # cancelled while waiting for the session
@@ -183,12 +185,22 @@ class Host:
                             await run.put(item)
                 finally:
                     # Shielded: a host shutdown that cancels this task must not lose the session.
-                    await asyncio.shield(self.store.save(agent.state, parked=bool(agent.awaiting_calls())))
+                    await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
             finally:
                 for a in setup.middleware:
                     a.users -= 1
                     if a.detached and a.users == 0:
                         await a.remote.close()
+
+    async def _open(self, session_id: str) -> Journal | None:
+        """The session for a reply (the caller holds its lock). A reply found OPEN was running when
+        its host stopped: it is closed now, its recorded results kept, before anything else happens."""
+        journal = await self.store.open(session_id)
+        if journal is not None and journal.status == ReplyStatus.OPEN:
+            log.warning("session %s: closing the reply its host stopped during", session_id)
+            self._agent(journal.state).close_interrupted_reply(journal.in_doubt)
+            await journal.end_reply()
+        return journal
 
     def _session_lock(self, session_id: str) -> asyncio.Lock:
         lock = self._locks.get(session_id)
@@ -196,7 +208,7 @@ class Host:
             lock = self._locks[session_id] = asyncio.Lock()
         return lock
 
-    def _agent(self, state: AgentState, setup: _Setup | None = None) -> Agent:
+    def _agent(self, state: AgentState, setup: _Setup | None = None, journal: Journal | None = None) -> Agent:
         setup = setup or self._setup
         cfg = self.config
         return Agent(
@@ -207,6 +219,7 @@ class Host:
             middlewares=[a.remote for a in setup.middleware],
             state=state,
             max_iters=cfg.max_iters,
+            journal=journal,
         )
 
     @staticmethod
@@ -246,10 +259,15 @@ class Host:
         return await self.store.list(limit)
 
     async def session(self, session_id: str) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
-        state = await self.store.load(session_id)
+        loaded = await self.store.load(session_id)
+        if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
+            async with self._session_lock(session_id):  # left open by a host that stopped: close it
+                await self._open(session_id)
+            loaded = await self.store.load(session_id)
         record = await self.store.record(session_id)
-        if state is None or record is None:
+        if loaded is None or record is None:
             return None
+        state = loaded[0]
         return record, state, self._agent(state).awaiting_calls()
 
     async def delete_session(self, session_id: str) -> bool:

@@ -21,7 +21,7 @@ from ..config import ConfigError, HostConfig, MiddlewareConfig
 from ..data import new_id
 from ..hooks import HOOKS
 from ..remote import MiddlewareFailure
-from ..store import SessionRecord, SessionStore
+from ..store import SessionRecord, open_store
 from .builtin_tools import BUILTIN_TOOLS
 from .host import Attached, Host, ReplyRejected, ReplyRun
 
@@ -210,7 +210,7 @@ async def build_host(config: HostConfig) -> Host:
     StartupError naming what failed and where it was configured."""
     models = config.build_models()
     try:
-        store = SessionStore(config.db)
+        store = open_store(config.db)
     except (OSError, sqlite3.Error) as exc:
         raise StartupError(f"db: cannot open the session store {config.db!r}: {exc}") from None
     host = Host(config, store, models, [BUILTIN_TOOLS[name] for name in config.tools])

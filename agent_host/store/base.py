@@ -1,0 +1,98 @@
+"""The session store interface: what the host needs from any backend (SQLite now, PostgreSQL later).
+
+A reply's progress is written step by step through a ``Journal`` (the session as one reply holds
+it), so a host killed at any point leaves a session that the next load can continue:
+
+* ``begin_reply``: the accepted user turn is stored before anything else of the reply happens;
+* ``record_tool_started`` before a tool runs, ``record_tool_result`` once its result is in the
+  state, so a call that was started but has no result is known after a crash ("in doubt");
+* ``park`` / ``end_reply`` when the reply waits for the client or is over.
+
+Every write stores only what changed since the previous one (never the whole session), so the
+cost of a reply does not grow with the session's length. A backend with many hosts gives each
+reply a lease on its session: the ``fence`` a journal is opened with goes with each of its writes,
+and a write with a stale fence must fail. (SQLite has one host per file: the fence is kept only.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from ..data.state import AgentState
+
+
+class ReplyStatus(StrEnum):
+    IDLE = "idle"  # no reply in progress
+    OPEN = "open"  # a reply is in progress; found at load only if its host stopped during it
+    PARKED = "parked"  # the reply waits for a confirmation or an external execution result
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    session_id: str
+    created_at: str
+    updated_at: str
+    title: str
+    message_count: int
+    parked: bool
+    status: ReplyStatus = ReplyStatus.IDLE
+
+
+class StoreLockedError(OSError):
+    """Another process holds the store (SQLite: one host per database file)."""
+
+
+class Journal(Protocol):
+    """A session held by one reply: its state, and the durable record of the reply's progress.
+
+    ``state`` is the live state the reply changes; each write stores what changed in it since the
+    previous write. ``in_doubt``: calls recorded as started without a recorded result (only when
+    the session was opened after a host stopped mid-reply)."""
+
+    state: AgentState
+    status: ReplyStatus
+    in_doubt: frozenset[str]
+    fence: int | None
+
+    async def begin_reply(self) -> None:
+        """The accepted user turn is in ``state``: store it; the reply is now OPEN."""
+
+    async def record_step(self) -> None:
+        """Store what changed (e.g. tool decisions, results answered by the client); still OPEN."""
+
+    async def record_tool_started(self, call_id: str) -> None:
+        """Before the tool runs: after a crash, the call is in doubt rather than never run."""
+
+    async def record_tool_result(self, call_id: str) -> None:
+        """The call's result is in ``state``: store it; the call is no longer in doubt."""
+
+    async def park(self) -> None:
+        """The reply waits for the client (confirmation, external execution)."""
+
+    async def end_reply(self) -> None:
+        """The reply is over (completed, failed, interrupted, or closed after a crash)."""
+
+
+class SessionStore(Protocol):
+    async def open(self, session_id: str, *, fence: int | None = None) -> Journal | None:
+        """The stored session, for a reply (None if there is none). The caller holds the session
+        (one reply at a time: the host's per-session lock; with many hosts, the lease of ``fence``)."""
+
+    def create(self, session_id: str, *, fence: int | None = None) -> Journal:
+        """A new, empty session; nothing is stored until its first write."""
+
+    async def load(self, session_id: str) -> tuple[AgentState, ReplyStatus] | None:
+        """A read-only snapshot of what is stored (for GetSession), never shared with a reply."""
+
+    async def list(self, limit: int = 0) -> list[SessionRecord]: ...
+
+    async def record(self, session_id: str) -> SessionRecord | None: ...
+
+    async def delete(self, session_id: str) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+__all__ = ["Journal", "ReplyStatus", "SessionRecord", "SessionStore", "StoreLockedError"]

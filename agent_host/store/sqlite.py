@@ -1,0 +1,380 @@
+"""The embedded session store: SQLite (WAL), one row per message, written incrementally.
+
+Tables: ``sessions`` (one row per session: the listing columns, the reply status, the tool calls
+started without a result, and ``meta``: the AgentState proto without its context, so summary,
+reply_context, middle_context, permission rules and block owners) and ``messages`` (one row per
+context message, keyed by its index). A write upserts the messages that changed, deletes the rows
+past the context's end (compression shortens it) and updates the session's row, in one
+transaction; every value is proto bytes from the one codec.
+
+Which messages changed is found without re-encoding the whole context: a message is re-encoded
+when it is new, when it is not the object stored at its index (compression replaces the list),
+when it lost blocks (``remove_block``), or when it was the stored tail (the reply's message grows
+in place). Older messages change in no other way.
+
+One host per database file: an exclusive ``flock`` on ``<db>.lock`` is held while the store is
+open. ``synchronous=NORMAL``: a commit survives the host process being killed (the tested case),
+not necessarily a power loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import fcntl
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from agentmw.v1 import types_pb2
+
+from ..codec import codec
+from ..data import Msg, Role
+from ..data.state import AgentState
+from .base import ReplyStatus, SessionRecord, StoreLockedError
+
+SCHEMA_VERSION = 2
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id    TEXT PRIMARY KEY,
+    created_at    TEXT NOT NULL,
+    updated_at    TEXT NOT NULL,
+    title         TEXT NOT NULL DEFAULT '',
+    message_count INTEGER NOT NULL DEFAULT 0,
+    status        TEXT NOT NULL DEFAULT 'idle',
+    in_flight     TEXT NOT NULL DEFAULT '[]',
+    fence         INTEGER,
+    meta          BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    session_id TEXT NOT NULL,
+    idx        INTEGER NOT NULL,
+    msg        BLOB NOT NULL,
+    PRIMARY KEY (session_id, idx)
+);
+"""
+_RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status FROM sessions"
+CACHE_SESSIONS = 64  # sessions kept decoded between replies (a reply then loads nothing)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _meta(state: AgentState) -> bytes:
+    return codec.encode(replace(state, context=[])).SerializeToString()
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+@dataclass(slots=True)
+class _Row:
+    """What is stored at one context index: the message object, its block count, its bytes' digest."""
+
+    msg: Msg
+    blocks: int
+    digest: bytes
+
+
+@dataclass(slots=True)
+class _Write:
+    session_id: str
+    status: ReplyStatus
+    in_flight: list[str]
+    fence: int | None
+    title: str
+    count: int
+    meta: bytes | None  # None: unchanged
+    upserts: list[tuple[int, bytes]]
+    truncate: int | None  # delete rows from this index on
+
+
+class SqliteJournal:
+    """One session as a reply holds it (see ``Journal``); cached by the store between replies."""
+
+    def __init__(self, store: SqliteStore, state: AgentState, *, fence: int | None = None) -> None:
+        self.store = store
+        self.state = state
+        self.status = ReplyStatus.IDLE
+        self.fence = fence
+        self.in_flight: set[str] = set()
+        self.in_doubt: frozenset[str] = frozenset()
+        self.rows: list[_Row] = []
+        self.meta_digest = b""
+        self.lock = asyncio.Lock()  # concurrent tool calls of one reply write in order
+
+    async def begin_reply(self) -> None:
+        await self._commit(ReplyStatus.OPEN)
+
+    async def record_step(self) -> None:
+        await self._commit(ReplyStatus.OPEN)
+
+    async def record_tool_started(self, call_id: str) -> None:
+        await self._commit(ReplyStatus.OPEN, started=call_id)
+
+    async def record_tool_result(self, call_id: str) -> None:
+        await self._commit(ReplyStatus.OPEN, finished=call_id)
+
+    async def park(self) -> None:
+        await self._commit(ReplyStatus.PARKED, clear=True)
+
+    async def end_reply(self) -> None:
+        await self._commit(ReplyStatus.IDLE, clear=True)
+
+    async def _commit(self, status: ReplyStatus, started: str = "", finished: str = "", clear: bool = False) -> None:
+        # Shielded: a cancelled caller must not leave a write half-known (the DB has it, we don't).
+        await asyncio.shield(self._commit_in_order(status, started, finished, clear))
+
+    async def _commit_in_order(self, status: ReplyStatus, started: str, finished: str, clear: bool) -> None:
+        async with self.lock:
+            in_flight = set() if clear else (self.in_flight | {started}) - {finished, ""}
+            write, rows, meta_digest = self._diff(status, sorted(in_flight))
+            try:
+                await asyncio.to_thread(self.store._write, write)
+            except BaseException:
+                self.store._forget(self)  # what is stored is unknown now: the next reply reloads
+                raise
+            self.rows, self.meta_digest = rows, meta_digest or self.meta_digest
+            self.status, self.in_flight = status, in_flight
+
+    def _diff(self, status: ReplyStatus, in_flight: list[str]) -> tuple[_Write, list[_Row], bytes | None]:
+        """What to write (encoded here, on the event loop, so it is one consistent snapshot)."""
+        context, old = self.state.context, self.rows
+        hot = len(old) - 1  # the stored tail: the reply's message grows in place
+        rows: list[_Row] = []
+        upserts: list[tuple[int, bytes]] = []
+        for i, msg in enumerate(context):
+            row = old[i] if i < len(old) else None
+            if row is not None and i < hot and row.msg is msg and row.blocks == len(msg.content):
+                rows.append(row)
+                continue
+            data = codec.encode(msg).SerializeToString()
+            digest = _digest(data)
+            if row is None or row.digest != digest:
+                upserts.append((i, data))
+            rows.append(_Row(msg, len(msg.content), digest))
+        meta = _meta(self.state)
+        meta_digest = _digest(meta)
+        first_user = next((m for m in context if m.role == Role.USER and m.text), None)
+        write = _Write(
+            session_id=self.state.session_id,
+            status=status,
+            in_flight=in_flight,
+            fence=self.fence,
+            title=first_user.text[:80] if first_user else "",
+            count=len(context),
+            meta=meta if meta_digest != self.meta_digest else None,
+            upserts=upserts,
+            truncate=len(context) if len(context) < len(old) else None,
+        )
+        return write, rows, meta_digest
+
+
+class SqliteStore:
+    """The SQLite ``SessionStore``; ``path`` may be ``":memory:"``. SQLite calls run in worker
+    threads (one connection, one lock) so a write never stalls other sessions' streams."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self._lockfile: IO[str] | None = None
+        if self.path != ":memory:":
+            Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self._lockfile = _lock(Path(self.path).expanduser())
+        self._lock = threading.Lock()
+        self._cache: collections.OrderedDict[str, SqliteJournal] = collections.OrderedDict()
+        self.bytes_written = 0  # message and meta bytes written so far (a measure of write cost)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+        except BaseException:
+            self._unlock()
+            raise
+
+    # -- schema --------------------------------------------------------------------------------
+
+    def _migrate(self) -> None:
+        db = self._db
+        columns = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
+        with db:
+            if "state" in columns:  # version 1: the whole state in one blob per session
+                db.execute("ALTER TABLE sessions RENAME TO sessions_v1")
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            if "state" in columns:
+                old = db.execute("SELECT state, created_at, parked FROM sessions_v1").fetchall()
+                for blob, created, parked in old:
+                    state = codec.decode(types_pb2.AgentState.FromString(blob))
+                    status = ReplyStatus.PARKED if parked else ReplyStatus.IDLE
+                    journal = SqliteJournal(self, state)
+                    write, _, _ = journal._diff(status, [])
+                    self._write_in(db, write, created_at=created)
+                db.execute("DROP TABLE sessions_v1")
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    # -- writes (worker thread) ------------------------------------------------------------------
+
+    def _write(self, w: _Write) -> None:
+        with self._lock, self._db:
+            self._write_in(self._db, w)
+
+    def _write_in(self, db: sqlite3.Connection, w: _Write, created_at: str | None = None) -> None:
+        now = _now()
+        sid = w.session_id
+        meta = w.meta if w.meta is not None else b""
+        db.execute(
+            "INSERT INTO sessions (session_id, created_at, updated_at, title, message_count, status, in_flight, "
+            "fence, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
+            "updated_at = excluded.updated_at, title = excluded.title, message_count = excluded.message_count, "
+            "status = excluded.status, in_flight = excluded.in_flight, fence = excluded.fence"
+            + (", meta = excluded.meta" if w.meta is not None else ""),
+            (sid, created_at or now, now, w.title, w.count, w.status.value, json.dumps(w.in_flight), w.fence, meta),
+        )
+        if w.upserts:
+            db.executemany(
+                "INSERT INTO messages (session_id, idx, msg) VALUES (?, ?, ?) "
+                "ON CONFLICT(session_id, idx) DO UPDATE SET msg = excluded.msg",
+                [(sid, i, data) for i, data in w.upserts],
+            )
+        if w.truncate is not None:
+            db.execute("DELETE FROM messages WHERE session_id = ? AND idx >= ?", (sid, w.truncate))
+        self.bytes_written += len(meta) + sum(len(d) for _, d in w.upserts)
+
+    # -- reads (worker thread) -------------------------------------------------------------------
+
+    def _read(self, session_id: str) -> tuple[list[Any], list[bytes]] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT status, in_flight, fence, meta FROM sessions WHERE session_id = ?", (session_id,)
+            ).fetchone()
+            if row is None:
+                return None
+            msgs = self._db.execute(
+                "SELECT msg FROM messages WHERE session_id = ? ORDER BY idx", (session_id,)
+            ).fetchall()
+        return list(row), [m[0] for m in msgs]
+
+    def _list(self, limit: int) -> list[SessionRecord]:
+        sql = _RECORD + " ORDER BY updated_at DESC, rowid DESC" + (f" LIMIT {int(limit)}" if limit > 0 else "")
+        with self._lock:
+            rows = self._db.execute(sql).fetchall()
+        return [_record(r) for r in rows]
+
+    def _record(self, session_id: str) -> SessionRecord | None:
+        with self._lock:
+            r = self._db.execute(_RECORD + " WHERE session_id = ?", (session_id,)).fetchone()
+        return _record(r) if r else None
+
+    def _delete(self, session_id: str) -> bool:
+        with self._lock, self._db:
+            cur = self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
+            self._db.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
+        return cur.rowcount > 0
+
+    # -- async API (SessionStore) ----------------------------------------------------------------
+
+    async def open(self, session_id: str, *, fence: int | None = None) -> SqliteJournal | None:
+        journal = self._cache.get(session_id)
+        if journal is not None:
+            self._cache.move_to_end(session_id)
+            journal.fence = fence
+            return journal
+        found = await asyncio.to_thread(self._read, session_id)
+        if found is None:
+            return None
+        (status, in_flight, _fence, meta), blobs = found
+        state = codec.decode(types_pb2.AgentState.FromString(meta))
+        state.context = [codec.decode(types_pb2.Msg.FromString(b)) for b in blobs]
+        journal = SqliteJournal(self, state, fence=fence)
+        journal.status = ReplyStatus(status)
+        journal.in_flight = set(json.loads(in_flight))
+        journal.in_doubt = frozenset(journal.in_flight)
+        journal.rows = [_Row(m, len(m.content), _digest(b)) for m, b in zip(state.context, blobs, strict=True)]
+        journal.meta_digest = _digest(meta)
+        self._remember(journal)
+        return journal
+
+    def create(self, session_id: str, *, fence: int | None = None) -> SqliteJournal:
+        journal = SqliteJournal(self, AgentState(session_id=session_id), fence=fence)
+        self._remember(journal)
+        return journal
+
+    async def load(self, session_id: str) -> tuple[AgentState, ReplyStatus] | None:
+        found = await asyncio.to_thread(self._read, session_id)
+        if found is None:
+            return None
+        (status, _in_flight, _fence, meta), blobs = found
+        state = codec.decode(types_pb2.AgentState.FromString(meta))
+        state.context = [codec.decode(types_pb2.Msg.FromString(b)) for b in blobs]
+        return state, ReplyStatus(status)
+
+    async def list(self, limit: int = 0) -> list[SessionRecord]:
+        return await asyncio.to_thread(self._list, limit)
+
+    async def record(self, session_id: str) -> SessionRecord | None:
+        return await asyncio.to_thread(self._record, session_id)
+
+    async def delete(self, session_id: str) -> bool:
+        self._cache.pop(session_id, None)
+        return await asyncio.to_thread(self._delete, session_id)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+        self._unlock()
+
+    # -- cache and lock ----------------------------------------------------------------------------
+
+    def _remember(self, journal: SqliteJournal) -> None:
+        self._cache[journal.state.session_id] = journal
+        self._cache.move_to_end(journal.state.session_id)
+        while len(self._cache) > CACHE_SESSIONS:
+            self._cache.popitem(last=False)
+
+    def _forget(self, journal: SqliteJournal) -> None:
+        if self._cache.get(journal.state.session_id) is journal:
+            del self._cache[journal.state.session_id]
+
+    def _unlock(self) -> None:
+        if self._lockfile is not None:
+            self._lockfile.close()  # releases the flock
+            self._lockfile = None
+
+
+def _lock(db: Path) -> IO[str]:
+    """Hold ``<db>.lock`` exclusively, or raise StoreLockedError naming the process that holds it."""
+    path = db.with_name(db.name + ".lock")
+    f = path.open("a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise StoreLockedError(
+            f"{db} is in use by another agent-host process (pid {holder}); one host per SQLite file: "
+            "stop that host or give this one another --db"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def _record(r: Any) -> SessionRecord:
+    status = ReplyStatus(r[5])
+    return SessionRecord(r[0], r[1], r[2], r[3], r[4], status == ReplyStatus.PARKED, status)
+
+
+__all__ = ["SqliteJournal", "SqliteStore"]

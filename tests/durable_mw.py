@@ -1,0 +1,51 @@
+"""A middleware whose tools have a side effect a test can count: each run appends a line to a file.
+
+Served in its own process (``python -m mw_servers.sdk tests.durable_mw:SideEffects --arg path=...``),
+so the tools run outside the host: a host killed with -9 while one runs cannot take the record
+with it. ``note`` runs at once, ``confirmed_note`` needs the user's confirmation, ``slow_note``
+writes its line and then takes ``seconds`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from agent_host.middleware import MiddlewareBase
+from agent_host.tools import tool
+
+
+class SideEffects(MiddlewareBase):
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    async def get_middleware_key(self) -> str:
+        return "fx"
+
+    def _append(self, text: str) -> None:
+        with self.path.open("a") as f:
+            f.write(text + "\n")
+
+    async def list_tools(self) -> list[Any]:
+        @tool(description="Write a note.")
+        def note(text: str) -> str:
+            self._append(text)
+            return f"noted {text}"
+
+        @tool(description="Write a note; the user confirms it first.", needs_confirmation=True)
+        def confirmed_note(text: str) -> str:
+            self._append(text)
+            return f"noted {text}"
+
+        @tool(description="Write a note, then take a while to finish.")
+        async def slow_note(text: str, seconds: float) -> str:
+            self._append(text)
+            await asyncio.sleep(seconds)
+            return f"noted {text} slowly"
+
+        return [note, confirmed_note, slow_note]
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []

@@ -1,0 +1,194 @@
+"""Durable sessions: a host killed with -9 mid-reply loses no recorded step and runs no tool twice;
+a reply's writes do not grow with the session; one host per SQLite file.
+
+Real processes: the host, and a middleware (tests/durable_mw.py) whose tools append a line to a
+file per run, so a test counts how often a tool really ran, whatever happened to the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agent_host.data import (
+    ConfirmResult,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    RequireUserConfirmEvent,
+    Role,
+    ToolCallBlock,
+    ToolResultBlock,
+    ToolResultEndEvent,
+    ToolResultStartEvent,
+    ToolResultState,
+    UserConfirmResultEvent,
+    UserMsg,
+)
+from clients.chat import HostClient
+from clients.launch import ServerProcess
+
+from .durable_mw import lines
+from .host_util import Procs, get_session, processes, run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Procs:
+    with processes(tmp_path) as p:
+        yield p
+
+
+def side_effects(procs: Procs, path: Path) -> ServerProcess:
+    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    return procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(path))}"])
+
+
+async def reply(address: str, session_id: str, inputs: object) -> tuple[str, list[object]]:
+    async with HostClient(address) as client:
+        call = client.reply(session_id, inputs)
+        async with asyncio.timeout(30):
+            items = [item async for item in call]
+    return call.session_id, items
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():
+            await asyncio.sleep(0.02)
+
+
+def calls_and_results(state: object) -> tuple[list[ToolCallBlock], dict[str, ToolResultBlock]]:
+    blocks = [b for m in state.context for b in m.content]  # type: ignore[attr-defined]
+    calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
+    return calls, {b.id: b for b in blocks if isinstance(b, ToolResultBlock)}
+
+
+def user_texts(state: object) -> list[str]:
+    return [m.text for m in state.context if m.role == Role.USER]  # type: ignore[attr-defined]
+
+
+async def test_kill_while_a_tool_runs_keeps_results_and_runs_nothing_again(procs: Procs, tmp_path: Path) -> None:
+    effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
+    fx = side_effects(procs, effects)
+    host = procs.host(db, "--middleware", f"fx={fx.address}")
+    ask = "call fx__note text=first then call fx__slow_note text=second seconds=60"
+    async with HostClient(host.address) as client:
+        call = client.reply("", UserMsg(ask))
+        async with asyncio.timeout(20):
+            async for item in call:  # still reading: leaving the call would cancel the reply
+                if isinstance(item, ToolResultStartEvent) and item.tool_call_name == "fx__slow_note":
+                    await wait_until(lambda: lines(effects) == ["first", "second"])
+                    host.kill()  # -9 while fx__slow_note runs: its result is never recorded
+                    break
+    session = call.session_id
+
+    host = procs.host(db, "--middleware", f"fx={fx.address}", name="host2")
+    info, state, _ = await get_session(host.address, session)
+    assert user_texts(state) == [ask], "the accepted user turn is stored, once"
+    assert not info.summary.parked and not info.pending_tool_calls
+    calls, results = calls_and_results(state)
+    assert [c.name for c in calls] == ["fx__note", "fx__slow_note"]
+    assert results[calls[0].id].state == ToolResultState.SUCCESS, "the recorded result is kept"
+    doubt = results[calls[1].id]
+    assert doubt.state == ToolResultState.ERROR and "may or may not have taken effect" in doubt.output
+    assert state.context[-1].finished_reason == ReplyFinishedReason.INTERRUPTED, "the reply was closed"
+
+    # The session goes on; neither tool ran again.
+    _, items = await reply(host.address, session, UserMsg("call fx__note text=third"))
+    assert next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason == ReplyFinishedReason.COMPLETED
+    assert lines(effects) == ["first", "second", "third"]
+    _, state, _ = await get_session(host.address, session)
+    calls, results = calls_and_results(state)
+    assert len(calls) == 3 and set(results) == {c.id for c in calls}, "every tool call has a result"
+
+
+async def test_kill_after_a_confirmed_tool_ran_never_runs_it_again(procs: Procs, tmp_path: Path) -> None:
+    effects, db, config = tmp_path / "effects.txt", tmp_path / "sessions.db", tmp_path / "host.yaml"
+    # A slow model: after the tool's result the final answer takes seconds, time to kill the host.
+    config.write_text("models:\n  default: slow\n  models:\n    slow: {provider: offline, delay: 0.3}\n")
+    fx = side_effects(procs, effects)
+    args = ("--config", str(config), "--middleware", f"fx={fx.address}")
+    host = procs.host(db, *args)
+    ask = "call fx__confirmed_note text=hello"
+    session, items = await reply(host.address, "", UserMsg(ask))
+    asking = next(i for i in items if isinstance(i, RequireUserConfirmEvent)).tool_calls[0]
+    reply_id = next(i for i in items if isinstance(i, Msg)).id
+    confirm = UserConfirmResultEvent(
+        reply_id=reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=asking)]
+    )
+
+    async with HostClient(host.address) as client:
+        call = client.reply(session, confirm)
+        async with asyncio.timeout(20):
+            async for item in call:
+                if isinstance(item, ToolResultEndEvent):
+                    assert item.state == ToolResultState.SUCCESS
+                    host.kill()  # -9 after the tool's result, before the reply ends
+                    break
+    assert lines(effects) == ["hello"]
+
+    host = procs.host(db, *args, name="host2")
+    info, state, _ = await get_session(host.address, session)
+    assert not info.summary.parked and not info.pending_tool_calls, "no longer parked on the call that ran"
+    assert user_texts(state) == [ask]
+    calls, results = calls_and_results(state)
+    assert [c.id for c in calls] == [asking.id] and results[asking.id].state == ToolResultState.SUCCESS
+    assert state.context[-1].finished_reason == ReplyFinishedReason.INTERRUPTED, "the reply was closed"
+
+    with pytest.raises(grpc.aio.AioRpcError) as again:  # confirming again is refused, clearly
+        await reply(host.address, session, confirm)
+    assert again.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no tool call is waiting" in again.value.details()
+    assert lines(effects) == ["hello"], "the confirmed tool ran once"
+
+
+def written_bytes(proc: ServerProcess) -> int:
+    """Bytes the process has passed to write(2) and friends so far: the store's writes, mostly."""
+    for line in Path(f"/proc/{proc.pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no wchar in /proc/<pid>/io")
+
+
+async def test_a_reply_writes_as_much_late_in_a_session_as_early(procs: Procs, tmp_path: Path) -> None:
+    host = procs.host(tmp_path / "sessions.db")
+    try:
+        written_bytes(host)
+    except OSError:
+        pytest.skip("no /proc/<pid>/io here")
+    text = "word " * 400  # 2 kB a message, echoed back: the session grows by ~4 kB a reply
+    session, per_reply = "", []
+    async with HostClient(host.address) as client:
+        before = written_bytes(host)
+        for _ in range(50):
+            call = client.reply(session, UserMsg(text))
+            async with asyncio.timeout(10):
+                items = [item async for item in call]
+            assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+            session = call.session_id
+            after = written_bytes(host)
+            per_reply.append(after - before)
+            before = after
+    _, state, _ = await get_session(host.address, session)
+    assert len(state.context) == 100
+    early, late = statistics.median(per_reply[1:8]), statistics.median(per_reply[-7:])
+    assert late < 2 * early, f"a reply wrote {early:.0f} bytes early in the session, {late:.0f} late"
+
+
+def test_a_second_host_on_the_same_sqlite_file_refuses_to_start(procs: Procs, tmp_path: Path) -> None:
+    db = tmp_path / "sessions.db"
+    first = procs.host(db)
+    second = run_cli("agent_host", "--db", str(db), "--listen", "127.0.0.1:0", timeout=20)
+    assert second.returncode == 1
+    message = second.stderr.strip().splitlines()[-1]
+    assert "in use by another agent-host process" in message and f"pid {first.pid}" in message, message
+    first.stop()
+    procs.host(db, name="host2")  # free again once the first host is gone

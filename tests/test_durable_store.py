@@ -1,0 +1,99 @@
+"""The SQLite session store on its own: incremental writes keep every kind of change (in-place
+growth of the reply's message, removed blocks, compression's rewrite, the state outside the
+context), and a database of the earlier one-blob-per-session layout is migrated."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from agent_host.codec import codec
+from agent_host.data import (
+    AssistantMsg,
+    PermissionRule,
+    TextBlock,
+    ToolCallBlock,
+    ToolCallState,
+    ToolResultBlock,
+    UserMsg,
+)
+from agent_host.data.state import AgentState
+from agent_host.store import ReplyStatus, SqliteStore
+
+
+async def stored(store: SqliteStore, state: AgentState) -> None:
+    """What the database holds (read back, not the store's cache) is ``state``."""
+    loaded = await store.load(state.session_id)
+    assert loaded is not None
+    assert codec.encode(loaded[0]) == codec.encode(state)
+
+
+async def test_every_kind_of_change_is_written(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    journal = store.create("s")
+    state = journal.state
+    for i in range(6):
+        state.context.append(UserMsg(f"question {i}"))
+        state.context.append(AssistantMsg([TextBlock(text=f"answer {i}"), TextBlock(text="aside", id=f"aside{i}")]))
+    await journal.begin_reply()
+    await stored(store, state)
+
+    # The reply's message grows in place; a call changes state; the rest of the state changes.
+    tail = state.context[-1]
+    call = ToolCallBlock(id="c1", name="add", input="{}")
+    tail.content.append(call)
+    await journal.record_tool_started("c1")
+    call.state = ToolCallState.ALLOWED  # in place: the message keeps its blocks
+    await journal.record_step()
+    await stored(store, state)
+    call.state = ToolCallState.FINISHED
+    tail.content.append(ToolResultBlock(id="c1", name="add", output="3"))
+    state.middle_context["mw"] = {"seen": [1, 2]}
+    state.reply_context.cur_iter = 2
+    state.permission_rules.append(PermissionRule(tool_name="add", behavior="allow", source="user"))
+    await journal.record_tool_result("c1")
+    await stored(store, state)
+
+    # A block removed from an old message; then compression rewrites the context.
+    assert state.remove_block("aside1")
+    await journal.record_step()
+    await stored(store, state)
+    state.context = state.context[7:]
+    state.summary = "earlier: questions 0-3"
+    await journal.end_reply()
+    await stored(store, state)
+    store.close()
+
+    again = SqliteStore(tmp_path / "s.db")
+    reopened = await again.open("s")
+    assert reopened is not None and reopened.status == ReplyStatus.IDLE and not reopened.in_doubt
+    assert codec.encode(reopened.state) == codec.encode(state)
+    again.close()
+
+
+async def test_a_one_blob_database_is_migrated(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    state = AgentState(session_id="old", context=[UserMsg("hello"), AssistantMsg("hi")], middle_context={"k": 1})
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE sessions (session_id TEXT PRIMARY KEY, state BLOB NOT NULL, created_at TEXT NOT NULL, "
+        "updated_at TEXT NOT NULL, title TEXT NOT NULL DEFAULT '', message_count INTEGER NOT NULL DEFAULT 0, "
+        "parked INTEGER NOT NULL DEFAULT 0)"
+    )
+    db.execute(
+        "INSERT INTO sessions VALUES ('old', ?, ?, ?, 'hello', 2, 1)",
+        (codec.encode(state).SerializeToString(), "2025-01-01T00:00:00+00:00", "2025-01-01T00:00:00+00:00"),
+    )
+    db.commit()
+    db.close()
+
+    store = SqliteStore(path)
+    [record] = await store.list()
+    assert (record.session_id, record.title, record.parked, record.created_at) == (
+        "old",
+        "hello",
+        True,
+        "2025-01-01T00:00:00+00:00",
+    )
+    await stored(store, state)
+    store.close()

@@ -8,6 +8,9 @@ state. Each scenario also asserts what the behavior is, so that "the same" canno
 from __future__ import annotations
 
 import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -18,100 +21,9 @@ EVERY_HOOK_SCRIPT = [
     {"text": "The sum is 5.", "thinking": "easy"},
 ]
 
-SCENARIOS = [
-    Scenario("pass_through", [Layer("PassThrough")], models={"main": {"script": EVERY_HOOK_SCRIPT}}),
-    Scenario("override_kwargs", [Layer("Override")], message="call add a=1 b=2"),
-    Scenario(
-        "model_fallback_next_twice",
-        [Layer("ModelFallback", {"fallback": "backup"})],
-        models={
-            "main": {"script": [{"error": {"type": "rate_limit", "message": "main is throttled"}}]},
-            "backup": {"reply_template": "backup answered: {text}"},
-        },
-    ),
-    Scenario("short_circuit_reasoning", [Layer("ShortCircuitReasoning")]),
-    Scenario("short_circuit_acting", [Layer("ShortCircuitActing")], message="call add a=1 b=2"),
-    Scenario(
-        "swallow_reply_end",
-        [Layer("SwallowFirstEnd")],
-        models={"main": {"script": [{"text": "first answer"}, {"text": "second answer"}]}},
-    ),
-    Scenario("inject_after_text", [Layer("InjectAfterText")]),
-    Scenario("list_tools_tool", [Layer("Tools")], message="call Tools__shout text=hello"),
-    Scenario("slot_across_hooks", [Layer("SlotAcrossHooks")], message="call add a=4 b=4"),
-    Scenario("acting_without_response", [Layer("ActingWithoutResponse")], message="call add a=1 b=1"),
-    Scenario(
-        "budget_hint_and_tool_choice",
-        [Layer("Budget", {"token_budget": 5})],
-        message="call add a=1 b=1",
-        models={"main": {"script": [{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 1}}]}]}},
-    ),
-    Scenario("observe_counter", [Layer("ObserveCounter")], message="call get_weather city=Paris"),
-    Scenario(
-        "set_model_at_start", [Layer("SetModelAtStart")], models={"main": {}, "backup": {"reply_template": "B: {text}"}}
-    ),
-    Scenario("append_memory_message", [Layer("AppendMemory")]),
-    Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"),
-    Scenario("middleware_raises", [Layer("Raises")]),
-    Scenario("eager_next", [Layer("EagerPassThrough")], message="call add a=2 b=2"),
-    Scenario("slot_written_after_yield", [Layer("CountAfterYield")], models={"main": {"reply_template": "a b c d e"}}),
-    Scenario("detached_watcher", [Layer("DetachedWatcher")], message="call add a=2 b=2"),
-    Scenario(
-        "two_layers_order",
-        [Layer("InjectAfterText"), Layer("SwallowFirstEnd")],
-        models={"main": {"script": [{"text": "one"}, {"text": "two"}]}},
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def servers():
-    started = Servers([*SCENARIOS, PROMPT_ORDER, Scenario("trace", [Layer("TraceEcho")])])
-    yield started
-    started.stop()
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.id)
-async def test_same_in_process_and_remote(scenario: Scenario, servers: Servers) -> None:
-    local_events, local_state = await run(scenario, ["local"] * len(scenario.layers), None)
-    remote_events, remote_state = await run(scenario, ["remote"] * len(scenario.layers), servers)
-    assert errors_compared(remote_events) == errors_compared(local_events)
-    assert states_compared(remote_state) == states_compared(local_state)
-    CHECKS[scenario.id](local_events, local_state)
-    if scenario.id == "middleware_raises":  # remotely, the error also says which middleware raised
-        assert "middleware 'Raises' raised ValueError in on_reasoning" in remote_events[-2]["error"]["message"]
-
-
-def errors_compared(events: list) -> list:
-    """Error infos reduced to the original message: a remote error adds where it came from."""
-    out = []
-    for event in events:
-        if event.get("error"):
-            tail = event["error"]["message"].rsplit(": ", 1)[-1]
-            event = {**event, "error": tail}
-            if event["class"] == "Msg":
-                event["content"] = tail
-        out.append(event)
-    return out
-
-
-def states_compared(state: dict) -> dict:
-    """The state with the stored error of a failed reply reduced as in ``errors_compared``."""
-
-    def reduced(block: dict) -> dict:
-        text = block.get("text", "")
-        return {**block, "text": text.rsplit(": ", 1)[-1]} if text.startswith("The reply failed: ") else block
-
-    context = [
-        {**m, "error": m["error"]["message"].rsplit(": ", 1)[-1], "content": [reduced(b) for b in m["content"]]}
-        if m.get("error")
-        else m
-        for m in state["context"]
-    ]
-    return {**state, "context": context}
-
-
 # -- what each scenario must do (asserted on the in-process run; the remote run equals it) -------
+
+Check = Callable[[list, dict], Awaitable[None] | None]
 
 
 def _pass_through(events, state):
@@ -221,36 +133,136 @@ def _eager(events, state):
     assert final_text(events) == "Done: add returned 4."
 
 
-def _detached(events, state):
-    assert final_text(events) == "Done: add returned 4."  # a watcher changes nothing
+async def _detached(events, state):
+    """A watcher changes nothing: every event and the state are those of the reply without it."""
+    bare_events, bare_state = await run(Scenario("bare", [], message="call add a=2 b=2"), [], None)
+    assert final_text(events) == "Done: add returned 4."
+    assert events == bare_events and state == bare_state
 
 
 def _count_after_yield(events, state):
     assert state["middle_context"]["CountAfterYield"] == {"n": 7}  # start, 5 deltas, the final Msg
 
 
-CHECKS = {
-    "slot_written_after_yield": _count_after_yield,
-    "eager_next": _eager,
-    "detached_watcher": _detached,
-    "pass_through": _pass_through,
-    "override_kwargs": _override,
-    "model_fallback_next_twice": _fallback,
-    "short_circuit_reasoning": _short_reasoning,
-    "short_circuit_acting": _short_acting,
-    "swallow_reply_end": _swallow,
-    "inject_after_text": _inject,
-    "list_tools_tool": _tool,
-    "slot_across_hooks": _slot,
-    "acting_without_response": _acting_without_response,
-    "budget_hint_and_tool_choice": _budget,
-    "observe_counter": _observe,
-    "set_model_at_start": _set_model,
-    "append_memory_message": _memory,
-    "permission_deny": _deny,
-    "middleware_raises": _raises,
-    "two_layers_order": _two_layers,
-}
+CASES: list[tuple[Scenario, Check]] = [
+    (Scenario("pass_through", [Layer("PassThrough")], models={"main": {"script": EVERY_HOOK_SCRIPT}}), _pass_through),
+    (Scenario("override_kwargs", [Layer("Override")], message="call add a=1 b=2"), _override),
+    (
+        Scenario(
+            "model_fallback_next_twice",
+            [Layer("ModelFallback", {"fallback": "backup"})],
+            models={
+                "main": {"script": [{"error": {"type": "rate_limit", "message": "main is throttled"}}]},
+                "backup": {"reply_template": "backup answered: {text}"},
+            },
+        ),
+        _fallback,
+    ),
+    (Scenario("short_circuit_reasoning", [Layer("ShortCircuitReasoning")]), _short_reasoning),
+    (Scenario("short_circuit_acting", [Layer("ShortCircuitActing")], message="call add a=1 b=2"), _short_acting),
+    (
+        Scenario(
+            "swallow_reply_end",
+            [Layer("SwallowFirstEnd")],
+            models={"main": {"script": [{"text": "first answer"}, {"text": "second answer"}]}},
+        ),
+        _swallow,
+    ),
+    (Scenario("inject_after_text", [Layer("InjectAfterText")]), _inject),
+    (Scenario("list_tools_tool", [Layer("Tools")], message="call Tools__shout text=hello"), _tool),
+    (Scenario("slot_across_hooks", [Layer("SlotAcrossHooks")], message="call add a=4 b=4"), _slot),
+    (
+        Scenario("acting_without_response", [Layer("ActingWithoutResponse")], message="call add a=1 b=1"),
+        _acting_without_response,
+    ),
+    (
+        Scenario(
+            "budget_hint_and_tool_choice",
+            [Layer("Budget", {"token_budget": 5})],
+            message="call add a=1 b=1",
+            models={"main": {"script": [{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 1}}]}]}},
+        ),
+        _budget,
+    ),
+    (Scenario("observe_counter", [Layer("ObserveCounter")], message="call get_weather city=Paris"), _observe),
+    (
+        Scenario(
+            "set_model_at_start",
+            [Layer("SetModelAtStart")],
+            models={"main": {}, "backup": {"reply_template": "B: {text}"}},
+        ),
+        _set_model,
+    ),
+    (Scenario("append_memory_message", [Layer("AppendMemory")]), _memory),
+    (Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"), _deny),
+    (Scenario("middleware_raises", [Layer("Raises")]), _raises),
+    (Scenario("eager_next", [Layer("EagerPassThrough")], message="call add a=2 b=2"), _eager),
+    (
+        Scenario(
+            "slot_written_after_yield", [Layer("CountAfterYield")], models={"main": {"reply_template": "a b c d e"}}
+        ),
+        _count_after_yield,
+    ),
+    (Scenario("detached_watcher", [Layer("DetachedWatcher")], message="call add a=2 b=2"), _detached),
+    (
+        Scenario(
+            "two_layers_order",
+            [Layer("InjectAfterText"), Layer("SwallowFirstEnd")],
+            models={"main": {"script": [{"text": "one"}, {"text": "two"}]}},
+        ),
+        _two_layers,
+    ),
+]
+SCENARIOS = [scenario for scenario, _ in CASES]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = Servers([*SCENARIOS, PROMPT_ORDER, Scenario("trace", [Layer("TraceEcho")])])
+    yield started
+    started.stop()
+
+
+@pytest.mark.parametrize(("scenario", "check"), CASES, ids=[s.id for s, _ in CASES])
+async def test_same_in_process_and_remote(scenario: Scenario, check: Check, servers: Servers) -> None:
+    local_events, local_state = await run(scenario, ["local"] * len(scenario.layers), None)
+    remote_events, remote_state = await run(scenario, ["remote"] * len(scenario.layers), servers)
+    assert errors_compared(remote_events) == errors_compared(local_events)
+    assert states_compared(remote_state) == states_compared(local_state)
+    checked: Any = check(local_events, local_state)
+    if inspect.isawaitable(checked):
+        await checked
+    if scenario.id == "middleware_raises":  # remotely, the error also says which middleware raised
+        assert "middleware 'Raises' raised ValueError in on_reasoning" in remote_events[-2]["error"]["message"]
+
+
+def errors_compared(events: list) -> list:
+    """Error infos reduced to the original message: a remote error adds where it came from."""
+    out = []
+    for event in events:
+        if event.get("error"):
+            tail = event["error"]["message"].rsplit(": ", 1)[-1]
+            event = {**event, "error": tail}
+            if event["class"] == "Msg":
+                event["content"] = tail
+        out.append(event)
+    return out
+
+
+def states_compared(state: dict) -> dict:
+    """The state with the stored error of a failed reply reduced as in ``errors_compared``."""
+
+    def reduced(block: dict) -> dict:
+        text = block.get("text", "")
+        return {**block, "text": text.rsplit(": ", 1)[-1]} if text.startswith("The reply failed: ") else block
+
+    context = [
+        {**m, "error": m["error"]["message"].rsplit(": ", 1)[-1], "content": [reduced(b) for b in m["content"]]}
+        if m.get("error")
+        else m
+        for m in state["context"]
+    ]
+    return {**state, "context": context}
 
 
 PROMPT_ORDER = Scenario(
@@ -267,10 +279,6 @@ async def test_system_prompt_pipeline_order_mixed(servers: Servers) -> None:
     remote_events, _ = await run(PROMPT_ORDER, ["remote", "remote", "remote"], servers)
     assert final_text(local_events) == "You are a test agent. +A +B +C"
     assert mixed_events == local_events == remote_events
-
-
-def test_every_check_has_a_scenario() -> None:
-    assert set(CHECKS) == {s.id for s in SCENARIOS}
 
 
 async def test_a_detached_watcher_sees_what_it_subscribed_to(servers: Servers) -> None:

@@ -120,9 +120,7 @@ async def test_replies_of_one_session_run_one_at_a_time(host: ServerProcess) -> 
 async def test_replies_of_different_sessions_run_concurrently(host: ServerProcess) -> None:
     texts = {"x": message("x"), "y": message("y")}
     async with HostClient(host.address) as one, HostClient(host.address) as two:
-        started = time.monotonic()
         x, y = await asyncio.gather(stream(one, "", texts["x"]), stream(two, "", texts["y"]))
-        took = time.monotonic() - started
     assert x.session_id and y.session_id and x.session_id != y.session_id
     completed(x, texts["x"])
     completed(y, texts["y"])
@@ -133,8 +131,6 @@ async def test_replies_of_different_sessions_run_concurrently(host: ServerProces
     merged = sorted([(t, "x") for t in x.deltas] + [(t, "y") for t in y.deltas])
     switches = sum(1 for (_, p), (_, q) in itertools.pairwise(merged) if p != q)
     assert switches >= WORDS // 2, f"the streams hardly overlap ({switches} switches)"
-    one_alone = WORDS * 0.02
-    assert took < 2 * one_alone + 0.3, f"two sessions took {took:.2f}s, as if one after the other"
 
     for run, tag in ((x, "x"), (y, "y")):
         _, state, _ = await get_session(host.address, run.session_id)

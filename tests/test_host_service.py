@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import grpc
@@ -207,8 +208,9 @@ async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -
         assert not (await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)).middleware
 
         # Attached while a reply streams: that reply goes on without it; the next one has it.
+        session, _ = await _reply(host.address, "", UserMsg("hi"))  # stored, so GetSession sees it
         async with HostClient(host.address) as client:
-            call = client.reply("", UserMsg("word " * 30))
+            call = client.reply(session, UserMsg("word " * 100))  # ~2 s of streaming
             items = []
             async for item in call:
                 items.append(item)
@@ -216,7 +218,9 @@ async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -
                     info = await host_stub.AttachMiddleware(
                         host_pb2.AttachMiddlewareRequest(address=recorder.address, name="rec", timeout=5), timeout=10
                     )
-        session = call.session_id
+                    # Only an attach that landed while the reply ran tests anything: make sure it did.
+                    during, _, _ = await get_session(host.address, session)
+                    assert during.replying, "the attach came after the reply; nothing was tested"
         assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
         assert info.key == KEY and list(info.hooks) == ["on_reply"]
         assert sorted(info.tools) == ["rec__nap", "rec__shout"]
@@ -282,4 +286,21 @@ def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
 def test_demo_completes() -> None:
     done = run_cli("clients.demo", timeout=50)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "agentmw demo: OK" in done.stdout
+    out = done.stdout
+    assert "agentmw demo: OK" in out
+    # What each example middleware did, as the demo prints it (see clients/demo.py).
+    steps = re.split(r"^── ", out, flags=re.M)[1:]
+    assert len(steps) == 7, out  # six steps, then the stored session
+    timings = [json.loads(t) for t in re.findall(r"^  · timing: (\{.*\})$", out, re.M)]
+    assert len(timings) == 6 and all(t["reply_seconds"] > 0 for t in timings), timings  # timing: each reply
+    assert len({t["reply_id"] for t in timings}) == 6
+    assert "## Current Context" in steps[3] and 'Session: {"session_started": ' in steps[3]  # dynamic_prompt
+    assert "This is the backup model" in steps[4] and "· model call: backup" in steps[4]  # fallback
+    slots = {m[0]: m[1] for m in re.findall(r"^    (\w+) +\[\w+\]: (.*)$", out, re.M)}
+    assert set(slots) == {"dynamic_prompt", "fallback", "rate_limit", "timing"}, out
+    assert set(json.loads(slots["dynamic_prompt"])) == {"session_started"}
+    fallback = json.loads(slots["fallback"])
+    assert (fallback["switches"], fallback["to"]) == (1, "backup") and "simulated outage" in fallback["last_error"]
+    # The rate limiter is inside the fallback: it counts every model call, the failed one too.
+    model_calls = len(re.findall(r"^  · model call: ", out, re.M))
+    assert json.loads(slots["rate_limit"])["calls"] == model_calls + fallback["switches"]

@@ -201,9 +201,18 @@ async def test_tool_choice_and_non_streaming(server: ScriptedServer, monkeypatch
     assert request.body["model"] == "local"
 
 
-async def test_rate_limit_is_retried_then_succeeds(server: ScriptedServer) -> None:
-    server.replies += [
+@pytest.mark.parametrize(
+    "error",
+    [
         openai_error(429, "Rate limit reached for requests", "requests", "rate_limit_exceeded"),
+        openai_error(408, "Request timed out", "timeout"),  # a proxy or the server gave up waiting
+        openai_error(409, "Conflict: the model is being reloaded", "conflict"),  # retry later
+    ],
+    ids=["429", "408", "409"],
+)
+async def test_transient_errors_are_retried_then_succeed(server: ScriptedServer, error: Reply) -> None:
+    server.replies += [
+        error,
         openai_stream([openai_chunk("second time lucky"), openai_usage_chunk(4, 3)]),
     ]
     reg = registry(server, max_retries=1)
@@ -254,6 +263,8 @@ async def test_auth_error_fails_at_once_with_the_provider_message(server: Script
             False,
         ),  # FastAPI validation
         (Reply(status=500, body="upstream exploded"), "upstream exploded", ErrorType.UPSTREAM, True),
+        (Reply(status=408, body={"error": "request timeout"}), "request timeout", ErrorType.UPSTREAM, True),
+        (Reply(status=409, body={"error": "conflict"}), "conflict", ErrorType.UPSTREAM, True),
     ],
 )
 async def test_error_mapping(

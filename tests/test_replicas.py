@@ -39,12 +39,16 @@ async def test_replicas_share_the_load_and_cover_for_each_other() -> None:
 
         replicas[0].kill()
         ends = []
-        for i in range(4):  # a reply in flight on the dead replica may fail; the next ones go on
+        for i in range(4):
             items = await one(remote, f"after {i}")
             ends.append(next(e for e in items if isinstance(e, ReplyEndEvent)).finished_reason)
             if ends[-1] == ReplyFinishedReason.COMPLETED:
                 assert served_by(items) == replicas[1].pid
-        assert ends[-2:] == [ReplyFinishedReason.COMPLETED, ReplyFinishedReason.COMPLETED]
+        # Only the first reply may fail: it can race the host noticing the death (a stream it
+        # takes may not have ended yet). That failure drops every idle stream, and by then the
+        # channel knows the replica is gone: every later reply goes to the live one.
+        # (Reusing a stream that has already ended is tested in test_guards.py.)
+        assert ends[1:] == [ReplyFinishedReason.COMPLETED] * 3, ends
         await remote.close()
     finally:
         for r in replicas:

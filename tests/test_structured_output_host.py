@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from agent_host.data import (
     ReplyEndEvent,
     ReplyFinishedReason,
     RequireUserConfirmEvent,
+    ToolResultEndEvent,
+    ToolResultState,
     UserConfirmResultEvent,
     UserInterruptEvent,
     UserMsg,
@@ -30,7 +33,7 @@ from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
-from .host_util import chat, get_session, stub
+from .host_util import chat, get_session, processes, stub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,10 +53,10 @@ def printed_json(stdout: str) -> Any:
     return json.loads("\n".join(lines[starts[-1] :]))
 
 
-def assert_person(value: Any) -> None:
-    assert isinstance(value, dict) and set(value) == {"name", "age"}, value
-    assert isinstance(value["name"], str), value
-    assert isinstance(value["age"], int) and not isinstance(value["age"], bool), value
+def assert_person(value: Any, name: str, age: int) -> None:
+    """The object the input implies, exactly (an age of 30.0 or "30" is not 30)."""
+    assert value == {"name": name, "age": age}, value
+    assert type(value["age"]) is int, value
 
 
 async def _reply(address: str, session_id: str, inputs: Any, schema: dict[str, Any] | None) -> list[Any]:
@@ -79,7 +82,7 @@ async def _not_found(address: str, session_id: str) -> bool:
 def test_chat_schema_prints_structured_output(host: ServerProcess) -> None:
     done = chat(host.address, "--message", "Alice is 30 years old", "--schema", json.dumps(PERSON))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_person(printed_json(done.stdout))
+    assert_person(printed_json(done.stdout), "Alice", 30)
     assert len(SESSION.findall(done.stderr)) == 1, done.stderr
 
 
@@ -88,7 +91,7 @@ async def test_reply_final_msg_carries_structured_output(host: ServerProcess) ->
     end = next(i for i in items if isinstance(i, ReplyEndEvent))
     assert end.finished_reason == ReplyFinishedReason.COMPLETED
     assert isinstance(items[-1], Msg)
-    assert_person(items[-1].structured_output)
+    assert_person(items[-1].structured_output, "Carol", 25)
     info, _, _ = await get_session(host.address, "so-grpc")  # saved as usual
     assert not info.summary.parked and not info.replying
 
@@ -98,13 +101,13 @@ def test_chat_schema_from_file(host: ServerProcess, tmp_path: Path) -> None:
     path.write_text(json.dumps(PERSON), encoding="utf-8")
     done = chat(host.address, "--message", "Bob is 41 years old", "--schema", f"@{path}")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_person(printed_json(done.stdout))
+    assert_person(printed_json(done.stdout), "Bob", 41)
 
 
 def test_chat_without_schema_prints_no_json(host: ServerProcess) -> None:
     done = chat(host.address, "--message", "Alice is 30 years old")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "{" not in done.stdout.splitlines()
+    assert done.stdout.splitlines() == ["You said: Alice is 30 years old"]
 
 
 @pytest.mark.parametrize(
@@ -184,3 +187,43 @@ async def test_schema_with_resumption_event_refused(host: ServerProcess) -> None
         await _reply(host.address, "so-unknown", allow, PERSON)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert await _not_found(host.address, "so-unknown")
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) a structured output that does not fit the schema: refused as the tool's input, asked again.
+
+# The offline model's tool rules apply while the user's turn has no tool results: its first call
+# is this invalid object; after the refusal it fills the schema from the user's words.
+INVALID_FIRST = """
+models:
+  default: main
+  models:
+    main:
+      provider: offline
+      rules:
+        - {pattern: "thirty", tool: GenerateStructuredOutput, input: {name: Alice, age: thirty}}
+"""
+
+
+@pytest.fixture(scope="module")
+def invalid_first_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("invalid-first-host")
+    config = logs / "host.yaml"
+    config.write_text(INVALID_FIRST)
+    with processes(logs) as procs:
+        yield procs.host(logs / "sessions.db", "--config", str(config))
+
+
+async def test_invalid_structured_output_is_refused_then_generated_again(invalid_first_host: ServerProcess) -> None:
+    address = invalid_first_host.address
+    items = await _reply(address, "so-retry", UserMsg("Alice is 30 (thirty) years old"), PERSON)
+    results = [i for i in items if isinstance(i, ToolResultEndEvent)]
+    assert [r.state for r in results] == [ToolResultState.ERROR, ToolResultState.SUCCESS]
+    end = next(i for i in items if isinstance(i, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED
+    assert_person(items[-1].structured_output, "Alice", 30)
+    # The model was told why: the schema's complaint is in the refused call's result.
+    _, state, _ = await get_session(address, "so-retry")
+    outputs = [b.output for m in state.context for b in m.content if getattr(b, "type", "") == "tool_result"]
+    refusal = outputs[0] if isinstance(outputs[0], str) else "".join(getattr(x, "text", "") for x in outputs[0])
+    assert "invalid input for tool 'GenerateStructuredOutput'" in refusal and "'thirty'" in refusal, refusal

@@ -3,10 +3,13 @@ cost no RPC and no message."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import TextBlockDeltaEvent, UserMsg
+from agent_host.data import TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
 from agent_host.tools import Toolkit
@@ -16,11 +19,18 @@ from .harness import add
 
 
 @pytest.fixture(scope="module")
-def servers():
+def gate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The file GatedObserver waits for (created by the test once its client has every delta)."""
+    return tmp_path_factory.mktemp("gate") / "open"
+
+
+@pytest.fixture(scope="module")
+def servers(gate: Path):
     procs = {
         name: middleware_server(f"tests.conformance_mw:{name}")
         for name in ("EndOnlyCounter", "ObserveCounter", "PromptTag")
     }
+    procs["GatedObserver"] = middleware_server("tests.guard_mw:GatedObserver", gate=str(gate))
     start_all(list(procs.values()))
     yield {name: p.address for name, p in procs.items()}
     for p in procs.values():
@@ -53,12 +63,29 @@ async def test_unsubscribed_items_bypass_the_middleware(servers: dict[str, str])
     await remote.close()
 
 
-async def test_observed_items_are_all_seen_without_holding_the_pipeline(servers: dict[str, str]) -> None:
+async def test_observed_items_are_all_seen(servers: dict[str, str]) -> None:
     remote = await RemoteMiddleware(servers["ObserveCounter"]).connect()
     agent = Agent(model=OfflineRuleModel(reply_template="word " * 300), middlewares=[remote])
     items = [i async for i in agent.reply_stream(UserMsg("hi"))]
     seen = agent.state.middle_context["ObserveCounter"]
     assert sum(seen.values()) == len(items) and seen["TextBlockDeltaEvent"] == 300
+    await remote.close()
+
+
+async def test_observed_items_are_not_held_by_a_slow_observer(servers: dict[str, str], gate: Path) -> None:
+    """The observer does not go on from the first delta until the client has them all: that can
+    only happen if the host forwards observed items without waiting for the middleware (with
+    INTERCEPT it would wait, and the observer's gate would stay shut)."""
+    remote = await RemoteMiddleware(servers["GatedObserver"]).connect()
+    agent = Agent(model=OfflineRuleModel(reply_template="one two three four five"), middlewares=[remote])
+    items = []
+    async with asyncio.timeout(30):
+        async for item in agent.reply_stream(UserMsg("hi")):
+            items.append(item)
+            if isinstance(item, TextBlockEndEvent):  # every delta is here
+                gate.touch()
+    assert [i.delta for i in items if isinstance(i, TextBlockDeltaEvent)] == ["one ", "two ", "three ", "four ", "five"]
+    assert agent.state.middle_context["GatedObserver"] == {"gate_opened": True, "seen": 5}
     await remote.close()
 
 

@@ -12,8 +12,9 @@ After AgentScope's ReplyBudgetControlMiddleware (see docs/budget.md). Two hooks:
   tool stays allowed instead. A ``CustomEvent("budget_exhausted")`` tells the client.
 
 All state is in the session: ``agent.state.middle_context[key]`` holds ``{"reply_id", "used",
-"budget", "remaining", "restricted_steps"}``. The process keeps nothing between calls, so it can
-be restarted or replicated freely, and the same class works in-process
+"budget", "remaining"}``, written by ``on_reply`` only (``on_reasoning`` just reads it). The
+process keeps nothing between calls, so it can be restarted or replicated freely, and the same
+class works in-process
 (``Agent(middlewares=[ReplyBudget(token_budget=...)])``) and as a server
 (``python -m mw_servers.budget --token-budget N``).
 """
@@ -80,13 +81,12 @@ class ReplyBudget(MiddlewareBase):
     async def get_middleware_key(self) -> str:
         return self.key
 
-    def _slot(self, reply_id: str, used: float = 0, restricted_steps: int = 0) -> dict[str, Any]:
+    def _slot(self, reply_id: str, used: float = 0) -> dict[str, Any]:
         return {
             "reply_id": reply_id,
             "used": _number(used),
             "budget": self.token_budget,
             "remaining": _number(max(self.token_budget - used, 0)),
-            "restricted_steps": restricted_steps,
         }
 
     def _current(self, agent: Any, reply_id: str) -> dict[str, Any]:
@@ -101,9 +101,7 @@ class ReplyBudget(MiddlewareBase):
             elif isinstance(item, ModelCallEndEvent):
                 slot = self._current(agent, item.reply_id)
                 cost = self.input_token_weight * item.input_tokens + self.output_token_weight * item.output_tokens
-                agent.state.middle_context[self.key] = self._slot(
-                    item.reply_id, slot["used"] + cost, slot["restricted_steps"]
-                )
+                agent.state.middle_context[self.key] = self._slot(item.reply_id, slot["used"] + cost)
             yield item
 
     async def on_reasoning(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
@@ -124,8 +122,7 @@ class ReplyBudget(MiddlewareBase):
             tool_choice = ToolChoice(mode="none")
             hint = self.hint_message
         state.append_to_last_assistant(agent.name, [HintBlock(hint=hint, source=HINT_SOURCE)])
-        steps = slot["restricted_steps"] + 1
-        state.middle_context[self.key] = self._slot(state.reply_id, slot["used"], steps)
+        # The slot is on_reply's alone: with one writer no hook can overwrite the other's count.
         yield CustomEvent(
             name=EXHAUSTED,
             value={
@@ -133,7 +130,6 @@ class ReplyBudget(MiddlewareBase):
                 "reply_id": state.reply_id,
                 "used": slot["used"],
                 "budget": self.token_budget,
-                "restricted_steps": steps,
                 "tool_choice": tool_choice.mode,
             },
         )

@@ -24,7 +24,7 @@ from . import DEFAULT_HINT, DEFAULT_KEY, ReplyBudget
 PROG = "python -m mw_servers.budget"
 ENV_PREFIX = "AGENTMW_BUDGET_"
 DEFAULTS: dict[str, Any] = {
-    "address": "127.0.0.1:50081",
+    "address": "127.0.0.1:50062",
     "token_budget": None,  # required
     "input_token_weight": 1.0,
     "output_token_weight": 1.0,

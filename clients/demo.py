@@ -6,8 +6,9 @@ middleware class in ``mw_servers/examples/`` through the SDK launcher), then the
 all of them attached and two offline models ("offline", the default, and "backup"), then runs a
 scripted conversation on one session: a tool call, an email that needs confirmation (answered
 automatically, with an edited input), a tool the client executes, a model that keeps calling a
-tool until the budget server stops it, each middleware-contributed tool, a question the offline model answers from its (dynamic) system prompt, a simulated outage
-of the default model that the fallback middleware answers with "backup", and a follow-up turn.
+tool until the budget server stops it, each middleware-contributed tool, a question the offline
+model answers from its (dynamic) system prompt, a simulated outage of the default model that the
+fallback middleware answers with "backup", and a follow-up turn.
 It prints what happened (with the model that answered each model call) and what each middleware
 kept in the session, and stops every process it started, also on an error or Ctrl-C. Exit status
 0 means every reply completed.

@@ -293,6 +293,15 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
             "—",
         ]
     )
+    rows.append(
+        [
+            "Reply host CPU and time to reply end: budget server / the same class in-process (no target)",
+            f"{times(ratio(rep['budget_remote'].cpus, rep['budget_inproc'].cpus))}; "
+            f"{times(ratio(rep['budget_remote'].walls, rep['budget_inproc'].walls))}",
+            "—",
+            "—",
+        ]
+    )
     return rows
 
 
@@ -399,6 +408,8 @@ REPLY_VARIANTS = {
     "remote4": "4 remote Realistic middleware (4 hooks each)",
     "none_yielding": "no middleware, model yields to the loop every 16 chunks (fix prototype)",
     "remote_yielding": "remote Realistic, model yields every 16 chunks (fix prototype)",
+    "budget_remote": "budget server (mw_servers.budget: on_reply + on_reasoning), counting",
+    "budget_inproc": "the same ReplyBudget class in-process, counting",
     "peer_none": "AgentScope 2.0.11 in-process, no middleware",
     "peer_mw": "AgentScope 2.0.11 in-process, 1 pass-through middleware (4 hooks)",
     "peer_mw4": "AgentScope 2.0.11 in-process, 4 pass-through middleware (4 hooks each)",

@@ -42,9 +42,13 @@ MIDDLEWARE = ["PassThroughCall", "PassThroughCallEager", "InterceptAll", "ReplyE
 
 
 def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess]]:
-    """The echo server and one process per bench middleware class, started in parallel."""
+    """The echo server, one process per bench middleware class and the budget server, in parallel."""
     echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
     servers = {name: middleware_server(f"bench.middlewares:{name}") for name in MIDDLEWARE}
+    servers["ReplyBudget"] = ServerProcess(
+        ["-m", "mw_servers.budget", "--address", "127.0.0.1:{port}", "--token-budget", str(scenarios.BUDGET_TOKENS)],
+        name="budget",
+    )
     start_all([echo, *servers.values()])  # all or none: on an error none is left running
     return echo, servers
 
@@ -77,6 +81,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             rm_icpt=await attach("InterceptAll"),
             rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
             rm_real=[await attach("Realistic") for _ in range(4)],
+            rm_budget=await attach("ReplyBudget"),
             pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
         )
         res = Results(rounds=rounds, peer_note=peer_note)

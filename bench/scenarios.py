@@ -43,6 +43,7 @@ ITEMS = 200  # items per intercepted stream (3)
 OPS = 40  # hook invocations / bare exchanges per batch (1, 2)
 BYPASS_N = 1000  # deltas of the reply whose items bypass the middleware (4)
 CONCURRENT = 32  # concurrent replies (6)
+BUDGET_TOKENS = 1e9  # the budget rows measure counting; a budget this size never cuts the reply short
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Env:
     rm_icpt: RemoteMiddleware  # InterceptAll
     rm_end: list[RemoteMiddleware]  # ReplyEndOnly, 4 clients (4 layers) of one server
     rm_real: list[RemoteMiddleware]  # Realistic, 4 clients (4 layers) of one server
+    rm_budget: RemoteMiddleware  # mw_servers.budget with BUDGET_TOKENS (it counts, never acts)
     pids: dict[str, int]  # "echo" and the middleware class names
 
 
@@ -361,19 +363,21 @@ async def count_reply(env: Env) -> ReplyTraffic:
 
 
 async def measure_replies(env: Env, rounds: int, peer: AgentScopePeer | None) -> dict[str, Series]:
-    pid = env.pids["Realistic"]
+    from mw_servers.budget import ReplyBudget
 
-    async def run(middlewares: list[Any], yielding: bool = False) -> Sample:
+    async def run(middlewares: list[Any], yielding: bool = False, pid: int | None = env.pids["Realistic"]) -> Sample:
         agent = make_agent(middlewares, tool_round_script(), yielding=yielding)
-        server0 = process_cpu(pid)
+        server0 = process_cpu(pid) if pid else 0.0
         sample = await one_reply(agent)
-        return replace(sample, server_cpu=process_cpu(pid) - server0 if middlewares else math.nan)
+        return replace(sample, server_cpu=process_cpu(pid) - server0 if middlewares and pid else math.nan)
 
     variants: dict[str, Batch] = {
         "none": lambda: run([]),
         "remote": lambda: run(env.rm_real[:1]),
         "remote4": lambda: run(env.rm_real),
         "none_yielding": lambda: run([], True),
+        "budget_remote": lambda: run([env.rm_budget], pid=env.pids["ReplyBudget"]),
+        "budget_inproc": lambda: run([ReplyBudget(token_budget=BUDGET_TOKENS)], pid=None),
     }
     if peer is not None:
         for variant in ("none", "mw", "mw4"):

@@ -5,9 +5,10 @@ loopback port (built-in servers ``mw_servers/<name>/`` through their ``__main__`
 middleware class in ``mw_servers/examples/`` through the SDK launcher), then the agent host with
 all of them attached and two offline models ("offline", the default, and "backup"), then runs a
 scripted conversation on one session: a tool call, an email that needs confirmation (answered
-automatically, with an edited input), a tool the client executes, each middleware-contributed
-tool, a question the offline model answers from its (dynamic) system prompt, a simulated outage
-of the default model that the fallback middleware answers with "backup", and a follow-up turn.
+automatically, with an edited input), a tool the client executes, a model that keeps calling a
+tool until the budget server stops it, each middleware-contributed tool, a question the offline
+model answers from its (dynamic) system prompt, a simulated outage of the default model that the
+fallback middleware answers with "backup", and a follow-up turn.
 It prints what happened (with the model that answered each model call) and what each middleware
 kept in the session, and stops every process it started, also on an error or Ctrl-C. Exit status
 0 means every reply completed. Every process traces to an OTLP receiver in the demo itself
@@ -42,6 +43,14 @@ SERVER_ARGS: dict[str, dict[str, Any]] = {
     "RateLimitMiddleware": {"rate": 20, "burst": 4},
 }
 
+# Flags of the built-in servers (``python -m mw_servers.<name>``). The budget counts output tokens
+# only, so the session's growing context does not use it up in the other steps: 3 is three
+# single-tool-call model turns, and the fourth step of that reply must answer without tools.
+PACKAGE_ARGS: dict[str, list[str]] = {
+    "budget": ["--token-budget", "3", "--input-token-weight", "0", "--output-token-weight", "1"],
+}
+BUDGET_STEP = "Keep watching the forecast for Paris"
+
 OUTAGE = "the primary model is down (simulated outage)"
 
 
@@ -57,6 +66,13 @@ def host_models() -> dict[str, Any]:
             "text": "Here is what I know about {0}, from my system prompt:\n{system}",
         },
         {"pattern": r"simulate an? (?:outage|failure)", "error": {"type": "upstream", "message": OUTAGE}},
+        # A model that would call the tool at every step (until max_iters): the budget stops it.
+        {
+            "pattern": r"keep watching the forecast for (\w+)",
+            "tool": "get_weather",
+            "input": {"city": "{0}"},
+            "repeat": True,
+        },
     ]
     models["models"]["backup"] = {
         "provider": "offline",
@@ -82,7 +98,9 @@ def discover_servers() -> list[ServerSpec]:
     for info in pkgutil.iter_modules(mw_servers.__path__):
         path = Path(mw_servers.__path__[0]) / info.name
         if info.ispkg and info.name not in ("sdk", "examples") and (path / "__main__.py").exists():
-            specs.append(ServerSpec(info.name, ["-m", f"mw_servers.{info.name}", *address], f"mw_servers.{info.name}"))
+            flags = PACKAGE_ARGS.get(info.name, [])
+            what = " ".join([f"mw_servers.{info.name}", *flags])
+            specs.append(ServerSpec(info.name, ["-m", f"mw_servers.{info.name}", *address, *flags], what))
     try:
         examples = importlib.import_module("mw_servers.examples")
     except ImportError:
@@ -130,6 +148,11 @@ def _steps(tools: list[str]) -> list[Step]:
             edit={"body": "Hello from Paris! (edited by the demo before sending)"},
         ),
         Step("external execution: the client runs lookup_order and sends back its result", "Where is my order A-1001?"),
+        Step(
+            "a token budget: the model would call get_weather at every step; after 3 weighted tokens the "
+            "budget server withholds the tools and the agent answers",
+            BUDGET_STEP,
+        ),
     ]
     for name in tools:
         steps.append(Step(f"a tool contributed by a middleware: {name}", f"call {name} text=hello"))

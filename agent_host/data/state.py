@@ -23,6 +23,11 @@ class ReplyContext:
     # A max_iters a middleware set for this reply (``agent.max_iters = n``); None = the agent's own.
     max_iters: int | None = None
 
+    @property
+    def structured_output_pending(self) -> bool:
+        """A structured output is required and not generated yet (a remote view has the same name)."""
+        return self.structured_schema is not None and self.structured_output is None
+
 
 class ReplyFields:
     """``reply_id`` and ``cur_iter`` read through ``reply_context``, as on AgentScope's AgentState.

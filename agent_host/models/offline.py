@@ -7,7 +7,9 @@ It is the embedded default of the demo and the tests. Per call it takes, in orde
    "input"}], "error": {"type", "message", "retryable"}, "delay"}``);
 2. tool calls by rule, while the user's turn has no tool results yet: the user names a known tool
    ("call get_weather city=Paris", "use add {"a": 1, "b": 2}"), or tool rules of ``rules`` match
-   (``{"pattern", "tool", "input"}``, one call per matching rule whose tool is offered);
+   (``{"pattern", "tool", "input"}``, one call per matching rule whose tool is offered); a tool
+   rule with ``"repeat": true`` calls again after every result, for as long as the agent offers
+   the tool (``tool_choice`` "none" or the max_iters limit stops it);
 3. the structured-output tool, when the agent owes one: its input filled from the user's words
    and the tool results (numbers from the first number, names from the first capitalized word);
 4. an answer that reports the tool results of the current user turn, once there are any;
@@ -107,6 +109,8 @@ class OfflineRuleModel(ChatModel):
             calls = self._named_calls(user_text, names) or self._rule_calls(user_text, names)
             if calls:
                 return {"tool_calls": calls}
+        if may_call and results and (calls := self._rule_calls(user_text, names, repeating=True)):
+            return {"tool_calls": calls}  # "repeat" rules go on calling until tools are withheld
         structured = next((t["function"] for t in tools if t.get("function", {}).get("name") == STRUCTURED), None)
         if structured is not None and may_call and STRUCTURED in names:  # a structured output is owed
             facts = " ".join([user_text, *(block_text(r.output) for r in results)])
@@ -148,10 +152,10 @@ class OfflineRuleModel(ChatModel):
             calls.append({"name": name, "input": args})
         return calls
 
-    def _rule_calls(self, text: str, names: set[str]) -> list[dict[str, Any]]:
+    def _rule_calls(self, text: str, names: set[str], repeating: bool = False) -> list[dict[str, Any]]:
         calls = []
         for rule in self.rules:
-            if "tool" not in rule:
+            if "tool" not in rule or (repeating and not rule.get("repeat")):
                 continue
             match = rule["regex"].search(text)
             if match and rule["tool"] in names:

@@ -1,0 +1,110 @@
+"""Serve ReplyBudget: ``python -m mw_servers.budget --address HOST:PORT --token-budget N``.
+
+Every setting comes from, in this order of precedence: a command-line flag, an environment
+variable ``AGENTMW_BUDGET_<SETTING>`` (e.g. ``AGENTMW_BUDGET_TOKEN_BUDGET=5000``), a YAML file
+given with ``--config`` (keys as the flags, with underscores: ``token_budget: 5000``), the default.
+Invalid settings are one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mw_servers.sdk import serve
+
+from . import DEFAULT_HINT, DEFAULT_KEY, ReplyBudget
+
+PROG = "python -m mw_servers.budget"
+ENV_PREFIX = "AGENTMW_BUDGET_"
+DEFAULTS: dict[str, Any] = {
+    "address": "127.0.0.1:50062",
+    "token_budget": None,  # required
+    "input_token_weight": 1.0,
+    "output_token_weight": 1.0,
+    "hint_message": DEFAULT_HINT,
+    "key": DEFAULT_KEY,
+}
+NUMBERS = ("token_budget", "input_token_weight", "output_token_weight")
+
+
+class SettingError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    # No defaults here: an unset flag falls back to the environment, then the config file.
+    parser.add_argument("--address", help=f"host:port to listen on, port 0 = any (default {DEFAULTS['address']})")
+    parser.add_argument("--token-budget", help="weighted tokens a reply may spend before tools are withheld")
+    parser.add_argument("--input-token-weight", help="weight of a model call's input tokens (default 1)")
+    parser.add_argument("--output-token-weight", help="weight of a model call's output tokens (default 1)")
+    parser.add_argument("--hint-message", help="the hint added to the context once the budget is spent")
+    parser.add_argument("--key", help=f"the middle_context slot, distinct per stacked budget (default {DEFAULT_KEY})")
+    parser.add_argument("--config", help="a YAML file with any of the settings above")
+    return parser
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SettingError(f"--config {path}: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise SettingError(f"--config {path}: expected a mapping of settings")
+    unknown = sorted(set(data) - set(DEFAULTS))
+    if unknown:
+        raise SettingError(f"--config {path}: unknown settings {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
+    return data
+
+
+def settings(argv: list[str] | None, environ: dict[str, str]) -> dict[str, Any]:
+    """The merged, validated settings (flags > environment > config file > defaults)."""
+    args = vars(_parser().parse_args(argv))
+    config = args.pop("config") or environ.get(ENV_PREFIX + "CONFIG")
+    merged = dict(DEFAULTS)
+    if config:
+        merged.update(_from_file(config))
+    for name in DEFAULTS:
+        if (value := environ.get(ENV_PREFIX + name.upper())) is not None:
+            merged[name] = value
+        if args[name] is not None:
+            merged[name] = args[name]
+    if merged["token_budget"] is None:
+        raise SettingError(f"--token-budget is required (or {ENV_PREFIX}TOKEN_BUDGET, or token_budget in --config)")
+    for name in NUMBERS:
+        merged[name] = _number(name, merged[name])
+    return merged
+
+
+def _number(name: str, value: Any) -> float:
+    flag = "--" + name.replace("_", "-")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise SettingError(f"{flag} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
+        raise SettingError(f"{flag} must be a finite number >= 0, got {value!r}")
+    return number
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        s = settings(argv, dict(os.environ))
+    except SettingError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    address = s.pop("address")
+    serve(ReplyBudget(**s), address)
+
+
+if __name__ == "__main__":
+    main()

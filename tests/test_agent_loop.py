@@ -211,10 +211,15 @@ async def test_a_failed_reply_leaves_no_tool_task_writing_later() -> None:
     async def fast() -> str:
         return "fast"
 
+    release, ended = asyncio.Event(), asyncio.Event()
+
     @tool(description="Slow.", is_concurrency_safe=True)
     async def slow() -> str:
-        await asyncio.sleep(0.3)
-        return "slow"
+        try:
+            await release.wait()
+            return "slow"
+        finally:
+            ended.set()
 
     class FailOnFirstResult(MiddlewareBase):
         async def on_reply(self, agent, input_kwargs, next_handler):
@@ -228,7 +233,11 @@ async def test_a_failed_reply_leaves_no_tool_task_writing_later() -> None:
     agent = Agent(model=model, toolkit=Toolkit([fast, slow]), middlewares=[FailOnFirstResult()])
     items = await collect(agent, UserMsg("go"))
     assert items[-1].error is not None and "budget service went away" in items[-1].error.message
-    await asyncio.sleep(0.5)  # a leaked task would add a second result for "slow" by now
+    # No task of the reply outlives it: "slow" was stopped when the reply ended, not left running
+    # to add a result later (releasing it now would let a leaked task write).
+    assert ended.is_set()
+    release.set()
+    await asyncio.sleep(0)
     ids = [r.id for r in tool_results(agent)]
     assert sorted(ids) == sorted(set(ids)) and len(ids) == 2
 

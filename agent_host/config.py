@@ -27,6 +27,7 @@ the new address and keeps its YAML policy (fail_open, timeout); new names are ap
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -286,8 +287,8 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
         if address:
             _check_address(address, f"{where}.address")
         timeout = _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout")
-        if timeout <= 0:
-            raise ConfigError(f"{where}.timeout: must be positive, got {timeout}")
+        if not math.isfinite(timeout) or timeout <= 0:  # YAML has .nan and .inf
+            raise ConfigError(f"{where}.timeout: must be a finite number of seconds above 0, got {timeout}")
         name = _expect(entry.get("name", ""), str, f"{where}.name")
         if any(m.name and m.name == name for m in out):
             raise ConfigError(f"{where}.name: {name!r} is used twice")

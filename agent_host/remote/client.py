@@ -8,13 +8,17 @@ implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidir
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import jsonschema
 
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
@@ -40,14 +44,42 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# Per-call output limits: generous for a legit middleware (a TTS one streaming minutes of audio
+# emits some 10k chunks and tens of MB), small enough to stop a runaway one in seconds.
+DEFAULT_MAX_ITEMS = 100_000
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
+# The namespaced name "<middleware>__<tool>" as the strictest provider (OpenAI) accepts it.
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def check_timeout(value: Any, what: str = "timeout") -> float:
+    """A finite number of seconds above 0 (NaN, infinity, 0 or less would never or always expire)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
+    return float(value)
+
+
 @dataclass
 class Policy:
     """Per-middleware failure policy. ``timeout``: seconds the host waits for one message from the
-    middleware (never counted while the host runs the inner pipeline for it)."""
+    middleware (never counted while the host runs the inner pipeline for it), and for each
+    handshake (Describe, ListTools) or tool call message. ``max_items`` / ``max_bytes``: what one
+    hook call of the middleware may emit (items) and send (bytes) before it is failed as a runaway."""
 
     fail_open: bool = False
     timeout: float = 10.0
     connect_timeout: float = 5.0
+    max_items: int = DEFAULT_MAX_ITEMS
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        self.timeout = check_timeout(self.timeout)
+        self.connect_timeout = check_timeout(self.connect_timeout, "connect_timeout")
+        for name in ("max_items", "max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number above 0, got {value!r}")
 
 
 class MiddlewareFailure(RuntimeError):
@@ -62,6 +94,10 @@ class MiddlewareFailure(RuntimeError):
 
 class StreamBroken(MiddlewareFailure):
     """The stream failed underneath: connection lost, server gone, stream ended early."""
+
+
+class OutputLimitExceeded(MiddlewareFailure):
+    """The middleware emitted more than its policy allows in one hook call (a runaway)."""
 
 
 class ProtocolError(MiddlewareFailure):
@@ -102,6 +138,8 @@ class RemoteMiddleware:
         self.provides_tools = False
         self.described = False
         self.bypasses = 0  # fail_open skips, for inspection
+        self.stale_messages = 0  # messages of ended invocations, dropped (hooks.proto, INVOCATION IDS)
+        self._invocations = itertools.count(1)  # ids increase on every stream: old ones are told apart
         self.prompt_cache: dict[tuple, str] = {}
         # Idle streams per hook: a stream carries one invocation at a time, then the next one, so
         # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
@@ -117,18 +155,17 @@ class RemoteMiddleware:
 
     # -- handshake ------------------------------------------------------------------------------
 
-    async def connect(self, *, wait: bool = True) -> RemoteMiddleware:
+    async def connect(self, *, timeout: float | None = None) -> RemoteMiddleware:
         """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure.
 
-        ``wait``: wait up to ``connect_timeout`` for the server to come up (on attach). Hook calls
-        re-describe without waiting, so a middleware that is down fails fast instead of stalling
-        every reply; once the channel has reconnected (it retries within a second), it is used again.
+        Waits for the server to come up (a restarted one is still reconnecting), for up to
+        ``timeout``: ``connect_timeout`` on attach, the hook timeout when a hook call re-describes.
         """
         try:
             desc = await self._describe_stub.Describe(
                 hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION),
-                timeout=self.policy.connect_timeout,
-                wait_for_ready=wait,
+                timeout=self.policy.connect_timeout if timeout is None else timeout,
+                wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
@@ -164,7 +201,18 @@ class RemoteMiddleware:
         """Describe again when the last call failed or the connection was re-established since
         (a server restarted between replies may implement other hooks now)."""
         if not self.described or self.channel.get_state() != grpc.ChannelConnectivity.READY:
-            await self.connect(wait=False)
+            await self.connect(timeout=self.policy.timeout)
+
+    def new_invocation(self) -> int:
+        return next(self._invocations)
+
+    def reachable(self) -> bool | None:
+        """False while the channel cannot connect, True when connected or idle, None while it is
+        connecting (unknown yet). Asks the channel to connect, so a dead server is noticed."""
+        state = self.channel.get_state(try_to_connect=True)
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            return False
+        return None if state == grpc.ChannelConnectivity.CONNECTING else True
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) until the channel is connected again, e.g. after a server restart."""
@@ -187,7 +235,7 @@ class RemoteMiddleware:
             call = idle.pop()
             if not call.done():  # a stream whose server went away has ended by now
                 return call
-        return self.stubs[hook]()
+        return self.stubs[hook](wait_for_ready=True)  # a reconnecting channel: wait (the watchdog bounds it)
 
     def release_stream(self, hook: str, call: Any) -> None:
         idle = self.idle[hook]
@@ -253,7 +301,39 @@ class RemoteMiddleware:
             reply = await self._tools_stub.ListTools(hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout)
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "ListTools", f"{exc.code().name}: {exc.details()}") from None
-        return [RemoteTool(codec.decode(t), self) for t in reply.tools]
+        return self._checked_tools(reply.tools)
+
+    def _checked_tools(self, descriptors: Any) -> list[Tool]:
+        """Refuse at attach what a model provider would refuse later, or what would clash."""
+        tools: list[Tool] = []
+        seen: set[str] = set()
+        for proto in descriptors:
+
+            def bad(what: str, name: str = proto.name) -> ProtocolError:
+                return ProtocolError(self.name, "ListTools", f"tool {name!r}: {what}")
+
+            if proto.ByteSize() > MAX_TOOL_DESCRIPTOR_BYTES:
+                raise bad(f"descriptor of {proto.ByteSize()} bytes (limit {MAX_TOOL_DESCRIPTOR_BYTES})")
+            try:
+                descriptor = codec.decode(proto)
+            except (CodecError, KeyError, TypeError, ValueError) as exc:
+                raise bad(f"malformed descriptor: {exc}") from None
+            full = f"{self.name}__{descriptor.name}"
+            if not TOOL_NAME.match(full):
+                raise bad(f"registered as {full!r}, which is not 1-64 of [a-zA-Z0-9_-]")
+            if descriptor.name in seen:
+                raise bad("listed twice")
+            seen.add(descriptor.name)
+            for field in ("input_schema", "metadata_schema"):
+                schema = getattr(descriptor, field)
+                if schema is None:
+                    continue
+                try:
+                    jsonschema.validators.validator_for(schema).check_schema(schema)
+                except jsonschema.SchemaError as exc:
+                    raise bad(f"{field} is not a valid JSON schema: {exc.message}") from None
+            tools.append(RemoteTool(descriptor, self))
+        return tools
 
 
 class RemoteTool(Tool):

@@ -21,6 +21,7 @@ from ..config import ConfigError, HostConfig, MiddlewareConfig
 from ..data import new_id
 from ..hooks import HOOKS
 from ..remote import MiddlewareFailure
+from ..remote.client import check_timeout
 from ..store import SessionRecord, SessionStore
 from .builtin_tools import BUILTIN_TOOLS
 from .host import Attached, Host, ReplyRejected, ReplyRun
@@ -83,8 +84,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
-        if request.timeout < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout must be positive, got {request.timeout}")
+        if request.timeout != 0:  # 0 = the default
+            try:
+                check_timeout(request.timeout)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         mc = MiddlewareConfig(
             address=request.address,
             name=request.name,

@@ -15,6 +15,7 @@ YAML (every key optional)::
     tools: [get_weather, add, send_email, lookup_order]   # built-in demo tools to enable
     middleware:                    # onion order: first = outermost
       - {name: budget, address: 127.0.0.1:50062, fail_open: false, timeout: 10}
+      # also per middleware: max_items / max_bytes, what one hook call may emit (100000 / 64 MiB)
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
 AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port").
@@ -76,6 +77,8 @@ class MiddlewareConfig:
     name: str = ""  # "" = the middleware's Describe key
     fail_open: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    max_items: int = 100_000  # per hook call (agent_host.remote.Policy)
+    max_bytes: int = 64 * 1024 * 1024
     source: str = ""  # where it was configured, for error messages
 
 
@@ -213,7 +216,7 @@ def _check_listen(address: str, where: str) -> None:
 
 _TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware"}
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int}
-_MW_KEYS = {"name", "address", "fail_open", "timeout"}
+_MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes"}
 
 
 def _apply_yaml(cfg: HostConfig, path: Path) -> None:
@@ -289,6 +292,12 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
         timeout = _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout")
         if not math.isfinite(timeout) or timeout <= 0:  # YAML has .nan and .inf
             raise ConfigError(f"{where}.timeout: must be a finite number of seconds above 0, got {timeout}")
+        limits = {}
+        for key in ("max_items", "max_bytes"):
+            if key in entry:
+                limits[key] = _expect(entry[key], int, f"{where}.{key}")
+                if limits[key] < 1:
+                    raise ConfigError(f"{where}.{key}: must be above 0, got {limits[key]}")
         name = _expect(entry.get("name", ""), str, f"{where}.name")
         if any(m.name and m.name == name for m in out):
             raise ConfigError(f"{where}.name: {name!r} is used twice")
@@ -299,6 +308,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
                 fail_open=_expect(entry.get("fail_open", False), bool, f"{where}.fail_open"),
                 timeout=float(timeout),
                 source=where,
+                **limits,
             )
         )
     return out

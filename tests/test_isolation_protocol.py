@@ -68,8 +68,10 @@ def custom(name: str) -> dict[str, Any]:
         [{**custom("from_a"), "finish": {}}],  # an extra emit + finish after A finished
         [{"pull": {}}],  # a stray pull
         [{"callNext": {}}],  # a stray call_next
+        [{**custom("next"), "finish": {}, "_id": "next"}],  # labelled with the id plus one
+        [{**custom("unlabelled"), "finish": {}, "_id": "zero"}],  # without an id
     ],
-    ids=["emit_finish", "pull", "call_next"],
+    ids=["emit_finish", "pull", "call_next", "next_id", "no_id"],
 )
 async def test_messages_after_finish_never_reach_the_next_invocation(evil: Any, scripts: Path, after: list) -> None:
     proc = evil()

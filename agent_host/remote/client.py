@@ -8,10 +8,10 @@ implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidir
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
+import random
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -43,6 +43,8 @@ CHANNEL_OPTIONS = [
     ("grpc.lb_policy_name", "round_robin"),
 ]
 
+
+_steps = random.Random()  # its own generator: invocation ids touch no global random state
 
 # Per-call output limits: generous for a legit middleware (a TTS one streaming minutes of audio
 # emits some 10k chunks and tens of MB), small enough to stop a runaway one in seconds.
@@ -139,7 +141,7 @@ class RemoteMiddleware:
         self.described = False
         self.bypasses = 0  # fail_open skips, for inspection
         self.stale_messages = 0  # messages of ended invocations, dropped (hooks.proto, INVOCATION IDS)
-        self._invocations = itertools.count(1)  # ids increase on every stream: old ones are told apart
+        self._invocation = 0  # the last invocation id handed out (see new_invocation)
         self.prompt_cache: dict[tuple, str] = {}
         # Idle streams per hook: a stream carries one invocation at a time, then the next one, so
         # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
@@ -204,7 +206,11 @@ class RemoteMiddleware:
             await self.connect(timeout=self.policy.timeout)
 
     def new_invocation(self) -> int:
-        return next(self._invocations)
+        """Ids increase (so a stream tells old from future ones) by a random step: a message a
+        broken middleware sends after its finish, with the id it had plus one, is still an old one
+        to the invocation that reuses the stream next."""
+        self._invocation += 1 + _steps.getrandbits(32)
+        return self._invocation
 
     def reachable(self) -> bool | None:
         """False while the channel cannot connect, True when connected or idle, None while it is
@@ -228,14 +234,15 @@ class RemoteMiddleware:
         self.described = False
         self._drop_idle()
 
-    def take_stream(self, hook: str) -> Any:
-        """An idle stream of this hook if a live one is left, else a new one."""
+    def take_stream(self, hook: str) -> tuple[Any, bool]:
+        """An idle stream of this hook if a live one is left, else a new one; and whether it is
+        reused (it may still hold messages of an earlier invocation)."""
         idle = self.idle[hook]
         while idle:
             call = idle.pop()
             if not call.done():  # a stream whose server went away has ended by now
-                return call
-        return self.stubs[hook](wait_for_ready=True)  # a reconnecting channel: wait (the watchdog bounds it)
+                return call, True
+        return self.stubs[hook](wait_for_ready=True), False  # a reconnecting channel: wait (bounded by the watchdog)
 
     def release_stream(self, hook: str, call: Any) -> None:
         idle = self.idle[hook]

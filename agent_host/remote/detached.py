@@ -60,7 +60,7 @@ class DetachedDelivery:
 
     async def _run(self) -> None:
         mw = self.mw
-        call = mw.take_stream(self.hook)
+        call, _ = mw.take_stream(self.hook)
         try:
             while (batch := await self.queue.get()) is not None:
                 msg = (

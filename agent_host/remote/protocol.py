@@ -43,6 +43,7 @@ from .detached import DetachedDelivery
 
 log = logging.getLogger("agentmw.remote")
 
+MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
 _EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
 
 
@@ -73,6 +74,8 @@ class HookCall:
         self.waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
         self.timed_out = False
         self.invocation = 0  # this invocation's id on the wire (hooks.proto, INVOCATION IDS)
+        self.reused = False  # the stream carried earlier invocations (their late messages may follow)
+        self.unlabelled = 0  # messages without an invocation id dropped on a reused stream
         self.emitted = 0  # new items the middleware emitted, against policy.max_items
         self.received_bytes = 0  # bytes of its messages, against policy.max_bytes
 
@@ -185,7 +188,7 @@ class HookCall:
             async for item in self._detached(begin):
                 yield item
             return
-        self.call = self.mw.take_stream(self.spec.name)
+        self.call, self.reused = self.mw.take_stream(self.spec.name)
         self._watch()
         if self.table.eager_next:  # the middleware calls next first thing: do not wait for it
             if self.spec.kind is Kind.CALL:
@@ -548,9 +551,11 @@ class HookCall:
             if self.timed_out:  # our watchdog, not (only) a cancellation of the reply
                 if task is not None and task.uncancel() > 0:
                     raise  # the reply was cancelled as well: that wins
-                raise MiddlewareFailure(
-                    self.mw.name, self.spec.name, f"{what} within {self.mw.policy.timeout}s (timeout)"
-                ) from None
+                if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
+                    what = f"{what} within {self.mw.policy.timeout}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
+                else:
+                    what = f"{what} within {self.mw.policy.timeout}s (timeout)"
+                raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
             raise
         finally:
             self.waiting_since = self.waiter = None
@@ -592,12 +597,15 @@ class HookCall:
             invocation = msg.invocation
             if invocation == self.invocation:
                 return msg
-            if invocation == 0:
-                raise self._violation("MiddlewareMessage.invocation is missing (echo the begin's invocation id)")
+            # On a reused stream, an unlabelled or older message may be a late one of an earlier
+            # invocation: dropped, so it never fails this one. On a new stream it can only be ours.
+            if invocation == 0 and not self.reused:
+                raise self._violation(MISSING_ID)
             if invocation > self.invocation:
                 raise self._violation(f"invocation {invocation} has not begun (this one is {self.invocation})")
-            self.mw.stale_messages += 1  # sent after its own invocation had ended: never this one's
-            log.debug("%s %s: dropped a message of ended invocation %d", self.mw.name, self.spec.name, invocation)
+            self.unlabelled += invocation == 0
+            self.mw.stale_messages += 1
+            log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
 
     def _violation(self, what: str) -> ProtocolError:
         return ProtocolError(self.mw.name, self.spec.name, what)

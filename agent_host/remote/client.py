@@ -364,7 +364,7 @@ class RemoteTool(Tool):
             slot = state.middle_context.get(mw.key)
             if slot is not None:
                 json_to_value(slot, request.context.slot)
-        call = mw._tools_stub.CallTool(request, timeout=None)
+        call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=True)  # reads are timed below
         try:
             while True:
                 try:

@@ -8,6 +8,7 @@ implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidir
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -125,11 +126,16 @@ class RemoteMiddleware:
         self.policy = policy or Policy()
         self.configured_name = name
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Streams open with wait_for_ready: on a reconnecting channel (a restarting middleware) the
+        # begin waits for the server instead of failing at once; the hook call's watchdog bounds it.
         self.stubs = {
-            spec.name: self.channel.stream_stream(
-                f"/agentmw.v1.{spec.service}/Run",
-                request_serializer=hooks_pb2.HostMessage.SerializeToString,
-                response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+            spec.name: functools.partial(
+                self.channel.stream_stream(
+                    f"/agentmw.v1.{spec.service}/Run",
+                    request_serializer=hooks_pb2.HostMessage.SerializeToString,
+                    response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+                ),
+                wait_for_ready=True,
             )
             for spec in HOOKS.values()
         }
@@ -242,7 +248,7 @@ class RemoteMiddleware:
             call = idle.pop()
             if not call.done():  # a stream whose server went away has ended by now
                 return call, True
-        return self.stubs[hook](wait_for_ready=True), False  # a reconnecting channel: wait (bounded by the watchdog)
+        return self.stubs[hook](), False
 
     def release_stream(self, hook: str, call: Any) -> None:
         idle = self.idle[hook]

@@ -15,6 +15,7 @@ YAML (every key optional)::
     tools: [get_weather, add, send_email, lookup_order]   # built-in demo tools to enable
     middleware:                    # onion order: first = outermost
       - {name: budget, address: 127.0.0.1:50062, fail_open: false, timeout: 10}
+      # also per middleware: max_items / max_bytes, what one hook call may emit (100000 / 64 MiB)
     tracing: {endpoint: http://127.0.0.1:4317}   # OTLP/gRPC spans (also: exporter, service_name);
                                    # without it the standard OTEL_* variables decide (docs/tracing.md)
 
@@ -29,6 +30,7 @@ the new address and keeps its YAML policy (fail_open, timeout); new names are ap
 from __future__ import annotations
 
 import copy
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +79,8 @@ class MiddlewareConfig:
     name: str = ""  # "" = the middleware's Describe key
     fail_open: bool = False
     timeout: float = DEFAULT_TIMEOUT
+    max_items: int = 100_000  # per hook call (agent_host.remote.Policy)
+    max_bytes: int = 64 * 1024 * 1024
     source: str = ""  # where it was configured, for error messages
 
 
@@ -215,7 +219,7 @@ def _check_listen(address: str, where: str) -> None:
 
 _TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware", "tracing"}
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int}
-_MW_KEYS = {"name", "address", "fail_open", "timeout"}
+_MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes"}
 
 
 def _apply_yaml(cfg: HostConfig, path: Path) -> None:
@@ -293,8 +297,14 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
         if address:
             _check_address(address, f"{where}.address")
         timeout = _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout")
-        if timeout <= 0:
-            raise ConfigError(f"{where}.timeout: must be positive, got {timeout}")
+        if not math.isfinite(timeout) or timeout <= 0:  # YAML has .nan and .inf
+            raise ConfigError(f"{where}.timeout: must be a finite number of seconds above 0, got {timeout}")
+        limits = {}
+        for key in ("max_items", "max_bytes"):
+            if key in entry:
+                limits[key] = _expect(entry[key], int, f"{where}.{key}")
+                if limits[key] < 1:
+                    raise ConfigError(f"{where}.{key}: must be above 0, got {limits[key]}")
         name = _expect(entry.get("name", ""), str, f"{where}.name")
         if any(m.name and m.name == name for m in out):
             raise ConfigError(f"{where}.name: {name!r} is used twice")
@@ -305,6 +315,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
                 fail_open=_expect(entry.get("fail_open", False), bool, f"{where}.fail_open"),
                 timeout=float(timeout),
                 source=where,
+                **limits,
             )
         )
     return out

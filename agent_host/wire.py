@@ -7,13 +7,24 @@ from typing import Any
 from agentmw.v1 import hooks_pb2
 
 from .codec import CodecError, codec
-from .data import ModelRef, PermissionDecision
+from .data import ChatResponse, ModelRef, Msg, PermissionDecision, ToolChunk, ToolResponse
 from .hooks import HookSpec
 from .models.base import ChatModel
 from .tools import Tool
 
 # Credits for observed items per pull, and what an eager_next start grants (hooks.proto).
 DEFAULT_CREDITS = 32
+
+# What a middleware may emit at each hook position: what the agent takes from that position
+# (a reply and a reasoning step yield events and their final Msg, acting a tool's chunks and
+# response, a model call chat responses). Anything else is a protocol violation.
+_EVENTS = frozenset(cls for cls in codec.item_field_by_py if cls not in (Msg, ToolChunk, ToolResponse, ChatResponse))
+EMITTABLE: dict[str, frozenset[type]] = {
+    "on_reply": _EVENTS | {Msg},
+    "on_reasoning": _EVENTS | {Msg},
+    "on_acting": frozenset({ToolChunk, ToolResponse}),
+    "on_model_call": frozenset({ChatResponse}),
+}
 
 
 def to_wire(value: Any) -> Any:

@@ -69,21 +69,30 @@ def on_reply(mode: str):
             begin = hooks_pb2.HostMessage.FromString(raw)
             if begin.WhichOneof("message") != "begin":
                 continue  # in flight from an earlier invocation
+            invocation = begin.invocation  # echoed on every message (hooks.proto, INVOCATION IDS)
             if mode == "no_next":
-                await context.write(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish()).SerializeToString())
+                await context.write(
+                    hooks_pb2.MiddlewareMessage(invocation=invocation, finish=hooks_pb2.Finish()).SerializeToString()
+                )
                 continue
-            await context.write(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext()).SerializeToString())
+            await context.write(
+                hooks_pb2.MiddlewareMessage(invocation=invocation, call_next=hooks_pb2.CallNext()).SerializeToString()
+            )
             reply_id = begin.begin.context.reply_id
             while (raw := await context.read()) != grpc.aio.EOF:
                 msg = hooks_pb2.HostMessage.FromString(raw)
                 if msg.WhichOneof("message") != "item":  # inner_done (or inner_error: give up)
-                    await context.write(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish()).SerializeToString())
+                    await context.write(
+                        hooks_pb2.MiddlewareMessage(
+                            invocation=invocation, finish=hooks_pb2.Finish()
+                        ).SerializeToString()
+                    )
                     break
                 item = msg.item.item
                 if item.WhichOneof("item") == "reply_start":
                     reply_id = item.reply_start.reply_id
                 answer = hooks_pb2.MiddlewareMessage(
-                    actions=forge(mode, msg.item.seq, item, reply_id), pull=hooks_pb2.Pull()
+                    invocation=invocation, actions=forge(mode, msg.item.seq, item, reply_id), pull=hooks_pb2.Pull()
                 )
                 await context.write(answer.SerializeToString())
 

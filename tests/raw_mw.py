@@ -27,33 +27,39 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
 def on_reply(mode: str):
     async def run(request_iterator, context):
         first = await context.read()  # begin
+        invocation = hooks_pb2.HostMessage.FromString(first).invocation
+
+        def out(msg: hooks_pb2.MiddlewareMessage) -> bytes:
+            msg.invocation = invocation  # echoed on every message (hooks.proto, INVOCATION IDS)
+            return msg.SerializeToString()
+
         if mode == "garbage":
             await context.write(b"\xff\xff\xff\xff not a protobuf")
         elif mode == "pull_first":
-            await context.write(hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(credits=1)).SerializeToString())
+            await context.write(out(hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(credits=1))))
         elif mode == "bad_forward":
-            await context.write(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext()).SerializeToString())
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             await context.read()
             msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
             msg.actions.add().emit.forward_seq = 99
-            await context.write(msg.SerializeToString())
+            await context.write(out(msg))
         elif mode == "foreign_block":
             msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
             msg.actions.add().mutate.remove_block = "not-mine"
-            await context.write(msg.SerializeToString())
+            await context.write(out(msg))
         elif mode == "unknown_model":
             msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
             msg.actions.add().mutate.set_model = "no-such-model"
-            await context.write(msg.SerializeToString())
+            await context.write(out(msg))
         elif mode == "steal_id":  # claim the id of the user's text block, to remove it later
             begin = hooks_pb2.HostMessage.FromString(first)
             stolen = begin.begin.input_kwargs.on_reply.message.content[0].text.id
-            await context.write(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext()).SerializeToString())
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             await context.read()  # ReplyStartEvent: the user message is in the context now
             msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
             block = msg.actions.add().mutate.append_blocks.blocks.add()
             block.text.id, block.text.text = stolen, "mine now"
-            await context.write(msg.SerializeToString())
+            await context.write(out(msg))
         elif mode == "early_eof":
             return
         await asyncio.sleep(30)  # the host must give up on its own

@@ -266,14 +266,18 @@ async def test_an_observer_that_raises_is_reported_as_its_exception() -> None:
 async def test_a_middleware_that_stops_reading_cannot_stall_a_large_write(marker: ServerProcess) -> None:
     """SIGSTOPped with a 4 MB begin on the wire: the send is timed like a read."""
     import signal
+    import time
 
-    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=1)).connect()
+    timeout = 1.0
+    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=timeout)).connect()
     agent = make_agent(remote)
     marker.popen.send_signal(signal.SIGSTOP)
     try:
+        start = time.monotonic()
         end = end_of(await reply(agent, "x" * 4_000_000))
+        assert time.monotonic() - start < timeout * 5  # ended by the timeout, not by the transport
         assert end.finished_reason == ReplyFinishedReason.ERROR
-        assert "middleware 'Marker' failed in on_reply" in end.error.message
+        assert f"middleware 'Marker' failed in on_reply: could not send within {timeout}s" in end.error.message
     finally:
         marker.popen.send_signal(signal.SIGCONT)
     await remote.close()

@@ -134,13 +134,6 @@ async def test_wants_context_sends_the_context(servers: list[ServerProcess]) -> 
         await remote.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product gap: RemoteMiddleware.ensure_described describes again only after a failed call or "
-    "while the channel is not READY; a server restarted between replies (channel READY again) is used "
-    "under its old key and hooks. Fix in agent_host/remote/client.py ensure_described: also describe "
-    "when an idle stream has ended (the server went away since).",
-)
 async def test_a_middleware_restarted_between_replies_is_described_again(servers: list[ServerProcess]) -> None:
     """As above, but no reply ran while it was down: the restart alone must lead to a new Describe."""
     servers.append(keyed("one"))

@@ -8,13 +8,18 @@ implements. Each invocation is one ``HookCall`` (protocol.py) over a fresh bidir
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import math
+import random
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import jsonschema
 
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
@@ -40,14 +45,44 @@ CHANNEL_OPTIONS = [
 ]
 
 
+_steps = random.Random()  # its own generator: invocation ids touch no global random state
+
+# Per-call output limits: generous for a legit middleware (a TTS one streaming minutes of audio
+# emits some 10k chunks and tens of MB), small enough to stop a runaway one in seconds.
+DEFAULT_MAX_ITEMS = 100_000
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
+# The namespaced name "<middleware>__<tool>" as the strictest provider (OpenAI) accepts it.
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+def check_timeout(value: Any, what: str = "timeout") -> float:
+    """A finite number of seconds above 0 (NaN, infinity, 0 or less would never or always expire)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
+    return float(value)
+
+
 @dataclass
 class Policy:
     """Per-middleware failure policy. ``timeout``: seconds the host waits for one message from the
-    middleware (never counted while the host runs the inner pipeline for it)."""
+    middleware (never counted while the host runs the inner pipeline for it), and for each
+    handshake (Describe, ListTools) or tool call message. ``max_items`` / ``max_bytes``: what one
+    hook call of the middleware may emit (items) and send (bytes) before it is failed as a runaway."""
 
     fail_open: bool = False
     timeout: float = 10.0
     connect_timeout: float = 5.0
+    max_items: int = DEFAULT_MAX_ITEMS
+    max_bytes: int = DEFAULT_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        self.timeout = check_timeout(self.timeout)
+        self.connect_timeout = check_timeout(self.connect_timeout, "connect_timeout")
+        for name in ("max_items", "max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number above 0, got {value!r}")
 
 
 class MiddlewareFailure(RuntimeError):
@@ -62,6 +97,10 @@ class MiddlewareFailure(RuntimeError):
 
 class StreamBroken(MiddlewareFailure):
     """The stream failed underneath: connection lost, server gone, stream ended early."""
+
+
+class OutputLimitExceeded(MiddlewareFailure):
+    """The middleware emitted more than its policy allows in one hook call (a runaway)."""
 
 
 class ProtocolError(MiddlewareFailure):
@@ -87,11 +126,16 @@ class RemoteMiddleware:
         self.policy = policy or Policy()
         self.configured_name = name
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # Streams open with wait_for_ready: on a reconnecting channel (a restarting middleware) the
+        # begin waits for the server instead of failing at once; the hook call's watchdog bounds it.
         self.stubs = {
-            spec.name: self.channel.stream_stream(
-                f"/agentmw.v1.{spec.service}/Run",
-                request_serializer=hooks_pb2.HostMessage.SerializeToString,
-                response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+            spec.name: functools.partial(
+                self.channel.stream_stream(
+                    f"/agentmw.v1.{spec.service}/Run",
+                    request_serializer=hooks_pb2.HostMessage.SerializeToString,
+                    response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+                ),
+                wait_for_ready=True,
             )
             for spec in HOOKS.values()
         }
@@ -102,6 +146,8 @@ class RemoteMiddleware:
         self.provides_tools = False
         self.described = False
         self.bypasses = 0  # fail_open skips, for inspection
+        self.stale_messages = 0  # messages of ended invocations, dropped (hooks.proto, INVOCATION IDS)
+        self._invocation = 0  # the last invocation id handed out (see new_invocation)
         self.prompt_cache: dict[tuple, str] = {}
         # Idle streams per hook: a stream carries one invocation at a time, then the next one, so
         # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
@@ -117,18 +163,17 @@ class RemoteMiddleware:
 
     # -- handshake ------------------------------------------------------------------------------
 
-    async def connect(self, *, wait: bool = True) -> RemoteMiddleware:
+    async def connect(self, *, timeout: float | None = None) -> RemoteMiddleware:
         """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure.
 
-        ``wait``: wait up to ``connect_timeout`` for the server to come up (on attach). Hook calls
-        re-describe without waiting, so a middleware that is down fails fast instead of stalling
-        every reply; once the channel has reconnected (it retries within a second), it is used again.
+        Waits for the server to come up (a restarted one is still reconnecting), for up to
+        ``timeout``: ``connect_timeout`` on attach, the hook timeout when a hook call re-describes.
         """
         try:
             desc = await self._describe_stub.Describe(
                 hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION),
-                timeout=self.policy.connect_timeout,
-                wait_for_ready=wait,
+                timeout=self.policy.connect_timeout if timeout is None else timeout,
+                wait_for_ready=True,
             )
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
@@ -162,9 +207,29 @@ class RemoteMiddleware:
 
     async def ensure_described(self) -> None:
         """Describe again when the last call failed or the connection was re-established since
-        (a server restarted between replies may implement other hooks now)."""
-        if not self.described or self.channel.get_state() != grpc.ChannelConnectivity.READY:
-            await self.connect(wait=False)
+        (a server restarted between replies may implement other hooks now; its idle streams have
+        ended then, even when the channel is READY again by the time the next call comes)."""
+        if (
+            not self.described
+            or self.channel.get_state() != grpc.ChannelConnectivity.READY
+            or any(call.done() for idle in self.idle.values() for call in idle)
+        ):
+            await self.connect(timeout=self.policy.timeout)
+
+    def new_invocation(self) -> int:
+        """Ids increase (so a stream tells old from future ones) by a random step: a message a
+        broken middleware sends after its finish, with the id it had plus one, is still an old one
+        to the invocation that reuses the stream next."""
+        self._invocation += 1 + _steps.getrandbits(32)
+        return self._invocation
+
+    def reachable(self) -> bool | None:
+        """False while the channel cannot connect, True when connected or idle, None while it is
+        connecting (unknown yet). Asks the channel to connect, so a dead server is noticed."""
+        state = self.channel.get_state(try_to_connect=True)
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            return False
+        return None if state == grpc.ChannelConnectivity.CONNECTING else True
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (bounded) until the channel is connected again, e.g. after a server restart."""
@@ -180,14 +245,15 @@ class RemoteMiddleware:
         self.described = False
         self._drop_idle()
 
-    def take_stream(self, hook: str) -> Any:
-        """An idle stream of this hook if a live one is left, else a new one."""
+    def take_stream(self, hook: str) -> tuple[Any, bool]:
+        """An idle stream of this hook if a live one is left, else a new one; and whether it is
+        reused (it may still hold messages of an earlier invocation)."""
         idle = self.idle[hook]
         while idle:
             call = idle.pop()
             if not call.done():  # a stream whose server went away has ended by now
-                return call
-        return self.stubs[hook]()
+                return call, True
+        return self.stubs[hook](), False
 
     def release_stream(self, hook: str, call: Any) -> None:
         idle = self.idle[hook]
@@ -253,7 +319,39 @@ class RemoteMiddleware:
             reply = await self._tools_stub.ListTools(hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout)
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "ListTools", f"{exc.code().name}: {exc.details()}") from None
-        return [RemoteTool(codec.decode(t), self) for t in reply.tools]
+        return self._checked_tools(reply.tools)
+
+    def _checked_tools(self, descriptors: Any) -> list[Tool]:
+        """Refuse at attach what a model provider would refuse later, or what would clash."""
+        tools: list[Tool] = []
+        seen: set[str] = set()
+        for proto in descriptors:
+
+            def bad(what: str, name: str = proto.name) -> ProtocolError:
+                return ProtocolError(self.name, "ListTools", f"tool {name!r}: {what}")
+
+            if proto.ByteSize() > MAX_TOOL_DESCRIPTOR_BYTES:
+                raise bad(f"descriptor of {proto.ByteSize()} bytes (limit {MAX_TOOL_DESCRIPTOR_BYTES})")
+            try:
+                descriptor = codec.decode(proto)
+            except (CodecError, KeyError, TypeError, ValueError) as exc:
+                raise bad(f"malformed descriptor: {exc}") from None
+            full = f"{self.name}__{descriptor.name}"
+            if not TOOL_NAME.match(full):
+                raise bad(f"registered as {full!r}, which is not 1-64 of [a-zA-Z0-9_-]")
+            if descriptor.name in seen:
+                raise bad("listed twice")
+            seen.add(descriptor.name)
+            for field in ("input_schema", "metadata_schema"):
+                schema = getattr(descriptor, field)
+                if schema is None:
+                    continue
+                try:
+                    jsonschema.validators.validator_for(schema).check_schema(schema)
+                except jsonschema.SchemaError as exc:
+                    raise bad(f"{field} is not a valid JSON schema: {exc.message}") from None
+            tools.append(RemoteTool(descriptor, self))
+        return tools
 
 
 class RemoteTool(Tool):
@@ -277,7 +375,7 @@ class RemoteTool(Tool):
             slot = state.middle_context.get(mw.key)
             if slot is not None:
                 json_to_value(slot, request.context.slot)
-        call = mw._tools_stub.CallTool(request, timeout=None)
+        call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=True)  # reads are timed below
         try:
             while True:
                 try:

@@ -21,8 +21,8 @@ MAX_QUEUED = 64  # batches waiting for a slow watcher before copies are dropped
 
 
 class DetachedDelivery:
-    def __init__(self, mw: RemoteMiddleware, hook: str) -> None:
-        self.mw, self.hook = mw, hook
+    def __init__(self, mw: RemoteMiddleware, hook: str, invocation: int) -> None:
+        self.mw, self.hook, self.invocation = mw, hook, invocation
         self.pending: list[hooks_pb2.HostMessage] = []
         self.queue: asyncio.Queue[list[hooks_pb2.HostMessage] | None] = asyncio.Queue(MAX_QUEUED + 1)
         self.dropping = False
@@ -60,10 +60,14 @@ class DetachedDelivery:
 
     async def _run(self) -> None:
         mw = self.mw
-        call = mw.take_stream(self.hook)
+        call, _ = mw.take_stream(self.hook)
         try:
             while (batch := await self.queue.get()) is not None:
-                msg = batch[0] if len(batch) == 1 else hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=batch))
+                msg = (
+                    batch[0]
+                    if len(batch) == 1
+                    else hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=batch), invocation=self.invocation)
+                )
                 async with asyncio.timeout(mw.policy.timeout):
                     await call.write(msg)
             async with asyncio.timeout(mw.policy.timeout):
@@ -71,6 +75,9 @@ class DetachedDelivery:
                     answer = await call.read()
                     if answer is grpc.aio.EOF or answer is None:
                         break
+                    if answer.invocation != self.invocation:  # sent after an earlier invocation ended
+                        mw.stale_messages += 1
+                        continue
                     if answer.WhichOneof("command") in ("finish", "fail"):
                         mw.release_stream(self.hook, call)
                         return

@@ -23,12 +23,28 @@ from ..codec import CodecError, codec, json_to_value, value_to_json
 from ..data import ChatResponse, CustomEvent, new_id, now
 from ..hooks import HookSpec, Kind
 from ..subscriptions import Mode, SubscriptionTable
-from ..wire import DEFAULT_CREDITS, decode_kwargs, decode_result, encode_kwargs, encode_result, model_override
-from .client import MiddlewareFailure, ProtocolError, RemoteMiddleware, RemoteMiddlewareError, StreamBroken
+from ..wire import (
+    DEFAULT_CREDITS,
+    EMITTABLE,
+    decode_kwargs,
+    decode_result,
+    encode_kwargs,
+    encode_result,
+    model_override,
+)
+from .client import (
+    MiddlewareFailure,
+    OutputLimitExceeded,
+    ProtocolError,
+    RemoteMiddleware,
+    RemoteMiddlewareError,
+    StreamBroken,
+)
 from .detached import DetachedDelivery
 
 log = logging.getLogger("agentmw.remote")
 
+MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
 _EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
 
 
@@ -56,8 +72,14 @@ class HookCall:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.watchdog: asyncio.TimerHandle | None = None
         self.waiting_since: float | None = None  # loop time since when the host waits on the stream
+        self.waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
         self.timed_out = False
         self.span: Any = None  # this invocation's span, when the host traces
+        self.invocation = 0  # this invocation's id on the wire (hooks.proto, INVOCATION IDS)
+        self.reused = False  # the stream carried earlier invocations (their late messages may follow)
+        self.unlabelled = 0  # messages without an invocation id dropped on a reused stream
+        self.emitted = 0  # new items the middleware emitted, against policy.max_items
+        self.received_bytes = 0  # bytes of its messages, against policy.max_bytes
 
     # -- faces ------------------------------------------------------------------------------------
 
@@ -107,7 +129,16 @@ class HookCall:
         (transparent until it changed items). ``record``: say so in the reply's events."""
         self.mw.bypasses += 1
         log.warning("bypassing %s", exc)
-        if record and self.spec.name in _EVENT_HOOKS:
+        # An on_reply that failed only after its last item (the final Msg) went out: nothing may
+        # follow that message in a reply, so the bypass is only logged and counted.
+        after_final = (
+            self.spec.name == "on_reply"
+            and self.inner_done
+            and self.inner_exc is None
+            and self.pending is None
+            and self.in_hand is None
+        )
+        if record and self.spec.name in _EVENT_HOOKS and not after_final:
             yield CustomEvent(
                 name="middleware_bypassed",
                 value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
@@ -157,7 +188,8 @@ class HookCall:
             async for item in self._without_middleware():
                 yield item
             return
-        begin = hooks_pb2.HostMessage()
+        self.invocation = mw.new_invocation()
+        begin = hooks_pb2.HostMessage(invocation=self.invocation)
         self._context(begin.begin.context, force=True)
         self.span = tracing.hook_span(mw.name, spec.name, self.table.detached, begin.begin.context.trace_context)
         try:
@@ -168,7 +200,7 @@ class HookCall:
             async for item in self._detached(begin):
                 yield item
             return
-        self.call = self.mw.take_stream(self.spec.name)
+        self.call, self.reused = self.mw.take_stream(self.spec.name)
         self._watch()
         if self.table.eager_next:  # the middleware calls next first thing: do not wait for it
             if self.spec.kind is Kind.CALL:
@@ -226,7 +258,7 @@ class HookCall:
         waits for the middleware, and its failures only end its copies (logged and counted)."""
         table = self.table
         assert table is not None
-        delivery = DetachedDelivery(self.mw, self.spec.name)
+        delivery = DetachedDelivery(self.mw, self.spec.name, self.invocation)
         delivery.add(begin)
         self.generation = 1
         self.inner = inner = self._inner_items({})
@@ -357,7 +389,7 @@ class HookCall:
     # -- host messages (the same for interactive and detached hooks) ------------------------------
 
     def _item_message(self, item: Any, *, observed: bool) -> hooks_pb2.HostMessage:
-        msg = hooks_pb2.HostMessage()
+        msg = hooks_pb2.HostMessage(invocation=self.invocation)
         delivery = msg.item
         delivery.seq, delivery.observed, delivery.inner = self.seq, observed, self.generation
         codec.encode_item(item, delivery.item)
@@ -365,7 +397,7 @@ class HookCall:
         return msg
 
     def _done_message(self) -> hooks_pb2.HostMessage:
-        msg = hooks_pb2.HostMessage()
+        msg = hooks_pb2.HostMessage(invocation=self.invocation)
         done = msg.inner_done
         done.inner = self.generation
         if self.spec.kind is Kind.CALL:
@@ -374,7 +406,7 @@ class HookCall:
         return msg
 
     def _error_message(self, exc: BaseException) -> hooks_pb2.HostMessage:
-        msg = hooks_pb2.HostMessage()
+        msg = hooks_pb2.HostMessage(invocation=self.invocation)
         err = msg.inner_error
         err.type, err.message, err.inner = type(exc).__name__, str(exc), self.generation
         err.retryable = bool(getattr(exc, "retryable", False))
@@ -391,10 +423,17 @@ class HookCall:
             item, self.pending = self.pending, None
             return item
         if which == "item":
+            self.emitted += 1
+            if self.emitted > self.mw.policy.max_items:
+                raise OutputLimitExceeded(
+                    self.mw.name, self.spec.name, f"emitted more than {self.mw.policy.max_items} items in one call"
+                )
             try:
                 item = codec.decode_item(emit.item)
             except (CodecError, KeyError, ValueError) as exc:
                 raise self._violation(f"malformed item: {exc}") from None
+            if type(item) not in EMITTABLE[self.spec.name]:  # e.g. a model chunk in on_reply
+                raise self._violation(f"{self.spec.name} cannot yield {type(item).__name__}")
             if getattr(item, "id", None) == "":  # the spec lets a middleware leave these to the host
                 item.id = new_id()
             if getattr(item, "created_at", None) == "":
@@ -494,7 +533,9 @@ class HookCall:
 
     # The per-message timeout: one timer per invocation (an asyncio.timeout() around every read
     # and write cost ~25 µs per intercepted item). While the host waits on the stream,
-    # ``waiting_since`` is set; the watchdog cancels the call once a wait outlasts the policy.
+    # ``waiting_since`` is set; the watchdog ends a wait that outlasts the policy by cancelling the
+    # waiting task (like asyncio.timeout: a pending grpc write does not return on call.cancel()
+    # alone, e.g. while the stream waits for the server to admit it) and the call.
 
     def _watch(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -504,29 +545,38 @@ class HookCall:
         timeout, since, now = self.mw.policy.timeout, self.waiting_since, self.loop.time()
         if since is not None and now - since >= timeout:
             self.timed_out = True
+            if self.waiter is not None:
+                self.waiter.cancel()  # see _wait
             if self.call is not None:
-                self.call.cancel()  # the pending read or write raises CancelledError: see _wait
+                self.call.cancel()
             return
         self.watchdog = self.loop.call_later(
             timeout - (now - since) if since is not None else timeout, self._check_wait
         )
 
-    async def _wait(self, operation: Any, what: str) -> Any:
-        self.waiting_since = self.loop.time()
+    async def _wait(self, operation: Any, what: str, since: float | None = None) -> Any:
+        self.waiting_since = self.loop.time() if since is None else since
+        self.waiter = task = asyncio.current_task()
         try:
             return await operation
         except asyncio.CancelledError:
-            if self.timed_out:  # our watchdog, not a cancellation of the reply
-                raise MiddlewareFailure(
-                    self.mw.name, self.spec.name, f"{what} within {self.mw.policy.timeout}s (timeout)"
-                ) from None
+            if self.timed_out:  # our watchdog, not (only) a cancellation of the reply
+                if task is not None and task.uncancel() > 0:
+                    raise  # the reply was cancelled as well: that wins
+                if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
+                    what = f"{what} within {self.mw.policy.timeout}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
+                else:
+                    what = f"{what} within {self.mw.policy.timeout}s (timeout)"
+                raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
             raise
         finally:
-            self.waiting_since = None
+            self.waiting_since = self.waiter = None
 
     async def _write(self, msg: hooks_pb2.HostMessage) -> None:
         if self.held_begin is not None:
-            msg = hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=[self.held_begin, msg]))
+            msg = hooks_pb2.HostMessage(
+                batch=hooks_pb2.Batch(messages=[self.held_begin, msg]), invocation=self.invocation
+            )
             self.held_begin = None
         try:
             await self._wait(self.call.write(msg), "could not send")  # a middleware that stops reading blocks it
@@ -536,18 +586,38 @@ class HookCall:
             raise StreamBroken(self.mw.name, self.spec.name, "the stream is closed") from None
 
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
-        try:
-            msg = await self._wait(self.call.read(), "no answer")
-        except grpc.aio.AioRpcError as exc:
-            what = f"{exc.code().name}: {exc.details()}"
-            if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
-                raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
-            raise StreamBroken(self.mw.name, self.spec.name, what) from None
-        if msg is grpc.aio.EOF:
-            raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish")
-        if msg is None:  # grpc.aio hands over None when the bytes do not parse
-            raise ProtocolError(self.mw.name, self.spec.name, "malformed message (not a MiddlewareMessage)")
-        return msg
+        """The middleware's next message of this invocation. Messages of finished invocations on this
+        stream (sent after their finish) are dropped; they count against the same deadline."""
+        since = self.loop.time()
+        while True:
+            try:
+                msg = await self._wait(self.call.read(), "no answer", since)
+            except grpc.aio.AioRpcError as exc:
+                what = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
+                    raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
+                raise StreamBroken(self.mw.name, self.spec.name, what) from None
+            if msg is grpc.aio.EOF:
+                raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish")
+            if msg is None:  # grpc.aio hands over None when the bytes do not parse
+                raise ProtocolError(self.mw.name, self.spec.name, "malformed message (not a MiddlewareMessage)")
+            self.received_bytes += msg.ByteSize()
+            if self.received_bytes > self.mw.policy.max_bytes:
+                raise OutputLimitExceeded(
+                    self.mw.name, self.spec.name, f"sent more than {self.mw.policy.max_bytes} bytes in one call"
+                )
+            invocation = msg.invocation
+            if invocation == self.invocation:
+                return msg
+            # On a reused stream, an unlabelled or older message may be a late one of an earlier
+            # invocation: dropped, so it never fails this one. On a new stream it can only be ours.
+            if invocation == 0 and not self.reused:
+                raise self._violation(MISSING_ID)
+            if invocation > self.invocation:
+                raise self._violation(f"invocation {invocation} has not begun (this one is {self.invocation})")
+            self.unlabelled += invocation == 0
+            self.mw.stale_messages += 1
+            log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
 
     def _violation(self, what: str) -> ProtocolError:
         return ProtocolError(self.mw.name, self.spec.name, what)

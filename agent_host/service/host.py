@@ -291,7 +291,11 @@ class Host:
             if mc.name and any(a.name == mc.name for a in self.middleware):
                 raise ValueError(f"a middleware named {mc.name!r} is already attached")
             remote = RemoteMiddleware(
-                mc.address, name=mc.name or None, policy=Policy(fail_open=mc.fail_open, timeout=mc.timeout)
+                mc.address,
+                name=mc.name or None,
+                policy=Policy(
+                    fail_open=mc.fail_open, timeout=mc.timeout, max_items=mc.max_items, max_bytes=mc.max_bytes
+                ),
             )
             try:
                 await remote.connect()

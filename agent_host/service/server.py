@@ -21,6 +21,7 @@ from ..config import ConfigError, HostConfig, MiddlewareConfig
 from ..data import new_id
 from ..hooks import HOOKS
 from ..remote import MiddlewareFailure
+from ..remote.client import check_timeout
 from ..store import SessionRecord, open_store
 from .builtin_tools import BUILTIN_TOOLS
 from .host import Attached, Host, ReplyRejected, ReplyRun
@@ -83,8 +84,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
-        if request.timeout < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout must be positive, got {request.timeout}")
+        if request.timeout != 0:  # 0 = the default
+            try:
+                check_timeout(request.timeout)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         mc = MiddlewareConfig(
             address=request.address,
             name=request.name,
@@ -201,6 +205,30 @@ def _info(a: Attached) -> host_pb2.MiddlewareInfo:
 # Running a host.
 
 
+class HostHealth(health.aio.HealthServicer):
+    """grpc.health.v1: NOT_SERVING while a fail_closed middleware cannot be reached (every reply
+    would fail), SERVING again once it is back. Checked on each Check: nothing runs in between."""
+
+    def __init__(self, host: Host) -> None:
+        super().__init__()
+        self.host = host
+        self.serving = True
+
+    async def refresh(self) -> None:
+        reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
+        if False in reachable:
+            self.serving = False
+        elif None not in reachable:  # None: still connecting, keep the last answer
+            self.serving = True
+        status = health_pb2.HealthCheckResponse.SERVING if self.serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.set(name, status)
+
+    async def Check(self, request: Any, context: Any) -> Any:
+        await self.refresh()
+        return await super().Check(request, context)
+
+
 class StartupError(RuntimeError):
     """The host cannot start as configured (e.g. a middleware address does not answer Describe)."""
 
@@ -235,10 +263,9 @@ async def build_host(config: HostConfig) -> Host:
 async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[_DecodeErrors()])
     host_pb2_grpc.add_AgentHostServicer_to_server(AgentHostServicer(host), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HostHealth(host)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.refresh()
     reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
         port = server.add_insecure_port(listen)
@@ -274,4 +301,4 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     await closing
 
 
-__all__ = ["AgentHostServicer", "StartupError", "build_host", "run_host", "start_server"]
+__all__ = ["AgentHostServicer", "HostHealth", "StartupError", "build_host", "run_host", "start_server"]

@@ -50,6 +50,7 @@ class HookSession:
         self, middleware: Any, key: str, spec: HookSpec, context: grpc.aio.ServicerContext, reader: HostReader
     ) -> None:
         self.mw, self.spec, self.ctx, self.reader = middleware, spec, context, reader
+        self.invocation = 0  # the begin's id, echoed on every message (hooks.proto, INVOCATION IDS)
         self.view = AgentView(self, key)
         self.actions: list[hooks_pb2.Action] = []
         self.flush_scheduled = False
@@ -67,7 +68,9 @@ class HookSession:
 
     # -- running the author's code ---------------------------------------------------------------
 
-    async def run(self, begin: hooks_pb2.Begin) -> None:
+    async def run(self, message: hooks_pb2.HostMessage) -> None:
+        self.invocation = message.invocation
+        begin = message.begin
         self.view.refresh(begin.context)
         kwargs = decode_kwargs(self.spec, begin.input_kwargs, complete=True)
         method = getattr(self.mw, self.spec.name)
@@ -171,6 +174,7 @@ class HookSession:
     async def send(self, msg: hooks_pb2.MiddlewareMessage) -> None:
         """Send pending actions (in order) together with ``msg``'s command."""
         self.sync_slot()
+        msg.invocation = self.invocation
         async with self.write_lock:
             if self.actions:
                 msg.actions.extend(self.actions)
@@ -185,10 +189,11 @@ class HookSession:
     # -- incoming --------------------------------------------------------------------------------
 
     async def read(self) -> hooks_pb2.HostMessage:
-        msg = await self.reader.read()
-        if msg is None:
-            raise HostGone("the host closed the stream")
-        return msg
+        """The host's next message of this invocation (copies sent for an earlier one are skipped)."""
+        while (msg := await self.reader.read()) is not None:
+            if msg.invocation == self.invocation:
+                return msg
+        raise HostGone("the host closed the stream")
 
 
 class HostReader:
@@ -212,12 +217,12 @@ class HostReader:
             self.buffer.extend(msg.batch.messages)
         return self.buffer.popleft()
 
-    async def next_begin(self) -> hooks_pb2.Begin | None:
-        """The next invocation's begin (None when the host closed the stream). Messages still in
-        flight from the previous invocation (observed items it did not read) are skipped."""
+    async def next_begin(self) -> hooks_pb2.HostMessage | None:
+        """The next invocation's begin message (None when the host closed the stream). Messages
+        still in flight from the previous invocation (observed items it did not read) are skipped."""
         while (msg := await self.read()) is not None:
             if msg.WhichOneof("message") == "begin":
-                return msg.begin
+                return msg
         return None
 
 

@@ -86,13 +86,16 @@ function toStruct(obj) {
 
 // Runs `handler` for every invocation on a stream. STREAMS ARE REUSED: after finish/fail the host
 // may send another `begin` on the same stream, so this loops until the host half-closes it.
-// Between a finish/fail and the next begin, any message (copies already in flight) is ignored.
+// INVOCATION IDS: every host message names its invocation (`invocation`, set on the begin); we
+// echo it on everything we send, and ignore host messages of any other invocation (copies already
+// in flight when we finished) and anything between a finish/fail and the next begin.
 function serveStream(call, hookName, handler) {
   let inv = null; // the current invocation, or null between finish/fail and the next begin
   const id = ++streamCount;
   const log = (dir, msg) => DEBUG && console.error(`[${hookName} #${id}] ${dir} ${JSON.stringify(msg)}`);
 
   const send = (msg) => {
+    msg.invocation = inv.id; // required on every message: the host drops or refuses others
     log('->', msg);
     call.write(msg);
   };
@@ -111,11 +114,11 @@ function serveStream(call, hookName, handler) {
     }
     if (which === 'begin') {
       // Every invocation starts fresh: nothing carries over from the previous one.
-      inv = { begin: msg.begin, inner: 0, context: msg.begin.context };
+      inv = { id: msg.invocation, begin: msg.begin, inner: 0, context: msg.begin.context };
       step(() => handler.begin(inv, msg.begin));
       return;
     }
-    if (inv === null) return; // late message of a finished invocation
+    if (inv === null || msg.invocation !== inv.id) return; // late message of a finished invocation
     const body = msg[which];
     // Messages may carry a refreshed context (only when host state changed).
     if (body && body.context) inv.context = body.context;

@@ -1,0 +1,178 @@
+"""A scriptable misbehaving middleware, written against the raw gRPC API from the protos (as a
+server in another language would be): ``python -m tests.evil_mw --scripts DIR --address 127.0.0.1:0``.
+
+Per invocation it looks up ``DIR/<session id>.json`` (the begin's context.session_id); without
+one it behaves: a pass-through that intercepts every item. A script is a JSON object:
+
+* ``messages``: MiddlewareMessages (protobuf JSON) sent right after the begin, in order, without
+  waiting for answers; then a finish, so the invocation always ends. Each may carry ``"_id"``:
+  ``"current"`` (default), ``"previous"``, ``"next"`` or ``"zero"`` for its invocation field.
+* ``after``: behave, and once finished send these messages (for the next invocation to receive).
+* ``flood``: behave until the first intercepted item, then emit CustomEvents without end (``size``
+  bytes of value each, default small), until the host cancels the stream; then write
+  ``DIR/<session id>.cancelled``.
+* ``stop_reading``: read nothing after the begin and never answer.
+
+Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
+``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
+(HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
+JSON list of ToolDescriptor objects served by ListTools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from agent_host.hooks import HOOKS
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
+
+
+def _msg(**fields: Any) -> hooks_pb2.MiddlewareMessage:
+    return json_format.ParseDict(fields, hooks_pb2.MiddlewareMessage())
+
+
+class Invocation:
+    def __init__(self, context: grpc.aio.ServicerContext, scripts: Path | None) -> None:
+        self.context, self.scripts = context, scripts
+        self.id = 0
+
+    async def send(self, msg: hooks_pb2.MiddlewareMessage, which: str = "current") -> None:
+        msg.invocation = {"current": self.id, "previous": max(self.id - 1, 0), "next": self.id + 1, "zero": 0}[which]
+        await self.context.write(msg)
+
+    def script(self, begin: hooks_pb2.Begin) -> dict[str, Any]:
+        if self.scripts is None or not begin.context.session_id:
+            return {}
+        path = self.scripts / f"{begin.context.session_id}.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    async def run(self, begin: hooks_pb2.HostMessage) -> bool:
+        """One invocation; False when the stream is no longer usable."""
+        self.id = begin.invocation
+        script = self.script(begin.begin)
+        if script.get("stop_reading"):
+            await asyncio.sleep(3600)
+        if "messages" in script:
+            for raw in script["messages"]:
+                raw = dict(raw)
+                which = raw.pop("_id", "current")
+                await self.send(_msg(**raw), which)
+            await self.send(_msg(finish={}))
+            return True
+        await self.send(_msg(callNext={"credits": 32}))
+        while True:
+            msg = await self.context.read()
+            if msg is grpc.aio.EOF:
+                return False
+            if msg.WhichOneof("message") == "batch":
+                msg = msg.batch.messages[-1]
+            if msg.invocation != self.id:
+                continue
+            which = msg.WhichOneof("message")
+            if which == "item" and not msg.item.observed:
+                if "flood" in script:
+                    await self.flood(script["flood"], begin.begin.context.session_id)
+                    return False
+                reply = _msg(pull={})
+                reply.actions.add().emit.forward_seq = msg.item.seq
+                await self.send(reply)
+            elif which == "inner_done":
+                await self.send(_msg(finish={}))
+                for raw in script.get("after", []):
+                    raw = dict(raw)
+                    which = raw.pop("_id", "current")
+                    await self.send(_msg(**raw), which)
+                return True
+            elif which == "inner_error":
+                await self.send(_msg(fail={"fromInner": True}))
+                return True
+
+    async def flood(self, spec: dict[str, Any], session_id: str) -> None:
+        value = "x" * int(spec.get("size", 8))
+        n = 0
+        try:
+            while True:
+                msg = _msg()
+                event = msg.actions.add().emit.item.custom
+                event.name, event.id, event.created_at = "flood", f"f{n}", "2026-01-01T00:00:00Z"
+                event.value.update({"n": n, "pad": value})
+                await self.send(msg)
+                n += 1
+        finally:
+            if self.scripts is not None:
+                (self.scripts / f"{session_id}.cancelled").write_text(str(n))
+
+
+def hook_handler(scripts: Path | None) -> grpc.RpcMethodHandler:
+    async def run(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        inv = Invocation(context, scripts)
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError):
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                if msg.WhichOneof("message") == "batch":
+                    msg = msg.batch.messages[0]
+                if msg.WhichOneof("message") == "begin" and not await inv.run(msg):
+                    return
+
+    return grpc.stream_stream_rpc_method_handler(
+        run,
+        request_deserializer=hooks_pb2.HostMessage.FromString,
+        response_serializer=hooks_pb2.MiddlewareMessage.SerializeToString,
+    )
+
+
+class Describe(hooks_pb2_grpc.DescribeServicer):
+    def __init__(self, hooks: list[str], tools: bool) -> None:
+        self.description = hooks_pb2.MiddlewareDescription(key="Evil", protocol_version="v1", provides_tools=tools)
+        for hook in hooks:
+            self.description.hooks.add(hook=HOOKS[hook].number)
+
+    async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription:
+        return self.description
+
+
+class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList:
+        out = types_pb2.ToolDescriptorList()
+        for raw in json.loads(self.path.read_text()):
+            json_format.ParseDict(raw, out.tools.add())
+        return out
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--address", default="127.0.0.1:0")
+    parser.add_argument("--scripts", type=Path)
+    parser.add_argument("--hooks", default="on_reply")
+    parser.add_argument("--max-concurrent-rpcs", type=int)
+    parser.add_argument("--max-streams", type=int)
+    parser.add_argument("--tools", type=Path)
+    args = parser.parse_args()
+    options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
+    server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
+    hooks = args.hooks.split(",")
+    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(hooks, args.tools is not None), server)
+    if args.tools is not None:
+        hooks_pb2_grpc.add_ToolSourceServicer_to_server(ToolSource(args.tools), server)
+    for hook in hooks:
+        service = f"agentmw.v1.{HOOKS[hook].service}"
+        handler = grpc.method_handlers_generic_handler(service, {"Run": hook_handler(args.scripts)})
+        server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port(args.address)
+    await server.start()
+    print(f"evil middleware listening on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

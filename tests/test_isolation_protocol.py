@@ -1,0 +1,287 @@
+"""The middleware boundary isolates: a misbehaving middleware process (tests/evil_mw.py, written
+from the protos) cannot reach another invocation, hang a reply, flood it, or put items into a hook
+position that cannot yield them. Every wait is bounded relative to the policy's timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent_host.agent import Agent
+from agent_host.config import ConfigError, load_config
+from agent_host.data import CustomEvent, ReplyFinishedReason, UserMsg
+from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.v1 import host_pb2
+from clients.launch import ServerProcess, middleware_server
+
+from .host_util import processes, stub
+from .test_faults import ANSWER, end_of, make_agent, reply
+
+TIMEOUT = 1.0
+
+
+@pytest.fixture
+def scripts(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def evil(scripts: Path) -> Iterator[Any]:
+    """Starts tests/evil_mw.py processes (reading scripts from ``scripts``), stopped at the end."""
+    procs: list[ServerProcess] = []
+
+    def start(*flags: str) -> ServerProcess:
+        argv = ["-m", "tests.evil_mw", "--scripts", str(scripts), "--address", "127.0.0.1:0", *flags]
+        procs.append(ServerProcess(argv).start())
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+def script(scripts: Path, agent: Agent, **body: Any) -> None:
+    (scripts / f"{agent.state.session_id}.json").write_text(json.dumps(body))
+
+
+def custom(name: str) -> dict[str, Any]:
+    return {"actions": [{"emit": {"item": {"custom": {"name": name, "value": {}}}}}]}
+
+
+# -- 1. no message crosses invocations --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        [{**custom("from_a"), "finish": {}}],  # an extra emit + finish after A finished
+        [{"pull": {}}],  # a stray pull
+        [{"callNext": {}}],  # a stray call_next
+        [{**custom("next"), "finish": {}, "_id": "next"}],  # labelled with the id plus one
+        [{**custom("unlabelled"), "finish": {}, "_id": "zero"}],  # without an id
+    ],
+    ids=["emit_finish", "pull", "call_next", "next_id", "no_id"],
+)
+async def test_messages_after_finish_never_reach_the_next_invocation(evil: Any, scripts: Path, after: list) -> None:
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    a, b = make_agent(remote), make_agent(remote)  # two sessions over the same (reused) stream
+    script(scripts, a, after=after)
+    assert end_of(await reply(a, "session A")).finished_reason == ReplyFinishedReason.COMPLETED
+    await asyncio.sleep(0.2)  # the extra messages are on the wire now
+    items = await reply(b, "session B")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+    assert items[-1].text == ANSWER
+    assert not [i for i in items if isinstance(i, CustomEvent)]
+    assert remote.stale_messages >= 1
+    await remote.close()
+
+
+@pytest.mark.parametrize(
+    ("which", "error"),
+    [
+        ("zero", "MiddlewareMessage.invocation is missing"),
+        ("next", "has not begun"),
+    ],
+)
+async def test_a_missing_or_future_invocation_id_is_a_violation(
+    evil: Any, scripts: Path, which: str, error: str
+) -> None:
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[{"callNext": {}, "_id": which}])
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    assert "middleware 'Evil' failed in on_reply: protocol violation" in end.error.message
+    assert error in end.error.message, end.error.message
+    await remote.close()
+
+
+# -- 2. every wait has a deadline -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_replies_beyond_what_the_server_admits_end_within_the_timeout(evil: Any, fail_open: bool) -> None:
+    """The server admits one stream at a time (the idle stream holds it): further streams queue in
+    the client. Before, their begin never got written and the replies hung (the session's too)."""
+    proc = evil("--max-streams", "1")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT, fail_open=fail_open)).connect()
+    agents = [make_agent(remote) for _ in range(3)]
+    start = time.monotonic()
+    results = await asyncio.gather(*(reply(agent, f"hi {i}") for i, agent in enumerate(agents)))
+    assert time.monotonic() - start < TIMEOUT * 5
+    for items in results:
+        end = end_of(items)
+        if fail_open:
+            assert end.finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == ANSWER
+        elif end.finished_reason == ReplyFinishedReason.ERROR:
+            assert f"could not send within {TIMEOUT}s (timeout)" in end.error.message, end.error.message
+    # The session goes on: its next reply is bounded too.
+    start = time.monotonic()
+    end_of(await reply(agents[1], "again"))
+    assert time.monotonic() - start < TIMEOUT * 5
+    await remote.close()
+
+
+@pytest.mark.parametrize(("value", "yaml_text"), [(math.nan, ".nan"), (math.inf, ".inf"), (0.0, "0"), (-1.0, "-1")])
+async def test_a_timeout_that_cannot_work_is_refused(value: float, yaml_text: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="finite number of seconds above 0"):
+        Policy(timeout=value)
+    yaml = tmp_path / "host.yaml"
+    yaml.write_text(f"middleware:\n  - {{address: 127.0.0.1:1, timeout: {yaml_text}}}\n")
+    with pytest.raises(ConfigError, match=r"middleware\[0\]\.timeout"):
+        load_config(yaml, env={})
+
+
+async def test_attach_refuses_a_nan_timeout(tmp_path: Path) -> None:
+    with processes(tmp_path) as procs:
+        host = procs.host(tmp_path / "s.db")
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            request = host_pb2.AttachMiddlewareRequest(address="127.0.0.1:1", timeout=math.nan)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub(channel).AttachMiddleware(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "finite number of seconds above 0" in info.value.details()
+
+
+# -- 3. bounded output ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("limits", "size", "what"),
+    [({"max_items": 300}, 8, "emitted more than 300 items"), ({"max_bytes": 1 << 20}, 20_000, "sent more than")],
+    ids=["items", "bytes"],
+)
+async def test_a_runaway_emitter_is_stopped(evil: Any, scripts: Path, limits: dict, size: int, what: str) -> None:
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5, **limits)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, flood={"size": size})
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    assert "middleware 'Evil' failed in on_reply" in end.error.message and what in end.error.message
+    await remote.close()
+
+
+async def test_cancelling_a_reply_stops_its_hook_call(evil: Any, scripts: Path) -> None:
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, flood={})
+    seen = 0
+
+    async def consume() -> None:
+        nonlocal seen
+        async for item in agent.reply_stream(UserMsg("hi")):
+            seen += isinstance(item, CustomEvent)
+
+    task = asyncio.create_task(consume())
+    async with asyncio.timeout(10):
+        while seen < 50:
+            await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    marker = scripts / f"{agent.state.session_id}.cancelled"
+    async with asyncio.timeout(5):  # the middleware sees its stream cancelled
+        while not marker.exists():
+            await asyncio.sleep(0.02)
+    await remote.close()
+
+
+# -- 4. only legal items per hook position ----------------------------------------------------------
+
+
+ILLEGAL = {
+    "chat_response": {"chatResponse": {"content": [{"text": {"text": "model chunk"}}]}},
+    "tool_response": {"toolResponse": {"content": [{"text": {"text": "tool output"}}]}},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(ILLEGAL))
+async def test_on_reply_cannot_yield_model_chunks_or_tool_responses(evil: Any, scripts: Path, kind: str) -> None:
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[{"actions": [{"emit": {"item": ILLEGAL[kind]}}]}])
+    items = await reply(agent, "hi")
+    end = end_of(items)
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    name = {"chat_response": "ChatResponse", "tool_response": "ToolResponse"}[kind]
+    assert f"protocol violation: on_reply cannot yield {name}" in end.error.message, end.error.message
+    await remote.close()
+
+
+# -- 5. tool descriptors, health, restarts ----------------------------------------------------------
+
+
+BAD_TOOLS = {
+    "schema": ([{"name": "t", "inputSchema": {"type": "no-such-type"}}], "input_schema is not a valid JSON schema"),
+    "name": ([{"name": "has space"}], "not 1-64 of [a-zA-Z0-9_-]"),
+    "long_name": ([{"name": "x" * 70}], "not 1-64 of"),
+    "duplicate": ([{"name": "t"}, {"name": "t"}], "listed twice"),
+    "size": ([{"name": "t", "description": "d" * 300_000}], "bytes (limit 262144)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TOOLS))
+async def test_tool_descriptors_are_checked_at_attach(evil: Any, tmp_path: Path, case: str) -> None:
+    tools, error = BAD_TOOLS[case]
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+    proc = evil("--tools", str(path))
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    with pytest.raises(Exception, match="middleware 'Evil' failed in ListTools") as info:
+        await remote.list_tools()
+    assert f"tool {tools[-1]['name']!r}" in str(info.value) and error in str(info.value), info.value
+    await remote.close()
+
+
+async def test_host_health_follows_a_fail_closed_middleware(tmp_path: Path) -> None:
+    with processes(tmp_path) as procs:
+        marker = procs.start(
+            "marker", ["-m", "mw_servers.sdk", "tests.conformance_mw:Marker", "--address", "127.0.0.1:{port}"]
+        )
+        host = procs.host(tmp_path / "s.db", "--middleware", f"marker={marker.address}")
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status_becomes(wanted: int) -> None:
+                async with asyncio.timeout(15):
+                    while (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status != wanted:
+                        await asyncio.sleep(0.1)
+
+            await status_becomes(health_pb2.HealthCheckResponse.SERVING)
+            marker.kill()
+            await status_becomes(health_pb2.HealthCheckResponse.NOT_SERVING)
+            marker.restart()
+            await status_becomes(health_pb2.HealthCheckResponse.SERVING)
+
+
+async def test_the_reply_right_after_a_restart_waits_for_the_middleware() -> None:
+    proc = middleware_server("tests.conformance_mw:Marker").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+        agent = make_agent(remote)
+        assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
+        proc.kill()
+        await asyncio.sleep(0.3)  # the channel notices: it is reconnecting now
+        proc.restart()  # same port; no wait_ready: the reply itself waits, bounded by the timeout
+        items = await reply(agent, "right after the restart")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+        assert any(isinstance(i, CustomEvent) and i.name == "marker" for i in items)
+        await remote.close()
+    finally:
+        proc.stop()

@@ -75,7 +75,8 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str) -> grpc.RpcMe
         reader = HostReader(context)
         try:
             while (begin := await reader.next_begin()) is not None:
-                with tracing.continued(begin.context.trace_context):  # the host's trace goes on in the author's code
+                # The host's trace goes on in the author's code.
+                with tracing.continued(begin.begin.context.trace_context):
                     await HookSession(middleware, key, spec, context, reader).run(begin)
         except Exception:
             log.exception("%s: the hook session failed", hook)

@@ -4,11 +4,11 @@
 [--voice V] [--realtime]``; in-process: ``Agent(middlewares=[TTSMiddleware(EspeakEngine())])``.
 
 Its ``on_reply`` sees text-block events only. Standard mode: the text of a block is collected
-(deltas observed, never waited for) and spoken when its ``TextBlockEndEvent`` comes, which it holds
-meanwhile: the end goes out at once, then ``DataBlockStartEvent``, ``DataBlockDeltaEvent``s
-(incremental base64 audio) and ``DataBlockEndEvent``, streamed as the engine makes them.
-Realtime mode: every delta is intercepted and pushed to the engine, audio goes out as soon as
-the engine returns it, between the text deltas, and the rest after the block's end. Each text
+and spoken when its ``TextBlockEndEvent`` comes, which it holds meanwhile: the end goes out at
+once, then ``DataBlockStartEvent``, ``DataBlockDeltaEvent``s (incremental base64 audio) and
+``DataBlockEndEvent``, streamed as the engine makes them. Realtime mode: every delta is also
+pushed to the engine, audio goes out as soon as the engine returns it, between the text deltas,
+and the rest after the block's end. Each text
 block gets an audio block of its own id; an engine error becomes a ``CustomEvent("tts_error")``
 and the text goes on untouched.
 """
@@ -64,13 +64,11 @@ class TTSMiddleware(MiddlewareBase):
     def __init__(self, engine: Engine | None = None, *, realtime: bool | None = None) -> None:
         self.engine = engine if engine is not None else EspeakEngine()
         self.realtime = self.engine.realtime if realtime is None else realtime
-        # Intercept only what must wait: the block end (the audio goes out before the reply moves
-        # on), and in realtime mode the deltas (audio goes out between them). Standard mode only
-        # watches the deltas, so text reaches the user without waiting for this server.
-        if self.realtime:
-            sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True)
-        else:
-            sub = subscribe(intercept=[TextBlockEndEvent], observe=[TextBlockDeltaEvent], eager_next=True)
+        # Text-block events only, intercepted: the block end must wait for the audio (so it goes
+        # out before the reply moves on), realtime audio goes out between the deltas. Deltas are
+        # intercepted in standard mode too: observing them beside an intercepted end loses that end
+        # when the credit window runs out exactly before it (see docs/tts.md, "Known issue").
+        sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True)
         self.subscriptions = {"on_reply": sub}
 
     async def get_middleware_key(self) -> str:
@@ -162,14 +160,21 @@ class TTSMiddleware(MiddlewareBase):
                 DataBlockStartEvent(reply_id=block.reply_id, block_id=block.audio_id, media_type=media_type, name="tts")
             )
         data = base64.b64encode(chunk).decode()
-        events.append(DataBlockDeltaEvent(reply_id=block.reply_id, block_id=block.audio_id, media_type=media_type, data=data))
+        events.append(
+            DataBlockDeltaEvent(reply_id=block.reply_id, block_id=block.audio_id, media_type=media_type, data=data)
+        )
         return events
 
     def _error(self, block: _Block, exc: Exception) -> CustomEvent:
         message = str(exc) or type(exc).__name__
         return CustomEvent(
             name=ERROR_EVENT,
-            value={"engine": self.engine.name, "reply_id": block.reply_id, "error": type(exc).__name__, "message": message},
+            value={
+                "engine": self.engine.name,
+                "reply_id": block.reply_id,
+                "error": type(exc).__name__,
+                "message": message,
+            },
         )
 
 

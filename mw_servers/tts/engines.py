@@ -127,9 +127,6 @@ class Engine(ABC):
     def utterance(self) -> Utterance:
         return ClauseUtterance(self)
 
-    async def aclose(self) -> None:
-        pass
-
 
 # A clause ends at punctuation followed by a space, or at a line break: speech can start there.
 _CLAUSE_END = re.compile(r"[.!?;:,\u3002\uff01\uff1f\uff0c](?=\s)|\n")

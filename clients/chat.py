@@ -8,7 +8,8 @@
 
 Text streams as it arrives; tool calls and results are shown as they finish; a tool that needs
 confirmation asks (y / n / edit its input); a tool the client must run asks for its result; audio
-(data blocks with an audio/* media type, e.g. from the TTS middleware) is saved as WAV files.
+(data blocks with an audio/* media type, e.g. from the TTS middleware) is saved as WAV files,
+and played with --play.
 With ``--schema`` the reply must also fill that JSON schema: its ``structured_output`` is printed
 as JSON after the answer.
 Ctrl-C while a reply streams interrupts it (the host ends it cleanly); Ctrl-C at the prompt quits.
@@ -23,9 +24,13 @@ import asyncio
 import base64
 import json
 import os
+import queue
 import re
+import shutil
 import signal
+import subprocess
 import sys
+import threading
 import wave
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -226,6 +231,7 @@ class View:
         self.results: dict[str, list[str]] = {}  # tool call id -> [name, output so far]
         self.audio: dict[str, tuple[str, list[str]]] = {}  # block id -> (media type, base64 pieces)
         self.saved: list[Path] = []
+        self.player: Player | None = None  # plays each saved file (--play)
 
     def _dim(self, text: str) -> str:
         return f"\033[2m{text}\033[0m" if self.color else text
@@ -307,6 +313,41 @@ class View:
         path = save_audio(b"".join(base64.b64decode(p) for p in pieces), media_type, self.audio_dir, block_id)
         self.saved.append(path)
         self._line(f"  [audio saved to {path}]")
+        if self.player is not None:
+            self.player.play(path)
+
+
+# Players tried in order for --play; each takes a WAV file's path last.
+PLAYERS = (["aplay", "-q"], ["paplay"], ["ffplay", "-nodisp", "-autoexit", "-loglevel", "quiet"])
+
+
+class Player:
+    """Plays WAV files one after another on a thread of its own, so the reply streams on meanwhile."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.files: queue.Queue[Path | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="player", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def find(cls) -> Player | None:
+        for name, *flags in PLAYERS:
+            if path := shutil.which(name):
+                return cls([path, *flags])
+        return None
+
+    def play(self, path: Path) -> None:
+        self.files.put(path)
+
+    def _run(self) -> None:
+        while (path := self.files.get()) is not None:
+            subprocess.run([*self.argv, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Let what is queued finish playing (bounded)."""
+        self.files.put(None)
+        self.thread.join(timeout)
 
 
 def save_audio(data: bytes, media_type: str, directory: Path, name: str) -> Path:
@@ -511,11 +552,15 @@ def main(argv: list[str] | None = None) -> int:
     answers.add_argument("--deny", action="store_true", help="non-interactive: deny every tool confirmation")
     parser.add_argument("--external-result", help="non-interactive: the result to give client-side tools")
     parser.add_argument("--audio-dir", default="agent-audio", help="where audio is saved (default ./agent-audio)")
+    parser.add_argument("--play", action="store_true", help="play saved audio (with aplay, paplay or ffplay)")
     args = parser.parse_args(argv)
     if args.schema is not None and args.message is None:
         parser.error("--schema goes with --message")
     schema = _schema(parser, args.schema) if args.schema is not None else None
     view = View(audio_dir=args.audio_dir)
+    view.player = Player.find() if args.play else None
+    if args.play and view.player is None:
+        print("agent-chat: --play: no player found (aplay, paplay, ffplay); audio is only saved", file=sys.stderr)
     session_id = args.session
     try:
         parked = asyncio.run(_parked(args, session_id)) if session_id else {}
@@ -561,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.aio.AioRpcError as exc:
         print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    finally:
+        if view.player is not None:
+            view.player.close()
 
 
 if __name__ == "__main__":

@@ -224,6 +224,9 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
             reason = turn.end.finished_reason if turn.end is not None else None
             if reason != ReplyFinishedReason.COMPLETED:
                 outcome.failures.append(f"step {i} ({step.title}) ended {reason or 'parked'}")
+        if view.saved:  # the TTS server (mw_servers/tts) spoke every text block
+            where = f"{len(view.saved)} WAV files in {view.audio_dir}"
+            print(f"\n── speech (the tts server): {where}; play one: aplay {view.saved[-1]}", file=out)
         info = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session), timeout=10)
         state = codec.decode(info.state)
         print(f"\n── the session {session}, as the host persisted it", file=out)

@@ -1,0 +1,192 @@
+"""TTSMiddleware: speech for every text block of a reply (docs/tts.md).
+
+``python -m mw_servers.tts --address HOST:PORT [--engine espeak|piper|dashscope|dashscope-realtime]
+[--voice V] [--realtime]``; in-process: ``Agent(middlewares=[TTSMiddleware(EspeakEngine())])``.
+
+Its ``on_reply`` sees text-block events only. Standard mode: the text of a block is collected
+and spoken when its ``TextBlockEndEvent`` comes, which it holds meanwhile: the end goes out at
+once, then ``DataBlockStartEvent``, ``DataBlockDeltaEvent``s (incremental base64 audio) and
+``DataBlockEndEvent``, streamed as the engine makes them. Realtime mode: every delta is also
+pushed to the engine, audio goes out as soon as the engine returns it, between the text deltas,
+and the rest after the block's end. Each text
+block gets an audio block of its own id; an engine error becomes a ``CustomEvent("tts_error")``
+and the text goes on untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_host.data import (
+    CustomEvent,
+    DataBlockDeltaEvent,
+    DataBlockEndEvent,
+    DataBlockStartEvent,
+    TextBlockDeltaEvent,
+    TextBlockEndEvent,
+    new_id,
+)
+from agent_host.middleware import MiddlewareBase, subscribe
+
+from .engines import (
+    ENGINES,
+    DashScopeEngine,
+    DashScopeRealtimeEngine,
+    Engine,
+    EngineError,
+    EspeakEngine,
+    PiperEngine,
+    Utterance,
+    make_engine,
+)
+
+ERROR_EVENT = "tts_error"
+_END = object()  # the inner pipeline is exhausted
+
+
+@dataclass
+class _Block:
+    """One text block's speech: its text so far, its audio block (opened with the first chunk)."""
+
+    reply_id: str
+    text: list[str] = field(default_factory=list)
+    audio_id: str = ""
+    utterance: Utterance | None = None
+    failed: bool = False
+
+
+class TTSMiddleware(MiddlewareBase):
+    def __init__(self, engine: Engine | None = None, *, realtime: bool | None = None) -> None:
+        self.engine = engine if engine is not None else EspeakEngine()
+        self.realtime = self.engine.realtime if realtime is None else realtime
+        # Text-block events only, intercepted: the block end must wait for the audio (so it goes
+        # out before the reply moves on), realtime audio goes out between the deltas. Deltas are
+        # intercepted in standard mode too: observing them beside an intercepted end loses that end
+        # when the credit window runs out exactly before it (see docs/tts.md, "Known issue").
+        sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True)
+        self.subscriptions = {"on_reply": sub}
+
+    async def get_middleware_key(self) -> str:
+        return "tts"
+
+    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+        blocks: dict[str, _Block] = {}
+        live: _Block | None = None  # the block whose realtime audio may arrive between items
+        inner = aiter(next_handler())  # eager_next: called first thing, unchanged
+        item_task: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                if item_task is None:
+                    item_task = asyncio.ensure_future(anext(inner, _END))
+                if live is not None and live.utterance is not None and not live.failed:
+                    chunk_task = asyncio.ensure_future(live.utterance.next_chunk())
+                    await asyncio.wait((item_task, chunk_task), return_when=asyncio.FIRST_COMPLETED)
+                    if chunk_task.done():  # audio first: it was made before the item arrived
+                        async for out in self._chunk_result(live, chunk_task):
+                            yield out
+                        continue
+                    chunk_task.cancel()
+                item, item_task = await item_task, None
+                if item is _END:
+                    return
+                yield item
+                if isinstance(item, TextBlockDeltaEvent) and item.delta:
+                    block = blocks.setdefault(item.block_id, _Block(item.reply_id))
+                    block.text.append(item.delta)
+                    if self.realtime and not block.failed:
+                        if block.utterance is None:
+                            block.utterance = self.engine.utterance()
+                        block.utterance.push(item.delta)
+                        live = block
+                elif isinstance(item, TextBlockEndEvent) and item.block_id in blocks:
+                    block = blocks.pop(item.block_id)
+                    live = None if live is block else live
+                    async for out in self._finish(block):
+                        yield out
+        finally:
+            if item_task is not None:
+                item_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await item_task
+            for block in blocks.values():
+                if block.utterance is not None:
+                    await block.utterance.aclose()
+
+    async def _finish(self, block: _Block) -> AsyncIterator[Any]:
+        """The rest of a block's speech, after its end: the whole text (standard) or a flush."""
+        try:
+            if block.utterance is not None:
+                if not block.failed:
+                    block.utterance.flush()
+                    while (chunk := await block.utterance.next_chunk()) is not None:
+                        for out in self._audio(block, chunk):
+                            yield out
+            elif "".join(block.text).strip():
+                async for chunk in self.engine.synthesize("".join(block.text)):
+                    for out in self._audio(block, chunk):
+                        yield out
+        except Exception as exc:
+            if not block.failed:
+                yield self._error(block, exc)
+        finally:
+            if block.utterance is not None:
+                await block.utterance.aclose()
+        if block.audio_id:
+            yield DataBlockEndEvent(reply_id=block.reply_id, block_id=block.audio_id)
+
+    async def _chunk_result(self, block: _Block, task: asyncio.Future[bytes | None]) -> AsyncIterator[Any]:
+        try:
+            chunk = task.result()
+        except Exception as exc:
+            block.failed = True
+            yield self._error(block, exc)
+            return
+        if chunk is not None:
+            for out in self._audio(block, chunk):
+                yield out
+
+    def _audio(self, block: _Block, chunk: bytes) -> list[Any]:
+        """A chunk as a delta of the block's audio; the first one opens it (its own id)."""
+        media_type = self.engine.media_type
+        events: list[Any] = []
+        if not block.audio_id:
+            block.audio_id = new_id()
+            events.append(
+                DataBlockStartEvent(reply_id=block.reply_id, block_id=block.audio_id, media_type=media_type, name="tts")
+            )
+        data = base64.b64encode(chunk).decode()
+        events.append(
+            DataBlockDeltaEvent(reply_id=block.reply_id, block_id=block.audio_id, media_type=media_type, data=data)
+        )
+        return events
+
+    def _error(self, block: _Block, exc: Exception) -> CustomEvent:
+        message = str(exc) or type(exc).__name__
+        return CustomEvent(
+            name=ERROR_EVENT,
+            value={
+                "engine": self.engine.name,
+                "reply_id": block.reply_id,
+                "error": type(exc).__name__,
+                "message": message,
+            },
+        )
+
+
+__all__ = [
+    "ENGINES",
+    "ERROR_EVENT",
+    "DashScopeEngine",
+    "DashScopeRealtimeEngine",
+    "Engine",
+    "EngineError",
+    "EspeakEngine",
+    "PiperEngine",
+    "TTSMiddleware",
+    "make_engine",
+]

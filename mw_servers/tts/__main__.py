@@ -1,0 +1,41 @@
+"""``python -m mw_servers.tts --address HOST:PORT [--engine E] [--voice V] [--language L] [--realtime]``
+
+Serves TTSMiddleware (docs/tts.md). Engines: espeak (default; embedded, offline), piper (the
+``piper`` extra), dashscope (qwen3-tts-flash over HTTP), dashscope-realtime (WebSocket; implies
+--realtime). DashScope reads DASHSCOPE_API_KEY and DASHSCOPE_HTTP_BASE_URL; ``--url`` sets its
+endpoint (the realtime engine's WebSocket URL, which the SDK does not take from the environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mw_servers.sdk import serve
+
+from . import ENGINES, TTSMiddleware, make_engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mw_servers.tts", description=__doc__)
+    parser.add_argument("--address", default="127.0.0.1:50081", help="host:port to listen on (port 0 = any)")
+    parser.add_argument("--engine", choices=list(ENGINES), default="espeak")
+    parser.add_argument(
+        "--voice", default="", help='espeak: a voice ("en", "en-us", "de"); piper: an .onnx model; DashScope: "Cherry"'
+    )
+    parser.add_argument("--language", default="", help='DashScope: language_type ("Chinese", "English", ...)')
+    parser.add_argument("--model", default="", help="DashScope: the model name")
+    parser.add_argument("--url", default="", help="DashScope: HTTP base URL, or the realtime WebSocket URL")
+    parser.add_argument("--realtime", action="store_true", help="speak text as it streams, not after each block")
+    args = parser.parse_args(argv)
+    options: dict[str, Any] = {}
+    if args.engine.startswith("dashscope"):
+        options = {"language": args.language, **({"model": args.model} if args.model else {})}
+        if args.url:
+            options["url" if args.engine == "dashscope-realtime" else "base_url"] = args.url
+    engine = make_engine(args.engine, args.voice, **options)
+    serve(TTSMiddleware(engine, realtime=True if args.realtime else None), args.address)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""The TTS server (mw_servers/tts) as users run it: ``python -m mw_servers.tts`` in its own process,
+attached to an Agent in this process through RemoteMiddleware (or to a host process, for
+agent-chat). The speech is real: espeak-ng from its wheel; DashScope is unreachable from here, so
+its engines (the real ``dashscope`` SDK clients) talk to tests/dashscope_tts_server.py on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import math
+import os
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_host.agent import Agent
+from agent_host.data import (
+    CustomEvent,
+    DataBlockDeltaEvent,
+    DataBlockEndEvent,
+    DataBlockStartEvent,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    TextBlockDeltaEvent,
+    TextBlockEndEvent,
+    UserMsg,
+)
+from agent_host.models.offline import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agent_host.tools import Toolkit, tool
+from clients.launch import ServerProcess
+from mw_servers.tts import EspeakEngine
+
+from .dashscope_tts_server import RATE as DS_RATE
+from .dashscope_tts_server import DashScopeTTSServer, speech
+from .host_util import Procs, chat, processes
+
+pytestmark = pytest.mark.timeout(60)
+
+SHORT = "Hello there, this is speech."
+LONG = (
+    "This second answer is a good deal longer than the first one, so its audio must last longer too. "
+    "It goes on for a while, with several clauses, and then it stops."
+)
+SILENCE_RMS = 300  # 16-bit PCM: espeak's speech is in the thousands, silence near zero
+
+
+@tool(description="Looks something up.")
+def lookup(topic: str = "") -> str:
+    return f"{topic}: found"
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    with processes(tmp_path) as p:
+        yield p
+
+
+def tts_server(procs: Procs, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    argv = ["-m", "mw_servers.tts", "--address", "127.0.0.1:0", *args]
+    proc = ServerProcess(argv, name="tts", log_dir=procs.log_dir, env=env, startup=20, new_session=True)
+    procs.procs.append(proc)
+    return proc.start()
+
+
+async def reply(address: str, script: list[dict[str, Any]], delay: float = 0.0) -> list[Any]:
+    """Every item of one reply of an Agent (offline model playing ``script``) with the server attached."""
+    rm = await RemoteMiddleware(address).connect()
+    try:
+        agent = Agent(model=OfflineRuleModel(script=script, delay=delay), toolkit=Toolkit([lookup]), middlewares=[rm])
+        return [item async for item in agent.reply_stream(UserMsg("hi"))]
+    finally:
+        await rm.close()
+
+
+def text_blocks(items: list[Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        if isinstance(item, TextBlockDeltaEvent):
+            out[item.block_id] = out.get(item.block_id, "") + item.delta
+    return out
+
+
+def audio_blocks(items: list[Any]) -> dict[str, tuple[str, bytes]]:
+    """block id -> (media type, the decoded deltas concatenated)."""
+    media: dict[str, str] = {}
+    data: dict[str, bytes] = {}
+    for item in items:
+        if isinstance(item, DataBlockStartEvent):
+            assert item.block_id not in media, "an audio block started twice"
+            media[item.block_id], data[item.block_id] = item.media_type, b""
+        elif isinstance(item, DataBlockDeltaEvent):
+            assert item.media_type == media[item.block_id]
+            data[item.block_id] += base64.b64decode(item.data)
+    return {block_id: (media[block_id], data[block_id]) for block_id in media}
+
+
+def rms(pcm: bytes) -> float:
+    samples = array.array("h", pcm)
+    return math.sqrt(sum(s * s for s in samples) / max(len(samples), 1))
+
+
+def seconds(media_type: str, pcm: bytes) -> float:
+    rate = int(media_type.split("rate=")[1])
+    return len(pcm) / 2 / rate
+
+
+def assert_speech(media_type: str, pcm: bytes) -> None:
+    assert media_type == "audio/pcm;rate=22050"
+    assert len(pcm) % 2 == 0 and seconds(media_type, pcm) > 0.5
+    assert rms(pcm) > SILENCE_RMS, "the audio is silent"
+
+
+def assert_proportional(short: tuple[str, bytes], long: tuple[str, bytes], short_text: str, long_text: str) -> None:
+    """A longer text gives proportionally longer audio: the duration ratio is near the length ratio."""
+    text_ratio = len(long_text) / len(short_text)
+    audio_ratio = seconds(*long) / seconds(*short)
+    assert 0.6 * text_ratio < audio_ratio < 1.6 * text_ratio, (audio_ratio, text_ratio)
+
+
+def kinds(items: list[Any]) -> list[str]:
+    return [type(i).__name__ for i in items]
+
+
+# -- espeak-ng: standard and realtime modes ------------------------------------------------------
+
+
+async def test_standard_mode_speaks_each_text_block_after_it_ends(procs: Procs) -> None:
+    server = tts_server(procs)
+    script = [
+        {
+            "thinking": "The user greets; look something up first.",
+            "text": SHORT,
+            "tool_calls": [{"name": "lookup", "input": {"topic": "x"}}],
+        },
+        {"text": LONG},
+    ]
+    items = await reply(server.address, script)
+
+    texts, audio = text_blocks(items), audio_blocks(items)
+    assert list(texts.values()) == [SHORT, LONG]
+    assert len(audio) == 2, "one audio block per text block; thinking and tool results are not spoken"
+    names = kinds(items)
+    for text_id, (audio_id, (media_type, pcm)) in zip(texts, audio.items(), strict=True):
+        end = next(i for i, x in enumerate(items) if isinstance(x, TextBlockEndEvent) and x.block_id == text_id)
+        start = next(i for i, x in enumerate(items) if isinstance(x, DataBlockStartEvent) and x.block_id == audio_id)
+        stop = next(i for i, x in enumerate(items) if isinstance(x, DataBlockEndEvent) and x.block_id == audio_id)
+        # The audio comes right after the text block's end, whole: start, deltas, end.
+        assert start == end + 1 and names[start + 1 : stop] == ["DataBlockDeltaEvent"] * (stop - start - 1)
+        assert stop - start - 1 >= 5, "the audio is streamed in pieces"
+        assert {x.reply_id for x in items[start : stop + 1]} == {items[end].reply_id}
+        assert_speech(media_type, pcm)
+    assert_proportional(*audio.values(), SHORT, LONG)
+    assert isinstance(items[-1], Msg) and items[-1].text == LONG
+    assert not any(isinstance(x, CustomEvent) for x in items)
+
+
+async def test_realtime_mode_audio_interleaves_with_the_text(procs: Procs) -> None:
+    server = tts_server(procs, "--realtime")
+    items = await reply(server.address, [{"text": LONG}], delay=0.01)
+
+    names = kinds(items)
+    text_end = names.index("TextBlockEndEvent")
+    first_audio = names.index("DataBlockDeltaEvent")
+    assert names.index("DataBlockStartEvent") < first_audio < text_end, "the first audio comes before the text ends"
+    assert "TextBlockDeltaEvent" in names[first_audio:text_end], "audio and text interleave"
+    assert names.index("DataBlockEndEvent") > text_end, "the rest is flushed after the block's end"
+    assert names[names.index("DataBlockEndEvent") + 1 :] == ["ModelCallEndEvent", "ReplyEndEvent", "Msg"]
+    (audio,) = audio_blocks(items).values()
+    assert_speech(*audio)
+    assert text_blocks(items) == {items[text_end].block_id: LONG}
+
+    short = audio_blocks(await reply(server.address, [{"text": SHORT}], delay=0.01))
+    assert_proportional(*short.values(), audio, SHORT, LONG)
+
+
+async def test_concurrent_replies_keep_their_audio_apart(procs: Procs) -> None:
+    server = tts_server(procs)
+    texts = [SHORT, LONG]
+    replies = await asyncio.gather(*(reply(server.address, [{"text": t}], delay=0.002) for t in texts))
+
+    alone = EspeakEngine()  # the same library in this process: the duration each text has on its own
+    block_ids = set()
+    for text, items in zip(texts, replies, strict=True):
+        reply_id = items[-1].id
+        data_events = [x for x in items if isinstance(x, DataBlockStartEvent | DataBlockDeltaEvent | DataBlockEndEvent)]
+        assert {x.reply_id for x in data_events} == {reply_id}
+        ((block_id, audio),) = audio_blocks(items).items()
+        block_ids.add(block_id)
+        assert_speech(*audio)
+        expected = b"".join([chunk async for chunk in alone.synthesize(text)])
+        assert abs(len(audio[1]) - len(expected)) < 0.05 * len(expected), "the audio is this reply's text only"
+    assert len(block_ids) == 2
+
+
+# -- DashScope against a local server ----------------------------------------------------------------
+
+
+@pytest.fixture
+def dashscope() -> Iterator[DashScopeTTSServer]:
+    with DashScopeTTSServer() as server:
+        yield server
+
+
+def dashscope_env() -> dict[str, str]:
+    return {"DASHSCOPE_API_KEY": "sk-tts-test"}
+
+
+async def test_dashscope_standard_streams_qwen_tts_over_http(procs: Procs, dashscope: DashScopeTTSServer) -> None:
+    args = ["--engine", "dashscope", "--url", dashscope.http_url, "--voice", "Ethan", "--language", "English"]
+    server = tts_server(procs, *args, env=dashscope_env())
+    items = await reply(server.address, [{"text": SHORT}])
+
+    ((media_type, pcm),) = audio_blocks(items).values()
+    assert media_type == f"audio/pcm;rate={DS_RATE}"
+    assert pcm == speech(SHORT), "every streamed piece arrives, in order"
+    names = kinds(items)
+    assert names.index("DataBlockStartEvent") == names.index("TextBlockEndEvent") + 1
+    (request,) = dashscope.requests
+    assert request["body"]["model"] == "qwen3-tts-flash"
+    assert request["body"]["input"] == {"text": SHORT, "voice": "Ethan", "language_type": "English"}
+    assert request["headers"]["Authorization"] == "Bearer sk-tts-test"
+    assert request["headers"]["X-DashScope-SSE"] == "enable"
+
+
+async def test_dashscope_realtime_pushes_deltas_over_websocket(procs: Procs, dashscope: DashScopeTTSServer) -> None:
+    args = ["--engine", "dashscope-realtime", "--url", dashscope.ws_url, "--voice", "Chelsie", "--language", "English"]
+    server = tts_server(procs, *args, env=dashscope_env())
+    items = await reply(server.address, [{"text": LONG}], delay=0.01)
+
+    names = kinds(items)
+    assert names.index("DataBlockDeltaEvent") < names.index("TextBlockEndEvent"), "audio before the text ends"
+    ((media_type, pcm),) = audio_blocks(items).values()
+    appended = [e["text"] for e in dashscope.events if e["type"] == "input_text_buffer.append"]
+    assert "".join(appended) == LONG and len(appended) > 5, "each delta went out as it came"
+    assert media_type == f"audio/pcm;rate={DS_RATE}"
+    assert pcm == b"".join(speech(t) for t in appended)
+    (update,) = [e for e in dashscope.events if e["type"] == "session.update"]
+    assert update["session"]["voice"] == "Chelsie" and update["session"]["mode"] == "server_commit"
+    assert update["session"]["language_type"] == "English"
+    assert dashscope.events[-1]["type"] == "session.finish"
+    assert dashscope.headers[0]["Authorization"] == "Bearer sk-tts-test"
+    assert dashscope.headers[0]["query"] == "model=qwen3-tts-flash-realtime"
+
+
+# -- engine errors ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["dashscope", "dashscope-realtime"])
+async def test_engine_error_is_an_event_and_the_text_arrives_whole(
+    procs: Procs, dashscope: DashScopeTTSServer, engine: str
+) -> None:
+    url = dashscope.ws_url if engine == "dashscope-realtime" else dashscope.http_url
+    server = tts_server(procs, "--engine", engine, "--url", url, env=dashscope_env())
+    dashscope.fail = "the synthesizer is on fire"
+    items = await reply(server.address, [{"text": LONG}], delay=0.002)
+
+    assert list(text_blocks(items).values()) == [LONG]
+    assert isinstance(items[-1], Msg) and items[-1].text == LONG
+    end = next(x for x in items if isinstance(x, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED
+    (error,) = [x for x in items if isinstance(x, CustomEvent)]
+    assert error.name == "tts_error" and "the synthesizer is on fire" in error.value["message"]
+    assert error.value["engine"] == engine and error.value["reply_id"] == end.reply_id
+
+
+# -- piper (the optional extra) ----------------------------------------------------------------------
+
+
+async def test_piper_engine_speaks() -> None:
+    pytest.importorskip("piper", reason="the piper extra is not installed (pip install '.[piper]')")
+    from mw_servers.tts import PiperEngine
+
+    engine = PiperEngine()
+    pcm = b"".join([chunk async for chunk in engine.synthesize(SHORT)])
+    assert_speech(engine.media_type, pcm)
+
+
+# -- agent-chat: saved as WAV, played -----------------------------------------------------------------
+
+
+async def test_agent_chat_saves_the_speech_as_wav_and_plays_it(
+    procs: Procs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = tts_server(procs)
+    host = procs.host(tmp_path / "sessions.db", "--middleware", f"tts={server.address}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    played = tmp_path / "played.txt"
+    player = bin_dir / "aplay"  # a stand-in player on PATH: records what it was asked to play
+    player.write_text(f'#!/bin/sh\nfor a in "$@"; do echo "$a" >> {played}; done\n')
+    player.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    done = chat(host.address, "--message", "hello there", "--audio-dir", str(tmp_path / "audio"), "--play")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (path,) = (tmp_path / "audio").glob("*.wav")
+    assert f"[audio saved to {path}]" in done.stdout
+    with wave.open(str(path)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 22050)
+        pcm = w.readframes(w.getnframes())
+    assert_speech("audio/pcm;rate=22050", pcm)
+    assert str(path) in played.read_text().split("\n")

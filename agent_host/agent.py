@@ -33,6 +33,7 @@ from .data import (
     ExternalExecutionResultEvent,
     FinishedReason,
     HintBlock,
+    HintBlockEvent,
     ModelCallEndEvent,
     ModelCallStartEvent,
     Msg,
@@ -80,14 +81,14 @@ from .data.state import AgentState
 from .hooks import HOOKS
 from .models import ChatModel, ModelRegistry
 from .reply_grammar import ReplyGrammar, blame_of
-from .tools import Tool, ToolInputError, Toolkit
+from .runtime_state import RuntimeState
+from .tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError, Toolkit
 
 log = logging.getLogger("agentmw.agent")
 
 YIELD_EVERY_CHUNKS = 16  # fairness under concurrency costs ~3% CPU on a 1,000-delta reply (bench)
 WAITING_MESSAGE = "I'm waiting for your permission or the external execution to finish."
 INTERRUPTION_MESSAGE = "I notice the interruption. How can I help you?"
-INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by the user.</system-reminder>"
 MAX_ITERS_HINT = (
     "You have reached the maximum of {n} reasoning-acting iterations. Give your final answer now, "
     "based on what you have. Do not call any tools."
@@ -144,8 +145,10 @@ def check_input_messages(inputs: Any) -> list[Msg]:
             raise ReplyError("a reply input cannot be a system message")
         if any(b.type in ("tool_call", "tool_result", "thinking") for b in msg.content):
             raise ReplyError("a reply input cannot carry tool_call, tool_result or thinking blocks")
-        if msg.role == Role.USER and any(b.type not in ("text", "data") for b in msg.content):
-            raise ReplyError("a user message holds only text and data blocks")
+        try:
+            msg.check_role()
+        except ValueError as exc:
+            raise ReplyError(str(exc)) from None
     return msgs
 
 
@@ -187,6 +190,7 @@ class Agent:
         context_config: ContextConfig | None = None,
         description: str = "",
         journal: ReplyJournal | None = None,
+        runtime_state: RuntimeState | None = None,
     ) -> None:
         self.name = name
         self.description = description or "No description available"
@@ -205,6 +209,8 @@ class Agent:
         self.state = state or AgentState()
         self.default_max_iters = max_iters
         self.context_config = context_config or ContextConfig()
+        # The current time told to the model before reasoning (None: off); docs/behaviour.md#runtime-state
+        self.runtime_state = runtime_state
         # Where the reply's progress is made durable as it goes (the host's session store).
         self.journal: ReplyJournal = journal or _NoJournal()
         self._receive_reply_end = False
@@ -443,6 +449,8 @@ class Agent:
                     if action.hint is not None:
                         state.append_context(self.name, [action.hint])
                     await self.compress_context()
+                    for event in self._inject_runtime_state():  # on_reply sees it, on_reasoning does not
+                        yield event
                     async with aclosing(self._reasoning_chain(self, tool_choice=action.tool_choice)) as items:
                         async for item in items:
                             if isinstance(item, Msg):
@@ -475,6 +483,16 @@ class Agent:
                 usage=reply_msg.usage if reply_msg else None,
                 finished_reason=ReplyFinishedReason.INTERRUPTED,
             )
+
+    def _inject_runtime_state(self) -> list[Any]:
+        """Append the runtime-state hint when one is due; its HintBlockEvent (docs/behaviour.md#runtime-state)."""
+        hint = self.runtime_state.hint(self.state.context) if self.runtime_state is not None else None
+        if hint is None:
+            return []
+        self.state.append_context(self.name, [hint])
+        if not self.runtime_state.emit_hint_event:
+            return []
+        return [HintBlockEvent(reply_id=self.state.reply_id, block_id=hint.id, source=hint.source, hint=hint.hint)]
 
     def _handle_incoming_messages(self, inputs: Any) -> None:
         for msg in check_input_messages(inputs):
@@ -819,8 +837,8 @@ class Agent:
             return
         await self.journal.record_tool_started(call.id)  # after a crash: in doubt, never run again
         response: ToolResponse | None = None
-        try:
-            async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+        async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+            try:
                 while (item := await self._interruptible(anext(items, None))) is not None:
                     if isinstance(item, ToolResponse):
                         response = item
@@ -828,27 +846,45 @@ class Agent:
                     if isinstance(item, ToolChunk):
                         for event in _chunk_events(reply_id, call.id, item):
                             yield event
-        except asyncio.CancelledError:  # §2.9: the tool run was interrupted
-            if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
-                raise
-            response = ToolResponse(
-                content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
+            except asyncio.CancelledError:  # the tool run was interrupted (docs/behaviour.md#interruption)
+                if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
+                    raise
+                response = ToolResponse(
+                    content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
+                )
+                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
+                drain = False
+            else:
+                drain = response is not None
+            if response is None:  # never loop forever on an on_acting that produced no result
+                response = ToolResponse(
+                    content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
+                    state=ToolResultState.ERROR,
+                    id=call.id,
+                )
+                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling() and not self._interrupt_requested:
+                raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
+            events = self._save_result(call, response.content, response.state, response.metadata)
+            await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
+            for event in events:
+                yield event
+            if drain:
+                await self._drain_acting(items, call)
+
+    async def _drain_acting(self, items: AsyncIterator[Any], call: ToolCallBlock) -> None:
+        """Run the on_acting chain to its end once its result is saved and announced, as AgentScope
+        drains it: code after a middleware's loop (a span's end, an audit record) runs, in-process
+        and remote alike. A call has one result, the first ToolResponse: items after it are dropped
+        (docs/behaviour.md#acting). Middleware code, not core work: an interruption does not cut it."""
+        async for item in items:
+            log.warning(
+                "on_acting yielded a %s after the ToolResponse of call %s (%s): dropped",
+                type(item).__name__,
+                call.id,
+                call.name,
             )
-            yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
-        if response is None:  # §6.3: never loop forever on an on_acting that produced no result
-            response = ToolResponse(
-                content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
-                state=ToolResultState.ERROR,
-                id=call.id,
-            )
-            yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
-        task = asyncio.current_task()
-        if task is not None and task.cancelling() and not self._interrupt_requested:
-            raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
-        events = self._save_result(call, response.content, response.state, response.metadata)
-        await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
-        for event in events:
-            yield event
 
     def _save_result(self, call: ToolCallBlock, output: Any, state: ToolResultState, metadata: dict) -> list[Any]:
         output = self._truncate(copy.deepcopy(output))
@@ -1144,7 +1180,8 @@ def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
     if progress is not None:
         from .data import CustomEvent
 
-        out.append(CustomEvent(name="mcp_progress", value={**progress, "reply_id": reply_id, "tool_call_id": call_id}))
+        value = {**progress, "reply_id": reply_id, "tool_call_id": call_id}
+        out.append(CustomEvent(name="mcp_progress", value=value, reply_id=reply_id))
     out.extend(_output_events(reply_id, call_id, chunk.content))
     return out
 

@@ -122,7 +122,8 @@ class ReplyGrammar:
         self.closing = False  # a ReplyEndEvent or the final Msg was seen: no more reply events
         self.final = False  # the final Msg was seen: nothing may follow
         self.count = 0
-        # UserInterruptEvent with nothing parked: AgentScope answers with nothing at all (§2.3.2).
+        # UserInterruptEvent with nothing parked: AgentScope answers with nothing at all
+        # (docs/behaviour.md#interruption).
         self.may_be_empty = resuming and not awaiting
 
     def violation(self, what: str) -> ReplyGrammarError:

@@ -1,7 +1,7 @@
 """The ReAct agent: reply -> (compress, reasoning, acting)* rounds, with every hook position a chain.
 
-Behavior follows AgentScope 2.0.11 (see shared/reference/agentscope-semantics.md §2); the section
-numbers in comments point there. Middleware are layers of ``Chain``s; in-process and remote
+Behavior follows AgentScope 2.0.11, as described in docs/behaviour.md; comments point at its
+sections by anchor. Middleware are layers of ``Chain``s; in-process and remote
 layers are mixed freely, the first in the list outermost.
 """
 
@@ -33,6 +33,7 @@ from .data import (
     ExternalExecutionResultEvent,
     FinishedReason,
     HintBlock,
+    HintBlockEvent,
     ModelCallEndEvent,
     ModelCallStartEvent,
     Msg,
@@ -80,18 +81,19 @@ from .data.state import AgentState
 from .hooks import HOOKS
 from .models import ChatModel, ModelRegistry
 from .reply_grammar import ReplyGrammar, blame_of
-from .tools import Tool, ToolInputError, Toolkit
+from .runtime_state import RuntimeState
+from .tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError, Toolkit
 
 log = logging.getLogger("agentmw.agent")
 
 YIELD_EVERY_CHUNKS = 16  # fairness under concurrency costs ~3% CPU on a 1,000-delta reply (bench)
 WAITING_MESSAGE = "I'm waiting for your permission or the external execution to finish."
 INTERRUPTION_MESSAGE = "I notice the interruption. How can I help you?"
-INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by the user.</system-reminder>"
-MAX_ITERS_HINT = (
-    "You have reached the maximum of {n} reasoning-acting iterations. Give your final answer now, "
-    "based on what you have. Do not call any tools."
+MAX_ITERS_HINT = (  # AgentScope's wording
+    "<system-reminder>You have reached the maximum of {n} reasoning-acting iterations. Summarize the work "
+    "and findings so far and return the final answer as text. Do not call any tools.</system-reminder>"
 )
+EXCEEDED_MESSAGE = "The maximum reasoning-acting iterations are exceeded."
 STRUCTURED_OUTPUT_TOOL = "GenerateStructuredOutput"
 STRUCTURED_OUTPUT_GRACE_ITERS = 5  # extra rounds a reply owing a structured output may take
 STRUCTURED_OUTPUT_SOURCE = '{"label": "System", "sublabel": "Structured Output Requirement"}'
@@ -134,8 +136,8 @@ def implements(layer: Any, hook: str) -> bool:
 
 
 def check_input_messages(inputs: Any) -> list[Msg]:
-    """The messages of a new reply, or ReplyError saying why they cannot be one (§2.3.4, §3.1):
-    no system messages, no tool calls, tool results or thinking, and a user speaks text and data."""
+    """The messages of a new reply, or ReplyError saying why they cannot be one: no system messages,
+    no tool calls, tool results or thinking, and the role rules (docs/behaviour.md#reply-loop)."""
     msgs = [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
     for msg in msgs:
         if not isinstance(msg, Msg):
@@ -144,8 +146,10 @@ def check_input_messages(inputs: Any) -> list[Msg]:
             raise ReplyError("a reply input cannot be a system message")
         if any(b.type in ("tool_call", "tool_result", "thinking") for b in msg.content):
             raise ReplyError("a reply input cannot carry tool_call, tool_result or thinking blocks")
-        if msg.role == Role.USER and any(b.type not in ("text", "data") for b in msg.content):
-            raise ReplyError("a user message holds only text and data blocks")
+        try:
+            msg.check_role()
+        except ValueError as exc:
+            raise ReplyError(str(exc)) from None
     return msgs
 
 
@@ -187,6 +191,7 @@ class Agent:
         context_config: ContextConfig | None = None,
         description: str = "",
         journal: ReplyJournal | None = None,
+        runtime_state: RuntimeState | None = None,
     ) -> None:
         self.name = name
         self.description = description or "No description available"
@@ -205,6 +210,8 @@ class Agent:
         self.state = state or AgentState()
         self.default_max_iters = max_iters
         self.context_config = context_config or ContextConfig()
+        # The current time told to the model before reasoning (None: off); docs/behaviour.md#runtime-state
+        self.runtime_state = runtime_state
         # Where the reply's progress is made durable as it goes (the host's session store).
         self.journal: ReplyJournal = journal or _NoJournal()
         self._receive_reply_end = False
@@ -273,7 +280,7 @@ class Agent:
         self.state.reply_context.model_id = model_id
         self.state.version += 1
 
-    # -- interruption (§2.9) ---------------------------------------------------------------------
+    # -- interruption (docs/behaviour.md#interruption) -------------------------------------------
 
     def interrupt(self) -> None:
         """Interrupt the reply in progress. Only the in-flight core work (the model stream, the tool
@@ -405,7 +412,7 @@ class Agent:
         state = self.state
         interrupted = False
         try:
-            if isinstance(inputs, UserInterruptEvent):  # §2.3.2
+            if isinstance(inputs, UserInterruptEvent):  # docs/behaviour.md#interruption
                 if self.awaiting_calls():
                     raise asyncio.CancelledError
                 return
@@ -433,7 +440,7 @@ class Agent:
                     if self._receive_reply_end:
                         yield action.msg
                         return
-                    # The ReplyEndEvent was swallowed by a middleware: go another round (§1.3.1).
+                    # The ReplyEndEvent was swallowed by a middleware: go another round (docs/behaviour.md#reply-loop).
                     if not made_progress:
                         raise ReplyError("the ReplyEndEvent was swallowed twice with no reasoning or acting between")
                     made_progress, final_msg = False, None
@@ -443,6 +450,8 @@ class Agent:
                     if action.hint is not None:
                         state.append_context(self.name, [action.hint])
                     await self.compress_context()
+                    for event in self._inject_runtime_state():  # on_reply sees it, on_reasoning does not
+                        yield event
                     async with aclosing(self._reasoning_chain(self, tool_choice=action.tool_choice)) as items:
                         async for item in items:
                             if isinstance(item, Msg):
@@ -461,7 +470,7 @@ class Agent:
                     state.cur_iter += 1
         except asyncio.CancelledError:
             interrupted = True
-        if interrupted:  # §2.3.8: cleanup still flows out through every on_reply middleware
+        if interrupted:  # docs/behaviour.md#interruption: cleanup still flows out through every on_reply middleware
             for event in self._close_unfinished_tool_calls(ToolResultState.INTERRUPTED, INTERRUPTED_TOOL_TEXT):
                 yield event
             yield ReplyEndEvent(
@@ -476,12 +485,22 @@ class Agent:
                 finished_reason=ReplyFinishedReason.INTERRUPTED,
             )
 
+    def _inject_runtime_state(self) -> list[Any]:
+        """Append the runtime-state hint when one is due; its HintBlockEvent (docs/behaviour.md#runtime-state)."""
+        hint = self.runtime_state.hint(self.state.context) if self.runtime_state is not None else None
+        if hint is None:
+            return []
+        self.state.append_context(self.name, [hint])
+        if not self.runtime_state.emit_hint_event:
+            return []
+        return [HintBlockEvent(reply_id=self.state.reply_id, block_id=hint.id, source=hint.source, hint=hint.hint)]
+
     def _handle_incoming_messages(self, inputs: Any) -> None:
         for msg in check_input_messages(inputs):
             self.state.context.append(copy.deepcopy(msg))
         self.state.version += 1
 
-    # -- the decision table (§2.4) ---------------------------------------------------------------
+    # -- the decision table (docs/behaviour.md#decision-table) ------------------------------------
 
     def _exit(self, msg: Msg | str, reason: ReplyFinishedReason | None = None, **fields: Any) -> _Action:
         """End the reply with ``msg`` (or an assistant message of that text): ReplyEndEvent, preceded
@@ -533,7 +552,7 @@ class Agent:
         if awaiting:
             return _Action("exit", msg=AssistantMsg(WAITING_MESSAGE, name=self.name, id=state.reply_id))
         rc = state.reply_context
-        if rc.structured_schema is not None:  # §2.4 rules 3-4: only the structured output ends it
+        if rc.structured_schema is not None:  # decision table rules 3-4: only the structured output ends it
             if rc.structured_output is not None:
                 return self._exit(
                     "The required structured output is generated.",
@@ -542,7 +561,7 @@ class Agent:
                 )
             if state.cur_iter >= self.max_iters + STRUCTURED_OUTPUT_GRACE_ITERS:
                 return self._exit(
-                    "The maximum reasoning-acting iterations are exceeded.",
+                    EXCEEDED_MESSAGE,
                     ReplyFinishedReason.EXCEED_MAX_ITERS,
                     usage=self._reply_usage(),
                 )
@@ -573,12 +592,12 @@ class Agent:
             return _Action("reasoning", hint=hint, tool_choice=ToolChoice(mode="none"))
         if state.cur_iter > self.max_iters:
             return self._exit(
-                f"I stopped after reaching the maximum of {self.max_iters} iterations.",
+                EXCEEDED_MESSAGE,
                 ReplyFinishedReason.EXCEED_MAX_ITERS,
             )
         return _Action("reasoning")
 
-    # -- reasoning (§2.5) ---------------------------------------------------------------------
+    # -- reasoning (docs/behaviour.md#reasoning) ------------------------------------------------
 
     async def get_system_prompt(self) -> str:
         return await transform("on_system_prompt", self.layers["on_system_prompt"], self, self.system_prompt)
@@ -622,7 +641,7 @@ class Agent:
                         if count % YIELD_EVERY_CHUNKS == 0:
                             # A fast model never suspends: let other sessions' replies stream too.
                             await asyncio.sleep(0)
-        except asyncio.CancelledError:  # §2.9: interrupted; the model's partial response, if it sent one
+        except asyncio.CancelledError:  # docs/behaviour.md#interruption; the model's partial response, if it sent one
             if not self._interrupt_requested:  # not an interruption (the host is stopping): propagate
                 raise
             if completed is None:
@@ -634,7 +653,8 @@ class Agent:
         if completed is None:
             raise ReplyError(f"model {used!r} returned an empty streaming response")
         usage = completed.usage
-        # An interrupted reply stops at the end event, so its partial content is saved before it (§2.9).
+        # An interrupted reply stops at the end event, so its partial content is saved before it
+        # (docs/behaviour.md#interruption).
         interrupted = completed.finished_reason == FinishedReason.INTERRUPTED
         saved = self._save_to_context(completed) if interrupted and completed.content else None
         yield ModelCallEndEvent(
@@ -681,7 +701,7 @@ class Agent:
     async def _call_model(
         self, messages: list[Msg], tools: list[dict], tool_choice: ToolChoice | None
     ) -> tuple[Any, str]:
-        """The retry/fallback loop around the whole on_model_call chain (§1.3.5)."""
+        """The retry/fallback loop around the whole on_model_call chain (docs/behaviour.md#reasoning)."""
         first = self.model.id
         candidates = [first, *self.models.entry(first).fallback]
         last_exc: Exception | None = None
@@ -708,10 +728,10 @@ class Agent:
         self._models_used.append(model.id)
         return await model(messages, tools, tool_choice)
 
-    # -- acting (§2.6) -------------------------------------------------------------------------
+    # -- acting (docs/behaviour.md#acting) ------------------------------------------------------
 
     async def _acting(self, tool_calls: list[ToolCallBlock]) -> AsyncIterator[Any]:
-        """Run the executable calls batch by batch (§2.6): consecutive concurrency-safe calls run
+        """Run the executable calls batch by batch (docs/behaviour.md#acting): consecutive concurrency-safe calls run
         together, the others one by one. Stop after a batch in which a call parked (confirmation,
         external execution); an interrupted tool ends the reply as INTERRUPTED."""
         for concurrent, batch in self._batches(tool_calls):
@@ -819,8 +839,8 @@ class Agent:
             return
         await self.journal.record_tool_started(call.id)  # after a crash: in doubt, never run again
         response: ToolResponse | None = None
-        try:
-            async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+        async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+            try:
                 while (item := await self._interruptible(anext(items, None))) is not None:
                     if isinstance(item, ToolResponse):
                         response = item
@@ -828,27 +848,45 @@ class Agent:
                     if isinstance(item, ToolChunk):
                         for event in _chunk_events(reply_id, call.id, item):
                             yield event
-        except asyncio.CancelledError:  # §2.9: the tool run was interrupted
-            if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
-                raise
-            response = ToolResponse(
-                content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
+            except asyncio.CancelledError:  # the tool run was interrupted (docs/behaviour.md#interruption)
+                if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
+                    raise
+                response = ToolResponse(
+                    content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
+                )
+                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
+                drain = False
+            else:
+                drain = response is not None
+            if response is None:  # never loop forever on an on_acting that produced no result
+                response = ToolResponse(
+                    content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
+                    state=ToolResultState.ERROR,
+                    id=call.id,
+                )
+                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling() and not self._interrupt_requested:
+                raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
+            events = self._save_result(call, response.content, response.state, response.metadata)
+            await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
+            for event in events:
+                yield event
+            if drain:
+                await self._drain_acting(items, call)
+
+    async def _drain_acting(self, items: AsyncIterator[Any], call: ToolCallBlock) -> None:
+        """Run the on_acting chain to its end once its result is saved and announced, as AgentScope
+        drains it: code after a middleware's loop (a span's end, an audit record) runs, in-process
+        and remote alike. A call has one result, the first ToolResponse: items after it are dropped
+        (docs/behaviour.md#acting). Middleware code, not core work: an interruption does not cut it."""
+        async for item in items:
+            log.warning(
+                "on_acting yielded a %s after the ToolResponse of call %s (%s): dropped",
+                type(item).__name__,
+                call.id,
+                call.name,
             )
-            yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
-        if response is None:  # §6.3: never loop forever on an on_acting that produced no result
-            response = ToolResponse(
-                content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
-                state=ToolResultState.ERROR,
-                id=call.id,
-            )
-            yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
-        task = asyncio.current_task()
-        if task is not None and task.cancelling() and not self._interrupt_requested:
-            raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
-        events = self._save_result(call, response.content, response.state, response.metadata)
-        await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
-        for event in events:
-            yield event
 
     def _save_result(self, call: ToolCallBlock, output: Any, state: ToolResultState, metadata: dict) -> list[Any]:
         output = self._truncate(copy.deepcopy(output))
@@ -861,7 +899,7 @@ class Agent:
 
     def _truncate(self, output: Any) -> Any:
         """Keep a tool result within ``tool_result_limit`` tokens (≈ 4 bytes each) in the context,
-        with a reminder that the rest was cut (§2.6); the client's events carry it all."""
+        with a reminder that the rest was cut (docs/behaviour.md#acting); the client's events carry it all."""
         limit = self.context_config.tool_result_limit * 4
         blocks = [TextBlock(text=output)] if isinstance(output, str) else output
         size = sum(len(b.text.encode()) for b in blocks if isinstance(b, TextBlock))
@@ -904,7 +942,7 @@ class Agent:
             return PermissionDecision(behavior=PermissionBehavior.ASK, message=f"{tool_call.name} needs confirmation")
         return PermissionDecision(behavior=PermissionBehavior.ALLOW)
 
-    # -- human in the loop (§2.7, §2.8) -----------------------------------------------------------
+    # -- human in the loop (docs/behaviour.md#hitl and #external-execution) ----------------------
 
     def check_incoming_event(self, event: Any) -> None:
         """Raise ReplyError unless ``event`` (a confirm or execution result) answers waiting tool calls."""
@@ -973,7 +1011,7 @@ class Agent:
             events.extend(self._save_result(call, text, state, {}))
         return events
 
-    # -- context compression (§2.10) --------------------------------------------------------------
+    # -- context compression (docs/behaviour.md#compression) -------------------------------------
 
     async def compress_context(self, context_config: Any = None, instructions: HintBlock | None = None) -> None:
         await self._compress_chain(self, context_config=context_config, instructions=instructions)
@@ -1055,7 +1093,7 @@ class _StructuredOutputTool(Tool):
 
 
 class _ChunkConverter:
-    """Turns delta ChatResponses into block events (§2.5.4); text/thinking event ids are fresh."""
+    """Turns delta ChatResponses into block events (docs/behaviour.md#reasoning); text/thinking event ids are fresh."""
 
     # (start, delta, end) event classes of the two streamed text-like block kinds, in close order
     _TEXTUAL = {
@@ -1144,7 +1182,8 @@ def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
     if progress is not None:
         from .data import CustomEvent
 
-        out.append(CustomEvent(name="mcp_progress", value={**progress, "reply_id": reply_id, "tool_call_id": call_id}))
+        value = {**progress, "reply_id": reply_id, "tool_call_id": call_id}
+        out.append(CustomEvent(name="mcp_progress", value=value, reply_id=reply_id))
     out.extend(_output_events(reply_id, call_id, chunk.content))
     return out
 

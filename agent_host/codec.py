@@ -263,10 +263,43 @@ class Codec:
                 encoders.append((oneof.name, enc))
                 decoders.append(dec)
                 continue
-            enc, dec = self._field_converters(field)
+            if _ordered_text_of(desc, field) is not None:
+                continue  # carried with its Struct (see _ordered_struct_converters)
+            ordered = _ordered_text_of(desc, field, of_struct=True)
+            enc, dec = (
+                self._ordered_struct_converters(field.name, ordered)
+                if ordered is not None
+                else self._field_converters(field)
+            )
             encoders.append((field.name, enc))
             decoders.append(dec)
         return encoders, decoders
+
+    @staticmethod
+    def _ordered_struct_converters(name: str, text_name: str) -> tuple[Encoder, Decoder]:
+        """A Struct with a ``<name>_json`` sibling: the JSON text keeps the key order (a Struct's
+        map does not). Decoding takes the text only when it holds the same JSON as the Struct, so
+        a writer that sets only the Struct, or edits it and forwards stale text, is read by it."""
+
+        def encode(out: Message, value: Any) -> None:
+            dict_to_struct(value, getattr(out, name))
+            setattr(out, text_name, json.dumps(value, separators=(",", ":"), default=_json_default))
+
+        def decode(msg: Message, kwargs: dict[str, Any]) -> None:
+            if not msg.HasField(name):
+                return
+            value = struct_to_dict(getattr(msg, name))
+            text = getattr(msg, text_name)
+            if text:
+                try:
+                    ordered = json.loads(text)
+                except ValueError:
+                    ordered = None
+                if ordered == value:
+                    value = ordered
+            kwargs[name] = value
+
+        return encode, decode
 
     def _oneof_converters(self, oneof: Any) -> tuple[Encoder, Decoder]:
         members = {f.name: self._value_converters(f) for f in oneof.fields}
@@ -398,6 +431,20 @@ def _identity(value: Any) -> Any:
 
 def _dict_get(obj: dict[str, Any], name: str, default: Any) -> Any:
     return obj.get(name, default)
+
+
+def _ordered_text_of(desc: Descriptor, field: FieldDescriptor, *, of_struct: bool = False) -> str | None:
+    """``of_struct``: the name of the ordered JSON text kept beside this Struct field, if any.
+    Otherwise: the Struct field this string field is the ordered text of, if it is one."""
+    if of_struct:
+        text = desc.fields_by_name.get(f"{field.name}_json")
+        is_struct = field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.full_name == _STRUCT
+        ok = is_struct and not field.is_repeated and text is not None and text.type == FieldDescriptor.TYPE_STRING
+        return text.name if ok else None
+    if field.type != FieldDescriptor.TYPE_STRING or not field.name.endswith("_json"):
+        return None
+    struct = desc.fields_by_name.get(field.name[: -len("_json")])
+    return struct.name if struct is not None and _ordered_text_of(desc, struct, of_struct=True) else None
 
 
 def _is_list_wrapper(desc: Descriptor) -> bool:

@@ -7,7 +7,8 @@ YAML (every key optional)::
     listen: 127.0.0.1:50070        # host:port of the AgentHost gRPC service (port 0 = any free port)
     db: agentmw.db                 # SQLite session store (":memory:" keeps nothing)
     log_level: info
-    agent: {name: assistant, system_prompt: "...", max_iters: 10}
+    agent: {name: assistant, system_prompt: "...", max_iters: 10,
+            inject_runtime_state: false, timezone: UTC}   # tell the model the time (docs/behaviour.md)
     models:                        # the model registry: ids -> provider settings
       default: offline
       models:
@@ -92,6 +93,8 @@ class HostConfig:
     agent_name: str = "assistant"
     system_prompt: str = "You are a helpful assistant."
     max_iters: int = 10
+    inject_runtime_state: bool = False  # AgentScope's default is on; see docs/behaviour.md#runtime-state
+    timezone: str = "UTC"
     models: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(DEFAULT_MODELS))
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_TOOLS))
     middleware: list[MiddlewareConfig] = field(default_factory=list)
@@ -218,7 +221,7 @@ def _check_listen(address: str, where: str) -> None:
 
 
 _TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware", "tracing"}
-_AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int}
+_AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
 _MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes"}
 
 
@@ -253,6 +256,13 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         if key not in _AGENT_KEYS:
             raise ConfigError(f"{src}: agent: unknown key {key!r} (known: {', '.join(_AGENT_KEYS)})")
         setattr(cfg, "agent_name" if key == "name" else key, _expect(value, _AGENT_KEYS[key], f"{src}: agent.{key}"))
+    if "timezone" in agent:
+        from .runtime_state import resolve_timezone
+
+        try:
+            resolve_timezone(cfg.timezone)
+        except ValueError as exc:
+            raise ConfigError(f"{src}: agent.timezone: {exc}") from None
     if "models" in data:
         if not isinstance(data["models"], Mapping):
             raise ConfigError(f"{src}: models: expected a mapping, got {_kind(data['models'])}")

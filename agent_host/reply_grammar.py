@@ -7,7 +7,7 @@ so in-process and remote on_reply middleware are held to the same rules::
 
 * A new reply opens with exactly one ReplyStartEvent whose id is new (not the previous reply's,
   and the host's own once the core has made it); a resumed reply has none and keeps its id.
-* Every event carrying a ``reply_id`` carries this reply's; CustomEvents carry none.
+* Every event carrying a ``reply_id`` carries this reply's; a CustomEvent may carry none ("").
 * Blocks are balanced: text, thinking and data blocks by ``block_id``, tool calls and tool
   results by ``tool_call_id`` (start once, deltas and end only while open). At ReplyEndEvent no
   block is open; at a parked reply's final Msg only the results of calls handed out for external
@@ -122,7 +122,8 @@ class ReplyGrammar:
         self.closing = False  # a ReplyEndEvent or the final Msg was seen: no more reply events
         self.final = False  # the final Msg was seen: nothing may follow
         self.count = 0
-        # UserInterruptEvent with nothing parked: AgentScope answers with nothing at all (§2.3.2).
+        # UserInterruptEvent with nothing parked: AgentScope answers with nothing at all
+        # (docs/behaviour.md#interruption).
         self.may_be_empty = resuming and not awaiting
 
     def violation(self, what: str) -> ReplyGrammarError:
@@ -169,6 +170,8 @@ class ReplyGrammar:
         if self.final:
             raise self.violation(f"{kind.__name__} after the final Msg")
         if isinstance(item, CustomEvent):
+            if item.reply_id and item.reply_id != self.reply_id:  # one of another reply
+                raise self._misplaced_custom(item)
             return
         if isinstance(item, Msg):
             self._final_msg()
@@ -253,6 +256,11 @@ class ReplyGrammar:
         if self.reply_id is None:
             return self.violation(f"{name} before ReplyStartEvent")
         return self.violation(f"{name} of reply {item.reply_id!r} in reply {self.reply_id!r}")
+
+    def _misplaced_custom(self, item: CustomEvent) -> ReplyGrammarError:
+        if self.reply_id is None:
+            return self.violation(f"CustomEvent of reply {item.reply_id!r} before ReplyStartEvent")
+        return self.violation(f"CustomEvent of reply {item.reply_id!r} in reply {self.reply_id!r}")
 
     def _unbalanced(self, item: Any, kind: int, key: str) -> ReplyGrammarError:
         state = "has ended" if key in self.started[kind] else "was never started"

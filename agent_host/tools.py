@@ -22,6 +22,8 @@ from .data import (
 
 ToolOutput = str | ToolResponse | ToolChunk | AsyncIterator[ToolChunk | ToolResponse]
 
+INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by the user.</system-reminder>"
+
 
 class ToolInputError(ValueError):
     """The model's input for a tool does not parse or does not fit the tool's schema."""
@@ -203,18 +205,17 @@ class Toolkit:
                         break
                     response.append_chunk(item)
                     yield item
-        except asyncio.CancelledError:
-            chunk = ToolChunk(
-                content=[TextBlock(text="The tool call was interrupted.")], state=ToolResultState.INTERRUPTED
-            )
-            response.append_chunk(chunk)
-            yield chunk
-            yield response
-            raise
         except ToolInputError as exc:
             yield error_response(str(exc), tool_call.id)
             return
-        except Exception as exc:  # the tool's own failure becomes an ERROR result, as in AgentScope
-            yield error_response(f"Error: {type(exc).__name__}: {exc}", tool_call.id)
-            return
+        except Exception as exc:
+            # The tool's own failure: its message streams as the result's text and is the stored
+            # result (after any text already streamed), state ERROR, as in AgentScope.
+            chunk = ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR)
+            response.append_chunk(chunk)
+            yield chunk
+        except asyncio.CancelledError:  # interrupted: an INTERRUPTED result, and the generator ends
+            chunk = ToolChunk(content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED)
+            response.append_chunk(chunk)
+            yield chunk
         yield response

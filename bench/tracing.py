@@ -1,5 +1,5 @@
 """Bench row: the tracing server attached remotely vs no middleware, on the whole-reply scenario
-(3 tool rounds, then 1,000 text deltas; see scenarios.py §5). Run alone:
+(3 tool rounds, then 1,000 text deltas; see scenario 5 in scenarios.py). Run alone:
 
     python -m bench.tracing [--rounds 15]
 

@@ -453,3 +453,51 @@ MIDDLEWARE: dict[str, type[MiddlewareBase]] = {
 
 def make(name: str, **kwargs: Any) -> MiddlewareBase:
     return MIDDLEWARE[name](**kwargs)
+
+
+# -- fidelity with AgentScope (docs/behaviour.md) ---------------------------------------------
+
+
+class ActingAfterLoop(MiddlewareBase):
+    """Code after its ``async for`` loop over on_acting's next_handler (a span's end, an audit
+    record): records how many items it saw, then yields a chunk after the ToolResponse (dropped)."""
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        seen = []
+        async for item in next_handler():
+            seen.append(type(item).__name__)
+            yield item
+        agent.state.middle_context[await self.get_middleware_key()] = {"seen": seen}
+        yield ToolChunk(content=[TextBlock(text="after the response")])
+
+
+class RaisingTool(MiddlewareBase):
+    """Contributes a tool that streams a little, then raises."""
+
+    async def list_tools(self):
+        @tool(description="Streams a line, then fails.")
+        async def fragile(text: str):
+            async def run():
+                yield ToolChunk(content=[TextBlock(text=f"working on {text}; ")])
+                raise ValueError(f"cannot handle {text!r}")
+
+            return run()
+
+        return [fragile]
+
+
+class OrderedCustomEvent(MiddlewareBase):
+    """Injects, after ReplyStartEvent, a CustomEvent of this reply whose value has keys out of
+    alphabetical order (a Struct on the wire would reorder them)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if isinstance(item, ReplyStartEvent):
+                value = {"zeta": 1, "alpha": {"y": 2, "b": 3}, "mid": [1, "two"]}
+                yield CustomEvent(name="ordered", value=value, reply_id=item.reply_id)
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (ActingAfterLoop, RaisingTool, OrderedCustomEvent)})

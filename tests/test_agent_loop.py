@@ -153,7 +153,7 @@ def test_unimplemented_hooks_are_not_in_any_chain() -> None:
 
 
 async def test_concurrency_safe_calls_run_together() -> None:
-    """Two concurrency-safe calls overlap (§2.6); the unsafe one after them runs alone."""
+    """Two concurrency-safe calls overlap (docs/behaviour.md#acting); the unsafe one after them runs alone."""
     import asyncio
 
     running: list[str] = []

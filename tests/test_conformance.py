@@ -347,3 +347,56 @@ async def test_trace_context_reaches_middleware_in_and_out_of_process(servers: S
     [i async for i in agent.reply_stream(UserMsg("hi"))]
     assert agent.state.middle_context["TraceEcho"] == {}
     await remote.close()
+
+
+# -- fidelity with AgentScope (docs/behaviour.md): each check runs on both placements ----------
+
+
+def _acting_drained(events, state):
+    """The on_acting chain runs to its end: code after the middleware's loop ran; the chunk it
+    yielded after the ToolResponse is dropped (a call has one result)."""
+    assert state["middle_context"]["ActingAfterLoop"] == {"seen": ["ToolChunk", "ToolResponse"]}
+    assert [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"] == ["3"]
+    results = [b for m in state["context"] for b in m["content"] if b["class"] == "ToolResultBlock"]
+    assert len(results) == 1 and results[0]["output"][0]["text"] == "3"
+    assert kinds(events).count("ToolResultEndEvent") == 1
+
+
+def _tool_raises(events, state):
+    """A raising tool: its message streams as result text and is the stored result, as in AgentScope."""
+    deltas = [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"]
+    assert deltas == ["working on x; ", "cannot handle 'x'"]
+    end = next(e for e in events if e["class"] == "ToolResultEndEvent")
+    assert end["state"] == "error"
+    result = next(b for m in state["context"] for b in m["content"] if b["class"] == "ToolResultBlock")
+    assert result["state"] == "error" and result["output"][0]["text"] == "working on x; cannot handle 'x'"
+
+
+def _ordered_custom_event(events, state):
+    """An injected CustomEvent keeps its reply id and its value's key order."""
+    custom = next(e for e in events if e["class"] == "CustomEvent")
+    assert custom["reply_id"] == events[0]["reply_id"]
+    assert list(custom["value"]) == ["zeta", "alpha", "mid"] and list(custom["value"]["alpha"]) == ["y", "b"]
+
+
+FIDELITY_CASES: list[tuple[Scenario, Check]] = [
+    (Scenario("acting_drained", [Layer("ActingAfterLoop")], message="call add a=1 b=2"), _acting_drained),
+    (Scenario("tool_raises", [Layer("RaisingTool")], message="call RaisingTool__fragile text=x"), _tool_raises),
+    (Scenario("ordered_custom_event", [Layer("OrderedCustomEvent")]), _ordered_custom_event),
+]
+
+
+@pytest.fixture(scope="module")
+def fidelity_servers():
+    started = Servers([scenario for scenario, _ in FIDELITY_CASES])
+    yield started
+    started.stop()
+
+
+@pytest.mark.parametrize(("scenario", "check"), FIDELITY_CASES, ids=[s.id for s, _ in FIDELITY_CASES])
+async def test_fidelity_same_in_process_and_remote(scenario: Scenario, check: Check, fidelity_servers: Servers) -> None:
+    local_events, local_state = await run(scenario, ["local"] * len(scenario.layers), None)
+    remote_events, remote_state = await run(scenario, ["remote"] * len(scenario.layers), fidelity_servers)
+    check(local_events, local_state)
+    check(remote_events, remote_state)  # each placement on its own: key order is not seen by ==
+    assert remote_events == local_events and remote_state == local_state

@@ -254,6 +254,9 @@ class ExternalExecutionResultEvent(EventBase):
 class CustomEvent(EventBase):
     name: str
     value: dict[str, Any] = field(default_factory=dict)
+    # The reply it belongs to, when it is injected into one ("" = none; AgentScope's CustomEvent
+    # has no such field: an extension so that every event of a reply can name it).
+    reply_id: str = ""
 
 
 EVENT_CLASSES: tuple[type[EventBase], ...] = tuple(

@@ -56,6 +56,20 @@ class Msg:
             self.usage = Usage()
         self.usage.add(usage)
 
+    def check_role(self) -> None:
+        """Raise ValueError unless the blocks fit the role (AgentScope's Msg validation): a user
+        message holds only text and data, a system message only text; an assistant message any."""
+        allowed = _ROLE_BLOCKS.get(self.role)
+        if allowed is None:
+            return
+        bad = sorted({b.type for b in self.content if b.type not in allowed})
+        if bad:
+            raise ValueError(f"a {self.role.value} message holds only {'/'.join(allowed)} blocks, not {'/'.join(bad)}")
+
+
+# Which block types a message of each role may hold (a role not listed: any).
+_ROLE_BLOCKS: dict[Role, tuple[str, ...]] = {Role.USER: ("text", "data"), Role.SYSTEM: ("text",)}
+
 
 def UserMsg(text: str, name: str = "user", **kw: Any) -> Msg:
     msg = Msg(name=name, content=[TextBlock(text=text)], role=Role.USER, **kw)

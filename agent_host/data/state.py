@@ -13,7 +13,8 @@ from .messages import Msg
 
 @dataclass(slots=True, kw_only=True)
 class ReplyContext:
-    reply_id: str = ""
+    # A fresh state has an id already, as in AgentScope: every reply id is a real one.
+    reply_id: str = field(default_factory=new_id)
     cur_iter: int = 0
     structured_schema: dict[str, Any] | None = None
     structured_output: dict[str, Any] | None = None
@@ -76,6 +77,13 @@ class AgentState(ReplyFields):
         if tail and tail.role == Role.ASSISTANT and tail.name == name and tail.id == self.reply_id:
             return tail
         return None
+
+    def append_message(self, msg: Msg) -> None:
+        """Append a message to the context, checked against the role rules (``Msg.check_role``:
+        ValueError). The one way a middleware adds a message, in-process and remote alike."""
+        msg.check_role()
+        self.context.append(msg)
+        self.version += 1
 
     def append_context(self, name: str, blocks: list[ContentBlock]) -> Msg:
         """Append blocks to this reply's assistant message, creating it when the tail is not it."""

@@ -1,4 +1,4 @@
-"""ModelRegistry: models by id, each with optional retries and fallback ids (spec §1.3.5)."""
+"""ModelRegistry: models by id, each with optional retries and fallback ids (docs/behaviour.md#reasoning)."""
 
 from __future__ import annotations
 

@@ -141,6 +141,7 @@ class HookCall:
         if record and self.spec.name in _EVENT_HOOKS and not after_final:
             yield CustomEvent(
                 name="middleware_bypassed",
+                reply_id=self.agent.state.reply_id,
                 value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
             )
         async for item in self._without_middleware():
@@ -487,9 +488,9 @@ class HookCall:
                 state.version += 1
             elif op == "append_message":
                 msg = codec.decode(mutation.append_message)
+                msg.check_role()  # before _own records anything (the same rule as in-process)
                 self._own(msg.content)
-                state.context.append(msg)
-                state.version += 1
+                state.append_message(msg)
             elif op in ("append_blocks", "append_blocks_to_tail"):
                 blocks = [codec.decode(getattr(b, b.WhichOneof("block"))) for b in getattr(mutation, op).blocks]
                 self._own(blocks)

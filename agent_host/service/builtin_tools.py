@@ -1,8 +1,8 @@
 """The host's built-in demo tools, enabled by name in the configuration (``tools: [...]``).
 
 They are deterministic and offline, and between them show every way a tool can run: a plain
-read-only tool, a computation, one that needs the user's confirmation (HITL, spec §2.7) and one
-that the client executes (external execution, §2.8).
+read-only tool, a computation, one that needs the user's confirmation (docs/behaviour.md#hitl) and one
+that the client executes (docs/behaviour.md#external-execution).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from ..data.state import AgentState
 from ..hooks import HOOKS
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
+from ..runtime_state import RuntimeState
 from ..store import Journal, ReplyStatus, SessionRecord, SessionStore
 from ..tools import Tool, Toolkit, middleware_tools
 
@@ -220,6 +221,7 @@ class Host:
             state=state,
             max_iters=cfg.max_iters,
             journal=journal,
+            runtime_state=RuntimeState(timezone=cfg.timezone) if cfg.inject_runtime_state else None,
         )
 
     @staticmethod

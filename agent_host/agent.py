@@ -106,15 +106,15 @@ TRUNCATED_REMINDER = (
     "here. Ask for a narrower result if you need the rest.</system-reminder>"
 )
 MAX_ITERS_SOURCE = '{"label": "System", "sublabel": "Max Iterations Reached"}'
+# What closing a reply that did not end writes into the context; {cause} says why it did not end.
+HOST_STOPPED = "The host stopped"
+CUT_OFF = "The reply was interrupted and then cut off"
 IN_DOUBT_TOOL_TEXT = (
-    "<system-reminder>The host stopped while this tool call ran, before its result was recorded: it may or "
+    "<system-reminder>{cause} while this tool call ran, before its result was recorded: it may or "
     "may not have taken effect. It was not run again.</system-reminder>"
 )
-NOT_RUN_TOOL_TEXT = "<system-reminder>The host stopped before this tool call ran; it was not run.</system-reminder>"
-HOST_STOPPED_TEXT = (
-    "<system-reminder>The host stopped before this reply ended; the reply was closed when the session was next "
-    "loaded.</system-reminder>"
-)
+NOT_RUN_TOOL_TEXT = "<system-reminder>{cause} before this tool call ran; it was not run.</system-reminder>"
+UNENDED_REPLY_TEXT = "<system-reminder>{cause} before this reply ended; the reply was closed.</system-reminder>"
 COMPRESSION_PROMPT = (
     "<compress-context>Summarize the conversation above for your future self: the task, the current "
     "state, important discoveries, next steps. Reply with the summary only.</compress-context>"
@@ -988,17 +988,18 @@ class Agent:
         for ev in events:
             yield ev
 
-    def close_interrupted_reply(self, in_doubt: frozenset[str]) -> None:
-        """Close a reply whose host stopped during it (found OPEN at load): a call started without a
-        recorded result gets an error result saying it may have run (it is never run again), any
-        other unanswered call one saying it did not run; the reply's message ends with a note."""
+    def close_interrupted_reply(self, in_doubt: frozenset[str] | None, cause: str = HOST_STOPPED) -> None:
+        """Close a reply that did not end: its host stopped during it (found OPEN at load), or it was
+        cut off. A call started without a recorded result gets an error result saying it may have run
+        (it is never run again), any other unanswered call one saying it did not run; the reply's
+        message ends with a note. ``in_doubt`` None: every call that was allowed to run may have run."""
         for call in self._unanswered_calls():
-            self._save_result(
-                call, IN_DOUBT_TOOL_TEXT if call.id in in_doubt else NOT_RUN_TOOL_TEXT, ToolResultState.ERROR, {}
-            )
-        msg = self.state.append_context(self.name, [TextBlock(text=HOST_STOPPED_TEXT)])
+            doubtful = call.state == ToolCallState.ALLOWED if in_doubt is None else call.id in in_doubt
+            text = IN_DOUBT_TOOL_TEXT if doubtful else NOT_RUN_TOOL_TEXT
+            self._save_result(call, text.format(cause=cause), ToolResultState.ERROR, {})
+        msg = self.state.append_context(self.name, [TextBlock(text=UNENDED_REPLY_TEXT.format(cause=cause))])
         msg.finished_reason = ReplyFinishedReason.INTERRUPTED
-        msg.error = ErrorInfo(type=ErrorType.INTERNAL, message="the host stopped during the reply")
+        msg.error = ErrorInfo(type=ErrorType.INTERNAL, message=f"{cause} during the reply")
         self.state.reply_context.model_id = None
 
     def _close_unfinished_tool_calls(self, state: ToolResultState, text: str) -> list[Any]:

@@ -160,6 +160,12 @@ def dashscope_tool_fragment(index: int, arguments: str, *, id: str = "", name: s
 
 
 def dashscope_stream(chunks: list[dict[str, Any]], delay: float = 0.0) -> Reply:
+    """A complete stream: when no chunk has a finish reason, the last one says "stop" (as the real
+    service's last event does)."""
+    if chunks and all(c["output"]["choices"][0]["finish_reason"] == "null" for c in chunks if "output" in c):
+        chunks = [*chunks[:-1], json.loads(json.dumps(chunks[-1]))]
+        if "output" in chunks[-1]:
+            chunks[-1]["output"]["choices"][0]["finish_reason"] = "stop"
     frames = [
         f"id:{i}\nevent:result\n:HTTP_STATUS/200\ndata:{json.dumps(chunk, ensure_ascii=False)}\n\n"
         for i, chunk in enumerate(chunks, 1)
@@ -225,9 +231,19 @@ def openai_tool_fragment(index: int, arguments: str, *, id: str | None = None, n
     return fragment
 
 
-def openai_stream(chunks: list[dict[str, Any]], delay: float = 0.0) -> Reply:
+def openai_stream(chunks: list[dict[str, Any]], delay: float = 0.0, *, done: bool = True) -> Reply:
+    """A complete stream: when no chunk has a finish reason, one with "stop" is added before the
+    usage-only chunk (real servers always send one), and ``data: [DONE]`` ends it."""
+    finished = any(c.get("finish_reason") for chunk in chunks for c in chunk.get("choices") or [])
+    if not finished and not any("error" in chunk for chunk in chunks):
+        at = next((i for i, c in enumerate(chunks) if not c.get("choices")), len(chunks))
+        chunks = [
+            *chunks[:at],
+            openai_chunk(finish="stop", id=chunks[0].get("id", "chatcmpl-1") if chunks else "chatcmpl-1"),
+            *chunks[at:],
+        ]
     frames = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
-    return Reply(frames=[*frames, "data: [DONE]\n\n"], delay=delay)
+    return Reply(frames=[*frames, "data: [DONE]\n\n"] if done else frames, delay=delay)
 
 
 def openai_error(status: int, message: str, type: str, code: str | None = None) -> Reply:

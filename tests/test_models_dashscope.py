@@ -286,7 +286,8 @@ async def test_auth_error_fails_at_once_with_the_provider_message(server: Script
         (503, "ServiceUnavailable", ErrorType.UPSTREAM, True),
         (400, "InvalidParameter", ErrorType.INVALID_REQUEST, False),
         (403, "AccessDenied", ErrorType.PERMISSION, False),
-        (400, "Throttling.AllocationQuota", ErrorType.RATE_LIMIT, True),
+        (400, "Throttling.RateQuota", ErrorType.RATE_LIMIT, True),
+        (429, "Throttling.AllocationQuota", ErrorType.RATE_LIMIT, False),  # quota exhausted: waiting won't help
     ],
 )
 async def test_error_mapping(server: ScriptedServer, status: int, code: str, kind: ErrorType, retryable: bool) -> None:

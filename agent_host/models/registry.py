@@ -83,6 +83,13 @@ class ModelRegistry:
         ids = [model_id, *self.entry(model_id).fallback]
         return [(i, self.entry(i).max_retries, self.entry(i).retry) for i in ids]
 
+    async def aclose(self) -> None:
+        """Close every model's connections (the host calls it at shutdown)."""
+        for entry in self.entries.values():
+            close = getattr(entry.model, "aclose", None)
+            if close is not None:
+                await close()
+
     def resolve(self, model: ChatModel | str | Any) -> ChatModel:
         """A model object, or a registered id, or anything with an ``id`` (a ModelRef)."""
         if isinstance(model, ChatModel):

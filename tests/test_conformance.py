@@ -313,7 +313,8 @@ async def test_a_detached_watcher_sees_what_it_subscribed_to(servers: Servers) -
             .content[0]
             .text
         )
-        if stats.get("on_reply:Msg"):
+        # Each hook's copies travel on their own stream: wait until the last of them is read.
+        if all(stats.get(k) for k in ("on_reply:Msg", "on_reasoning:ModelCallEndEvent", "on_acting:ToolResponse")):
             break
         await asyncio.sleep(0.05)
     assert stats["on_reply:Msg"] == 1 and sum(v for k, v in stats.items() if k.startswith("on_reply:")) == len(events)

@@ -289,15 +289,28 @@ def test_demo_completes() -> None:
     out = done.stdout
     assert "agentmw demo: OK" in out
     # What each example middleware did, as the demo prints it (see clients/demo.py).
-    steps = re.split(r"^── ", out, flags=re.M)[1:]
-    assert len(steps) == 7, out  # six steps, then the stored session
+    sections = re.split(r"^── ", out, flags=re.M)[1:]
+    steps = [s for s in sections if re.match(r"\d+\. ", s)]
+
+    def step(title: str) -> str:
+        return next(s for s in steps if title in s.splitlines()[0])
+
+    assert len(steps) == 7, out
     timings = [json.loads(t) for t in re.findall(r"^  · timing: (\{.*\})$", out, re.M)]
-    assert len(timings) == 6 and all(t["reply_seconds"] > 0 for t in timings), timings  # timing: each reply
-    assert len({t["reply_id"] for t in timings}) == 6
-    assert "## Current Context" in steps[3] and 'Session: {"session_started": ' in steps[3]  # dynamic_prompt
-    assert "This is the backup model" in steps[4] and "· model call: backup" in steps[4]  # fallback
+    assert len(timings) == len(steps) and all(t["reply_seconds"] > 0 for t in timings), timings  # each reply
+    assert len({t["reply_id"] for t in timings}) == len(steps)
+    prompt = step("dynamic system prompt")
+    assert "## Current Context" in prompt and 'Session: {"session_started": ' in prompt  # dynamic_prompt
+    outage = step("model outage")
+    assert "This is the backup model" in outage and "· model call: backup" in outage  # fallback
+    budget = step("token budget")  # the budget server withholds the tools once the budget is used
+    exhausted = re.search(r"^  · budget_exhausted: (\{.*\})$", budget, re.M)
+    assert exhausted and json.loads(exhausted[1])["used"] >= json.loads(exhausted[1])["budget"], budget
+    after = budget[exhausted.end() :]
+    assert "→ get_weather" not in after and "Done:" in after
+    assert re.search(r"^── the traces of the conversation", out, re.M)  # the tracing server's spans
     slots = {m[0]: m[1] for m in re.findall(r"^    (\w+) +\[\w+\]: (.*)$", out, re.M)}
-    assert set(slots) == {"dynamic_prompt", "fallback", "rate_limit", "timing"}, out
+    assert set(slots) == {"budget", "tracing", "dynamic_prompt", "fallback", "rate_limit", "timing"}, out
     assert set(json.loads(slots["dynamic_prompt"])) == {"session_started"}
     fallback = json.loads(slots["fallback"])
     assert (fallback["switches"], fallback["to"]) == (1, "backup") and "simulated outage" in fallback["last_error"]

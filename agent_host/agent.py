@@ -1106,6 +1106,7 @@ class _ChunkConverter:
         self.open_ids: dict[str, str | None] = {"text": None, "thinking": None}
         self.tool_ids: list[str] = []
         self.open_tools: set[str] = set()
+        self.tool_args: dict[str, list[str]] = {}  # call id -> its argument pieces, for the end event
         self.data_ids: set[str] = set()
 
     def _textual(self, kind: str, piece: str, has_data: bool, out: list[Any]) -> None:
@@ -1139,6 +1140,7 @@ class _ChunkConverter:
                     self.open_tools.add(block.id)
                     out.append(ToolCallStartEvent(reply_id=rid, tool_call_id=block.id, tool_call_name=block.name))
                 if block.input:
+                    self.tool_args.setdefault(block.id, []).append(block.input)
                     out.append(ToolCallDeltaEvent(reply_id=rid, tool_call_id=block.id, delta=block.input))
         for block in chunk.content:
             if isinstance(block, DataBlock) and block.source.type == "base64":
@@ -1160,7 +1162,11 @@ class _ChunkConverter:
             if self.open_ids[kind] is not None:
                 out.append(end(reply_id=rid, block_id=self.open_ids[kind]))
                 self.open_ids[kind] = None
-        out.extend(ToolCallEndEvent(reply_id=rid, tool_call_id=i) for i in self.tool_ids if i in self.open_tools)
+        out.extend(
+            ToolCallEndEvent(reply_id=rid, tool_call_id=i, metadata={"input": "".join(self.tool_args.get(i, []))})
+            for i in self.tool_ids
+            if i in self.open_tools
+        )
         out.extend(DataBlockEndEvent(reply_id=rid, block_id=i) for i in sorted(self.data_ids))
         self.open_tools.clear()
         self.data_ids.clear()

@@ -204,12 +204,17 @@ async def test_interleaved_tool_call_fragments(server: ScriptedServer) -> None:
 
     assert final.text == "both" and sorted(calls) == ["Oslo", "Rome"]
     for call_id, city in (("call_a", "Oslo"), ("call_b", "Rome")):
-        mine = [e for e in events if getattr(e, "tool_call_id", None) == call_id]
-        kinds = [type(e) for e in mine if isinstance(e, ToolCallStartEvent | ToolCallDeltaEvent | ToolCallEndEvent)]
+        mine = [
+            e
+            for e in events
+            if isinstance(e, ToolCallStartEvent | ToolCallDeltaEvent | ToolCallEndEvent) and e.tool_call_id == call_id
+        ]
+        kinds = [type(e) for e in mine]
         assert kinds[0] is ToolCallStartEvent and kinds[-1] is ToolCallEndEvent
         assert kinds.count(ToolCallEndEvent) == 1
         args = "".join(e.delta for e in mine if isinstance(e, ToolCallDeltaEvent))
         assert json.loads(args) == {"city": city}
+        assert mine[-1].metadata["input"] == args  # the end carries the complete arguments
 
 
 # -- 4. a truncated stream, a 200 that is not an event stream --------------------------------------

@@ -380,3 +380,23 @@ async def test_middleware_overrides_request_parameters(server: ScriptedServer) -
     assert final.text == "ok"
     body = server.requests[0].body
     assert (body["temperature"], body["max_tokens"], body["seed"]) == (0.1, 7, 3)
+
+
+def test_agent_chat_says_an_error_once_and_a_cut_answer() -> None:
+    import io
+
+    from agent_host.data import AssistantMsg, ErrorInfo
+    from clients.chat import View
+
+    out = io.StringIO()
+    view = View(out=out, color=False)
+    error = ErrorInfo(type=ErrorType.UPSTREAM, message="ModelError: openai model 'm': HTTP 502: HTML page: Bad Gateway")
+    view.show(ModelCallEndEvent(reply_id="r", finished_reason=FinishedReason.LENGTH))
+    view.show(ReplyEndEvent(session_id="s", reply_id="r", finished_reason=ReplyFinishedReason.ERROR, error=error))
+    view.show(
+        AssistantMsg(f"The reply failed: {error.message}", finished_reason=ReplyFinishedReason.ERROR, error=error)
+    )
+
+    text = out.getvalue()
+    assert text.count("HTTP 502") == 1, text
+    assert "cut at its output token limit" in text

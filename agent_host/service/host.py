@@ -396,6 +396,7 @@ class Host:
                 await asyncio.wait(pending, timeout=2.0)
         for a in self.middleware:
             await a.remote.close()
+        await self.models.aclose()  # the model clients' connection pools (else "Unclosed client session")
         self.store.close()
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from .launch import LaunchError, ServerProcess, start_all
+from .launch import ROOT, LaunchError, ServerProcess, start_all
 from .traces import Receiver, format_trace
 
 # Constructor arguments some example servers need to be useful in the demo. The rate limit lets
@@ -43,6 +43,16 @@ SERVER_ARGS: dict[str, dict[str, Any]] = {
 }
 
 OUTAGE = "the primary model is down (simulated outage)"
+
+# Built-in servers with a venv of their own (the demo builds it: `make demo` depends on it) and
+# their flags; "{tmp}" is the demo's temporary directory.
+SERVER_PYTHON = {"mem0": ".venv-mem0/bin/python"}
+BUILTIN_ARGS = {"mem0": ["--store", "{tmp}/mem0-store"]}
+# Tools that need more than text=hello in the demo.
+TOOL_CALLS = {
+    "mem0__add_memory": 'call mem0__add_memory {"thinking": "a wish", "content": ["The user likes short replies."]}',
+    "mem0__search_memory": 'call mem0__search_memory keywords=["replies"]',
+}
 
 
 def host_models() -> dict[str, Any]:
@@ -57,6 +67,7 @@ def host_models() -> dict[str, Any]:
             "text": "Here is what I know about {0}, from my system prompt:\n{system}",
         },
         {"pattern": r"simulate an? (?:outage|failure)", "error": {"type": "upstream", "message": OUTAGE}},
+        {"pattern": r"what(?:'s| is) my favou?rite (\w+)", "text": "Your favourite {0}, from memory:\n{hints}"},
     ]
     models["models"]["backup"] = {
         "provider": "offline",
@@ -70,6 +81,7 @@ class ServerSpec:
     name: str
     argv: list[str]
     what: str
+    python: str | None = None  # another interpreter than this one (a venv of its own)
 
 
 def discover_servers() -> list[ServerSpec]:
@@ -82,7 +94,12 @@ def discover_servers() -> list[ServerSpec]:
     for info in pkgutil.iter_modules(mw_servers.__path__):
         path = Path(mw_servers.__path__[0]) / info.name
         if info.ispkg and info.name not in ("sdk", "examples") and (path / "__main__.py").exists():
-            specs.append(ServerSpec(info.name, ["-m", f"mw_servers.{info.name}", *address], f"mw_servers.{info.name}"))
+            argv = ["-m", f"mw_servers.{info.name}", *address, *BUILTIN_ARGS.get(info.name, [])]
+            python = str(ROOT / SERVER_PYTHON[info.name]) if info.name in SERVER_PYTHON else None
+            if python is not None and not Path(python).exists():
+                print(f"agentmw demo: skipping mw_servers.{info.name}: {python} is missing (make demo builds it)")
+                continue
+            specs.append(ServerSpec(info.name, argv, f"mw_servers.{info.name}", python))
     try:
         examples = importlib.import_module("mw_servers.examples")
     except ImportError:
@@ -114,6 +131,7 @@ class Step:
     message: str
     edit: dict[str, Any] | None = None  # confirmed calls get this input merged in
     external: str = "shipped on Monday, arrives Thursday"
+    new_session: bool = False  # in a session of its own (the main session goes on after it)
 
 
 @dataclass
@@ -132,7 +150,14 @@ def _steps(tools: list[str]) -> list[Step]:
         Step("external execution: the client runs lookup_order and sends back its result", "Where is my order A-1001?"),
     ]
     for name in tools:
-        steps.append(Step(f"a tool contributed by a middleware: {name}", f"call {name} text=hello"))
+        steps.append(
+            Step(f"a tool contributed by a middleware: {name}", TOOL_CALLS.get(name, f"call {name} text=hello"))
+        )
+    if any(name.startswith("mem0__") for name in tools):
+        steps += [
+            Step("long-term memory: a fact told in a new session", "My favourite colour is teal.", new_session=True),
+            Step("... recalled in another new session (mem0's hint)", "What is my favourite colour?", new_session=True),
+        ]
     steps += [
         Step("the dynamic system prompt: the model answers from it", "What do you know about today?"),
         Step(
@@ -195,9 +220,14 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
                 return ToolResultBlock(id=call.id, name=call.name, output=step.external, state=ToolResultState.SUCCESS)
 
             turn = await converse(
-                client, session, UserMsg(step.message), on_item=show, on_confirm=confirm, on_external=external
+                client,
+                "" if step.new_session else session,
+                UserMsg(step.message),
+                on_item=show,
+                on_confirm=confirm,
+                on_external=external,
             )
-            session = turn.session_id
+            session = session if step.new_session else turn.session_id
             reason = turn.end.finished_reason if turn.end is not None else None
             if reason != ReplyFinishedReason.COMPLETED:
                 outcome.failures.append(f"step {i} ({step.title}) ended {reason or 'parked'}")
@@ -238,16 +268,18 @@ def run(out: Any = sys.stdout) -> int:
     with tempfile.TemporaryDirectory(prefix="agentmw-demo-") as tmp:
         log_dir = Path(tmp)
 
-        def process(name: str, argv: list[str]) -> ServerProcess:
+        def process(name: str, argv: list[str], python: str | None = None) -> ServerProcess:
             # A session of its own: a Ctrl-C in the terminal reaches only the demo, which stops it.
-            proc = ServerProcess(argv, name=name, env=env, log_dir=log_dir, new_session=True)
+            argv = [a.replace("{tmp}", tmp) for a in argv]
+            proc = ServerProcess(argv, name=name, env=env, log_dir=log_dir, new_session=True, executable=python)
+            proc.startup = 120  # at most: the mem0 server loads an embedding model first
             procs.append(proc)
             return proc
 
         try:
             specs = discover_servers()
             print(f"agentmw demo: starting {len(specs)} middleware servers and the host (logs in {log_dir})", file=out)
-            start_all([process(spec.name, spec.argv) for spec in specs])
+            start_all([process(spec.name, spec.argv, spec.python) for spec in specs])
             flags = []
             for spec, proc in zip(specs, procs, strict=True):
                 print(f"  middleware {spec.name:<16} {proc.address:<22} ({spec.what})", file=out)

@@ -21,6 +21,7 @@ reported to the client as ``CustomEvent("mem0_error")``; the reply goes on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -91,7 +92,7 @@ class Mem0Middleware(MiddlewareBase):
         # without the prompt hook and the tools (no prompt round trips per model call).
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-        return super().__new__(_MODE_CLASSES.get(mode, cls) if cls is Mem0Middleware else cls)
+        return super().__new__(_mode_class(cls, mode))
 
     def __init__(
         self,
@@ -302,13 +303,13 @@ def _results(result: Any) -> list[dict[str, Any]]:
     return [r for r in items or [] if isinstance(r, dict)]
 
 
-def _without(name: str, *hooks: str) -> type[Mem0Middleware]:
+@functools.cache
+def _mode_class(cls: type[Mem0Middleware], mode: str) -> type[Mem0Middleware]:
     # Resetting a hook to the base's function makes it "not implemented" for the host.
-    return type(name, (Mem0Middleware,), {h: getattr(MiddlewareBase, h) for h in hooks})
+    if mode != "static":
+        return cls
+    hooks = {h: getattr(MiddlewareBase, h) for h in ("on_system_prompt", "list_tools")}
+    return type(f"{cls.__name__}Static", (cls,), hooks)
 
 
-_MODE_CLASSES: dict[str, type[Mem0Middleware]] = {
-    "static": _without("Mem0StaticMiddleware", "on_system_prompt", "list_tools"),
-}
-
-__all__ = ["ERROR_EVENT", "KEY", "MODES", "Mem0Middleware"]
+__all__ = ["ADD_SCHEMA", "ERROR_EVENT", "KEY", "MODES", "SEARCH_SCHEMA", "Mem0Middleware"]

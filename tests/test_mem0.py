@@ -1,7 +1,9 @@
 """The mem0 server (mw_servers/mem0): long-term memory across sessions, with real processes.
 
 The server runs with the mem0 venv's python (``make mem0``; skipped without it): the offline
-default (bundled all-MiniLM-L6-v2, Qdrant on disk), one server and one host for the module.
+default (bundled all-MiniLM-L6-v2, Qdrant on disk), one server and one host for the module. Where
+``unshare --net`` works that server has no network at all (last test); the replicas test runs
+its own two servers on loopback, with a Chroma server between them.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import asyncio
 import copy
 import json
 import os
+import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,11 +28,10 @@ import yaml
 from agent_host.data import CustomEvent, HintBlock, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, Turn, converse
-from clients.launch import ROOT, ServerProcess
+from clients.launch import ROOT, ServerProcess, start_all
 from tests.host_util import Procs, get_session, processes
 
 MEM0_PY = ROOT / ".venv-mem0" / "bin" / "python"
-NETNS = "AGENTMW_MEM0_NETNS"  # set inside the network-less re-run of this module
 
 pytestmark = [
     pytest.mark.timeout(300),  # the module's first test also waits for the embedding model to load
@@ -51,17 +52,26 @@ def host_config(tmp: Path) -> Path:
     return path
 
 
-def mem0_server(procs: Procs, name: str, *args: str) -> ServerProcess:
+def mem0_server(
+    procs: Procs, name: str, *args: str, address: str = "127.0.0.1:{port}", isolated: bool = False
+) -> ServerProcess:
+    """A mem0 server process, not started yet (stopped with ``procs``); ``isolated``: in a network
+    namespace of its own (``unshare --net``, which execs the server: same pid)."""
+    argv = ["-m", "mw_servers.mem0", "--address", address, *args]
     proc = ServerProcess(
-        ["-m", "mw_servers.mem0", "--address", "127.0.0.1:{port}", *args],
+        ["--net", str(MEM0_PY), *argv] if isolated else argv,
         name=name,
         log_dir=procs.log_dir,
         startup=180,  # the embedding model loads first (seconds; more on a busy machine)
         new_session=True,
-        executable=str(MEM0_PY),
+        executable="unshare" if isolated else str(MEM0_PY),
     )
     procs.procs.append(proc)
-    return proc.start()
+    return proc
+
+
+def unshare_works() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(["unshare", "--net", "true"]).returncode == 0
 
 
 @dataclass
@@ -69,17 +79,28 @@ class Stack:
     procs: Procs
     mem0: ServerProcess
     host: ServerProcess
+    isolated: bool  # the mem0 server has no network at all
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The server runs with no network where ``unshare --net`` works (as root): in a network
+    namespace of its own, listening on a Unix socket (which the host reaches through the file
+    system); elsewhere on loopback."""
     tmp = tmp_path_factory.mktemp("mem0")
+    isolated = unshare_works()
     with processes(tmp) as procs:
-        mem0 = mem0_server(procs, "mem0", "--store", str(tmp / "store"))
-        host = procs.host(
-            tmp / "sessions.db", "--config", str(host_config(tmp)), "--middleware", f"mem0={mem0.address}"
-        )
-        yield Stack(procs, mem0, host)
+        store = ["--store", str(tmp / "store")]
+        if isolated:
+            socket_path = tmp / "mem0.sock"
+            mem0 = mem0_server(procs, "mem0", *store, address=f"unix:{socket_path}", isolated=True).start()
+            address = f"unix:{socket_path}"
+        else:
+            mem0 = mem0_server(procs, "mem0", *store).start()
+            address = mem0.address
+        config = str(host_config(tmp))
+        host = procs.host(tmp / "sessions.db", "--config", config, "--middleware", f"mem0={address}")
+        yield Stack(procs, mem0, host, isolated)
 
 
 async def say(address: str, text: str, user: str, session: str = "") -> Turn:
@@ -104,9 +125,6 @@ def errors(turn: Turn) -> list[dict[str, Any]]:
 
 
 async def test_a_fact_told_in_one_session_is_recalled_in_the_next(stack: Stack) -> None:
-    if os.environ.get(NETNS):  # the re-run under `unshare -n`: there really is no network
-        with pytest.raises(OSError):
-            socket.create_connection(("1.1.1.1", 443), timeout=2).close()
     told = await say(stack.host.address, "My favourite colour is teal.", "alice")
     assert not errors(told)
     asked = await say(stack.host.address, "What is my favourite colour?", "alice")
@@ -136,9 +154,10 @@ async def test_the_model_calls_the_memory_tools_which_run_in_the_mem0_server(sta
     assert "(no relevant memories found)" in stranger.final.text
 
 
-async def test_memories_outlive_a_restart_of_the_mem0_server(stack: Stack) -> None:
+async def test_memories_outlive_a_crash_and_restart_of_the_mem0_server(stack: Stack) -> None:
     await say(stack.host.address, "My favourite city is Lisbon.", "erin")
-    stack.mem0.restart()  # same port, same store on disk
+    stack.mem0.kill()  # a crash: no chance to flush anything
+    stack.mem0.start()  # same port, same store on disk
     async with HostClient(stack.host.address) as client:
         for _ in range(40):  # bounded: the host's channel reconnects after its backoff
             asked = await converse(client, "", UserMsg("What is my favourite city?", metadata={"user_id": "erin"}))
@@ -189,10 +208,10 @@ async def test_two_replicas_share_a_served_store_and_report_its_failure(
     store = {"provider": "chroma", "config": {"host": "127.0.0.1", "port": port, "collection_name": "shared"}}
     config.write_text(yaml.safe_dump({"vector_store": store}))
     with processes(tmp_path) as procs:
-        replicas = [
+        replicas = start_all(
             mem0_server(procs, f"mem0-{i}", "--config", str(config), "--store", str(tmp_path / f"r{i}"))
             for i in range(2)
-        ]
+        )
         hosts = [
             procs.host(
                 tmp_path / f"h{i}.db", "--config", str(host_config(tmp_path)), "--middleware", f"mem0={r.address}"
@@ -215,18 +234,18 @@ async def test_two_replicas_share_a_served_store_and_report_its_failure(
 # ---------------------------------------------------------------------------------------------
 
 
-def test_the_memory_works_with_no_network_at_all(tmp_path: Path) -> None:
-    """The first test again (its own server and host), in a network namespace of its own with only
-    a loopback interface: nothing the server loads or does reaches for the network."""
-    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
-        pytest.skip("unshare --net is not permitted here")
-    inner = f"{sys.executable} -m pytest -q -p no:cacheprovider tests/test_mem0.py -k recalled_in_the_next"
-    run = subprocess.run(
-        ["unshare", "--net", "sh", "-c", f"ip link set lo up && exec {inner}"],
-        cwd=ROOT,
-        env={**os.environ, NETNS: "1"},
-        capture_output=True,
-        text=True,
-        timeout=280,
+def test_the_server_the_other_tests_use_has_no_network(stack: Stack) -> None:
+    """Everything above ran against a server in a network namespace with no interface but a
+    loopback that is down: nothing it loads or does can reach a network."""
+    if not stack.isolated:
+        pytest.skip("unshare --net is not permitted here: the server ran on loopback")
+    pid = stack.mem0.pid
+    assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    interfaces = [line.split(":")[0].strip() for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]]
+    assert interfaces == ["lo"]
+    assert (
+        "state DOWN"
+        in subprocess.run(
+            ["nsenter", "-t", str(pid), "-n", "ip", "link", "show", "lo"], capture_output=True, text=True
+        ).stdout
     )
-    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]

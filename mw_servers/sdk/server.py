@@ -7,6 +7,7 @@ grpc.health.v1 and server reflection; stops gracefully on SIGTERM / SIGINT.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -17,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from agent_host import tracing
-from agent_host.codec import codec
+from agent_host.codec import codec, value_to_json
 from agent_host.data import ToolCallBlock
 from agent_host.hooks import HOOKS
 from agent_host.middleware import MiddlewareBase
@@ -39,9 +40,20 @@ class _Describe(hooks_pb2_grpc.DescribeServicer):
         return self.description
 
 
+@dataclasses.dataclass
+class ToolState:
+    """What a tool's ``call(tool_input, state)`` gets in a server: the calling session's ids and
+    this middleware's slot (``middle_context[key]``, read-only here), as the host sent them."""
+
+    session_id: str
+    reply_id: str
+    middle_context: dict[str, Any]
+
+
 class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
-    def __init__(self, middleware: MiddlewareBase) -> None:
+    def __init__(self, middleware: MiddlewareBase, key: str) -> None:
         self.middleware = middleware
+        self.key = key
         self.tools: dict[str, Tool] = {}
 
     async def _refresh(self) -> None:
@@ -63,7 +75,10 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
         tool_input = codec.decode_record(request)["tool_input"] if request.HasField("tool_input") else {}
         call = ToolCallBlock(id=request.tool_call.id or "call", name=name, input=json.dumps(tool_input))
-        async for item in Toolkit([tool]).call_tool(call):
+        ctx = request.context
+        slot = value_to_json(ctx.slot) if ctx.HasField("slot") else None
+        state = ToolState(ctx.session_id, ctx.reply_id, {} if slot is None else {self.key: slot})
+        async for item in Toolkit([tool]).call_tool(call, state):
             yield codec.encode_item(item)
 
 
@@ -114,7 +129,7 @@ async def start(middleware: MiddlewareBase, address: str = "127.0.0.1:0") -> tup
     hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(description), server)
     services.append("agentmw.v1.Describe")
     if description.provides_tools:
-        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware), server)
+        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware, description.key), server)
         services.append("agentmw.v1.ToolSource")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

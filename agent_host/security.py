@@ -153,37 +153,45 @@ class _BearerDetails(grpc.aio.ClientCallDetails):
     pass
 
 
-class BearerToken(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds ``authorization: Bearer <token>`` to every call of the channel it intercepts."""
+class _Bearer:
+    """Adds ``authorization: Bearer <token>`` to each call it intercepts."""
 
     def __init__(self, token: str) -> None:
         self._metadata = bearer_metadata(token)
 
-    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    async def _intercept(self, continuation: Any, d: grpc.aio.ClientCallDetails, request: Any) -> Any:
         metadata = grpc.aio.Metadata(*(d.metadata or ()), *self._metadata)
-        return _BearerDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+        return await continuation(
+            _BearerDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready), request
+        )
 
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
 
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._details(details), request)
+# One class per call kind: a channel files each interceptor under the first kind it is an instance of.
+class _BearerUnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _Bearer._intercept
 
-    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._details(details), request_iterator)
 
-    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
-        return await continuation(self._details(details), request_iterator)
+class _BearerUnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _Bearer._intercept
+
+
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _Bearer._intercept
+
+
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _Bearer._intercept
+
+
+def bearer_interceptors(token: str) -> list[Any]:
+    """Interceptors that put the token on every call of a channel (each kind of call)."""
+    kinds = (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary, _BearerStreamStream)
+    return [kind(token) for kind in kinds]
 
 
 def client_channel(address: str, tls: TlsFiles | None = None, token: str = "") -> grpc.aio.Channel:
     """A channel to an AgentHost: TLS when configured, the token on every call when given."""
-    return channel(address, tls, interceptors=[BearerToken(token)] if token else None)
+    return channel(address, tls, interceptors=bearer_interceptors(token) if token else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,12 +297,12 @@ __all__ = [
     "ROLES",
     "USER",
     "Authenticator",
-    "BearerToken",
     "Principal",
     "SecurityError",
     "TlsFiles",
     "User",
     "address_allowed",
+    "bearer_interceptors",
     "bearer_metadata",
     "channel",
     "client_channel",

@@ -310,7 +310,8 @@ def test_demo_completes() -> None:
     assert "→ get_weather" not in after and "Done:" in after
     assert re.search(r"^── the traces of the conversation", out, re.M)  # the tracing server's spans
     recalled = step("recalled in another new session")  # mem0: a fact of one session in another
-    assert "teal" in recalled.split("[you]", 1)[1].split("\n", 2)[1], recalled
+    answer = recalled.split("[you] What is my favourite colour?", 1)[1]
+    assert "My favourite colour is teal." in answer, recalled
     slots = {m[0]: m[1] for m in re.findall(r"^    (\w+) +\[\w+\]: (.*)$", out, re.M)}
     assert set(slots) >= {"budget", "tracing", "tts", "dynamic_prompt", "fallback", "rate_limit", "timing"}, out
     assert set(json.loads(slots["dynamic_prompt"])) == {"session_started"}

@@ -155,7 +155,7 @@ async def test_timeout_is_paused_while_the_inner_pipeline_runs(marker: ServerPro
 LIES = {
     "garbage": "malformed",
     "pull_first": "pull before call_next",
-    "bad_forward": "forward_seq 99 is not the item it holds",
+    "bad_forward": "forward_seq 99 is not the held item's seq (1)",
     "foreign_block": "not a block this middleware added",
     "unknown_model": "unknown model id 'no-such-model'",
     "early_eof": "the stream ended before finish",

@@ -21,7 +21,7 @@ from agentmw.v1 import hooks_pb2
 from .. import tracing
 from ..chain import prepend
 from ..codec import CodecError, codec, json_to_value, value_to_json
-from ..data import ChatResponse, CustomEvent, new_id, now
+from ..data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
 from ..hooks import HookSpec, Kind
 from ..subscriptions import Mode, SubscriptionTable
 from ..wire import (
@@ -78,6 +78,7 @@ class HookCall:
         self.waiting_since: float | None = None  # loop time since when the host waits on the stream
         self.waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
         self.timed_out = False
+        self.started_reply = False  # a ReplyStartEvent went outward (on_reply)
         self.span: Any = None  # this invocation's span, when the host traces
         self.invocation = 0  # this invocation's id on the wire (hooks.proto, INVOCATION IDS)
         self.reused = False  # the stream carried earlier invocations (their late messages may follow)
@@ -114,6 +115,7 @@ class HookCall:
             try:
                 async with aclosing(self._run()) as run:
                     async for item in run:
+                        self.started_reply = self.started_reply or isinstance(item, ReplyStartEvent)
                         yield item
             except MiddlewareFailure as exc:
                 self.mw.failed()
@@ -142,14 +144,22 @@ class HookCall:
             and self.pending is None
             and self.in_hand is None
         )
-        if record and self.spec.name in _EVENT_HOOKS and not after_final:
-            yield CustomEvent(
-                name="middleware_bypassed",
-                reply_id=self.agent.state.reply_id,
-                value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
-            )
+        record = record and self.spec.name in _EVENT_HOOKS and not after_final
+        # A reply's events start with ReplyStartEvent: before it, the record waits for it.
+        before_start = self.spec.name == "on_reply" and not self.started_reply
+        if record and not before_start:
+            yield self._bypass_event(exc)
         async for item in self._without_middleware():
             yield item
+            if record and before_start and isinstance(item, ReplyStartEvent):
+                yield self._bypass_event(exc)
+
+    def _bypass_event(self, exc: MiddlewareFailure) -> CustomEvent:
+        return CustomEvent(
+            name="middleware_bypassed",
+            reply_id=self.agent.state.reply_id,
+            value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
+        )
 
     async def _without_middleware(self) -> AsyncIterator[Any]:
         """The rest of the hook as if the middleware were not there: whatever the host already

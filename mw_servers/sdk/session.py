@@ -13,6 +13,7 @@ import builtins
 import logging
 import traceback
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -116,6 +117,7 @@ class HookSession:
         self.unanswered = 0  # seq of the intercepted item handed to the author, not answered yet
         self.answered = 0  # seq of the last intercepted item answered (Pull.answers_seq of a refill)
         self.suspended = False  # sent suspend, waiting for resume
+        self.read_lock = asyncio.Lock()
         self.current: tuple[Any, Any, int] | None = None  # (item, its proto, seq) held now
         self.observed: dict[int, Any] = {}
         self.last_inner_error: InnerPipelineError | None = None
@@ -176,10 +178,9 @@ class HookSession:
                 msg.suspend.SetInParent()
                 self.suspended = True
                 await self.send(msg)
-                while self.suspended:
-                    await self.fetch()
-            elif self.inner_open and not self.inbox:
-                await self.fetch()
+                await self.fetch(lambda: not self.suspended)
+            else:
+                await self.fetch(lambda: bool(self.inbox) or not self.inner_open)
 
     def next_handler(self, **overrides: Any) -> Any:
         unknown = overrides.keys() - self.spec.params
@@ -298,41 +299,43 @@ class HookSession:
 
     # -- incoming --------------------------------------------------------------------------------
 
-    async def fetch(self) -> None:
-        """Read the host's next message of this invocation into the inbox (a resume ends a
-        suspend instead). Grants credits first when the host may be waiting for them."""
-        if (
-            self.inner_open
-            and not (self.detached or self.suspended or self.host_holding)
-            and self.granted <= 0
-        ):
-            await self.pull(0)
-        while (msg := await self.reader.read()) is not None:
-            if msg.invocation != self.invocation:
-                continue  # sent for an earlier invocation
-            which = msg.WhichOneof("message")
-            if which == "resume":
-                self.suspended = False
-                if msg.resume.HasField("context"):
-                    self.view.refresh(msg.resume.context)
-                return
-            body = getattr(msg, which)
-            if getattr(body, "inner", self.generation) == self.generation:  # else stale: ignored later
-                if which == "item":
-                    if body.observed:
-                        self.granted -= 1
+    async def fetch(self, ready: Callable[[], bool]) -> None:
+        """Read the host's messages of this invocation into the inbox (a resume ends a suspend
+        instead) until ``ready()``. One reader at a time (the author's code may wait on the inner
+        pipeline in another task while suspended). Grants credits when the host may wait for them."""
+        async with self.read_lock:
+            while not ready():
+                if (
+                    self.inner_open
+                    and not (self.detached or self.suspended or self.host_holding)
+                    and self.granted <= 0
+                ):
+                    await self.pull(0)
+                msg = await self.reader.read()
+                if msg is None:
+                    raise HostGone("the host closed the stream")
+                if msg.invocation != self.invocation:
+                    continue  # sent for an earlier invocation
+                which = msg.WhichOneof("message")
+                if which == "resume":
+                    self.suspended = False
+                    if msg.resume.HasField("context"):
+                        self.view.refresh(msg.resume.context)
+                    continue
+                body = getattr(msg, which)
+                if getattr(body, "inner", self.generation) == self.generation:  # else stale: ignored later
+                    if which == "item":
+                        if body.observed:
+                            self.granted -= 1
+                        else:
+                            self.granted, self.host_holding = 0, True
                     else:
-                        self.granted, self.host_holding = 0, True
-                else:
-                    self.inner_open = False
-            self.inbox.append(msg)
-            return
-        raise HostGone("the host closed the stream")
+                        self.inner_open = False
+                self.inbox.append(msg)
 
     async def read(self) -> hooks_pb2.HostMessage:
         """The host's next message of this invocation (read ahead or from the stream)."""
-        if not self.inbox:
-            await self.fetch()
+        await self.fetch(lambda: bool(self.inbox))
         return self.inbox.popleft()
 
 

@@ -305,11 +305,7 @@ class HookSession:
         pipeline in another task while suspended). Grants credits when the host may wait for them."""
         async with self.read_lock:
             while not ready():
-                if (
-                    self.inner_open
-                    and not (self.detached or self.suspended or self.host_holding)
-                    and self.granted <= 0
-                ):
+                if self.inner_open and not (self.detached or self.suspended or self.host_holding) and self.granted <= 0:
                     await self.pull(0)
                 msg = await self.reader.read()
                 if msg is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import traceback
 from collections import deque
@@ -85,10 +86,8 @@ def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineE
         _error_classes[type_name] = cls
     exc = cls.__new__(cls)
     if known is not None and issubclass(cls, known):
-        try:  # the class's own attributes (ModelError.error_type, ...) at their defaults
+        with contextlib.suppress(Exception):  # the class's own attributes (ModelError.error_type, ...)
             exc.__dict__.update(vars(known(message)))
-        except Exception:
-            pass
     InnerPipelineError.__init__(exc, type_name, message, retryable)
     return exc
 

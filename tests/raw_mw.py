@@ -4,7 +4,8 @@ a server in another language would be). ``python -m tests.raw_mw MODE --address 
 Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before call_next),
 bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
 unknown_model (asks for a model id the host does not have), early_eof (ends the stream at once),
-steal_id (appends a block under the id of the user's own text block).
+steal_id (appends a block under the id of the user's own text block), unserved (declares
+on_reasoning in Describe without serving it).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
+    def __init__(self, mode: str) -> None:
+        self.hooks = [hooks_pb2.HOOK_ON_REPLY] + ([hooks_pb2.HOOK_ON_REASONING] if mode == "unserved" else [])
+
     async def Describe(self, request, context):
         return hooks_pb2.MiddlewareDescription(
-            key="Raw", protocol_version="v1", hooks=[hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
+            key="Raw", protocol_version="v1", hooks=[hooks_pb2.HookDescription(hook=h) for h in self.hooks]
         )
 
 
@@ -73,7 +77,7 @@ async def main() -> None:
     parser.add_argument("--address", default="127.0.0.1:0")
     args = parser.parse_args()
     server = grpc.aio.server()
-    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(), server)
+    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(args.mode), server)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": on_reply(args.mode)}),)
     )

@@ -529,3 +529,18 @@ async def test_an_in_place_edit_a_remote_view_cannot_carry_fails_loudly(sdk_fide
     assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
     assert "ContextEditError" in end["error"]["message"]
     assert "agent.state.context[0] was edited in place" in end["error"]["message"]
+
+
+async def test_a_hook_declared_but_not_served_fails_at_attach() -> None:
+    """Describe names on_reasoning, the server has no OnReasoning service: caught at attach."""
+    from agent_host.remote import RemoteMiddleware
+    from clients.launch import ServerProcess
+
+    proc = ServerProcess(["-m", "tests.raw_mw", "unserved", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = RemoteMiddleware(proc.address)
+        with pytest.raises(Exception, match="declares on_reasoning but does not serve it"):
+            await remote.connect()
+        await remote.close()
+    finally:
+        proc.stop()

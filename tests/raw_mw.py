@@ -5,7 +5,8 @@ Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before ca
 bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
 unknown_model (asks for a model id the host does not have), early_eof (ends the stream at once),
 steal_id (appends a block under the id of the user's own text block), unserved (declares
-on_reasoning in Describe without serving it).
+on_reasoning in Describe without serving it), forward_twice (forwards the item it holds twice),
+reply_result (finishes on_reply with a result).
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def on_reply(mode: str):
             block = msg.actions.add().mutate.append_blocks.blocks.add()
             block.text.id, block.text.text = stolen, "mine now"
             await context.write(out(msg))
+        elif mode == "forward_twice":
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            seq = hooks_pb2.HostMessage.FromString(await context.read()).item.seq
+            msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=seq))
+            msg.actions.add().emit.forward_seq = seq
+            msg.actions.add().emit.forward_seq = seq
+            await context.write(out(msg))
+        elif mode == "reply_result":
+            await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish(result={"prompt": "x"}))))
         elif mode == "early_eof":
             return
         await asyncio.sleep(30)  # the host must give up on its own

@@ -494,7 +494,12 @@ SHARED_SLOT = Scenario(
 @pytest.fixture(scope="module")
 def sdk_fidelity_servers():
     started = Servers(
-        [*(scenario for scenario, _ in SDK_FIDELITY_CASES), SHARED_SLOT, Scenario("edit", [Layer("InPlaceUserEdit")])]
+        [
+            *(scenario for scenario, _ in SDK_FIDELITY_CASES),
+            SHARED_SLOT,
+            Scenario("edit", [Layer("InPlaceUserEdit")]),
+            Scenario("raises", [Layer("Raises")]),
+        ]
     )
     yield started
     started.stop()
@@ -544,3 +549,14 @@ async def test_a_hook_declared_but_not_served_fails_at_attach() -> None:
         await remote.close()
     finally:
         proc.stop()
+
+
+async def test_a_remote_exception_keeps_its_traceback(sdk_fidelity_servers: Servers, caplog) -> None:
+    """The SDK sends the traceback in Fail; the host logs it with the middleware's name."""
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="agentmw.remote"):
+        await run(Scenario("raises", [Layer("Raises")]), ["remote"], sdk_fidelity_servers)
+    (record,) = [r for r in caplog.records if "middleware 'Raises' raised in on_reasoning" in r.getMessage()]
+    assert 'raise ValueError("budget service says no")' in record.getMessage()
+    assert "ValueError: budget service says no" in record.getMessage()

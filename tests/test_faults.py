@@ -160,6 +160,8 @@ LIES = {
     "unknown_model": "unknown model id 'no-such-model'",
     "early_eof": "the stream ended before finish",
     "steal_id": "is already in the context",
+    "forward_twice": "forward_seq 1 names no held intercepted item (seq 1 was emitted already)",
+    "reply_result": "on_reply must finish without a result (it sent str)",
 }
 
 

@@ -208,7 +208,8 @@ class Codec:
             return cls(**kwargs)
         except TypeError as exc:  # said in the proto's terms, without Python's constructor wording
             text = re.sub(r"^\w+\.__init__\(\) ", "", str(exc))
-            text = re.sub(r"missing \d+ required (?:keyword-only |positional )?arguments?:", "missing required field", text)
+            missing = r"missing \d+ required (?:keyword-only |positional )?arguments?:"
+            text = re.sub(missing, "missing required field", text)
             raise CodecError(f"{msg.DESCRIPTOR.name}: {text}") from exc
 
     def encode_record(self, values: dict[str, Any], out: Message) -> Message:

@@ -4,6 +4,12 @@ It runs the author's hook method with an ``agent`` view and a ``next_handler`` t
 protocol: iterating the inner pipeline sends call_next / pull, yielding sends emit, state changes
 send mutations. Actions are batched into the next command; if the author's code awaits something
 else first, they are flushed at the end of the current event-loop turn (so nothing waits).
+
+Fidelity with an in-process run: a ``yield`` suspends the author's generator until the host's
+consumer asks for the next item (suspend / resume; after an observed copy, until the host's next
+message); ``input_kwargs`` edited in place count as overrides (``changed_kwargs``); the inner
+pipeline's exceptions are raised as the host's classes (``inner_error``). Credits are refilled
+as the grant runs out, with ``answers_seq`` so a refill never answers an intercepted item.
 """
 
 from __future__ import annotations
@@ -369,7 +375,7 @@ class InnerStream:
 
     def __init__(self, session: HookSession, overrides: dict[str, Any]) -> None:
         self.session = session
-        self.overrides = overrides
+        self.changed = session.changed_kwargs(overrides)  # at call time, as in-process
         self.started = False
         self.done = False
         self.generation = 0
@@ -384,7 +390,7 @@ class InnerStream:
             raise StopAsyncIteration
         if not self.started:
             self.started = True
-            changed = s.changed_kwargs(self.overrides)
+            changed = self.changed
             s.generation += 1
             self.generation = s.generation
             s.granted, s.host_holding, s.unanswered, s.current, s.inner_open = WINDOW, False, 0, None, True

@@ -130,6 +130,7 @@ class HookSession:
         self.detached = subscription.detached
         self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
         self.begin_kwargs: hooks_pb2.Kwargs | None = None
+        self.inner_streams: list[Any] = []  # on_model_call: the streams next_handler() returned
 
     # -- running the author's code ---------------------------------------------------------------
 
@@ -151,8 +152,8 @@ class HookSession:
                 value = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
                 if isinstance(value, ChatResponse):
                     self.emit(value)
-                else:
-                    await self._drive(value)
+                else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
+                    await self._drive(value, lockstep=value not in self.inner_streams)
             else:
                 result = await method(self.view, kwargs["prompt"])
             finish = hooks_pb2.MiddlewareMessage()
@@ -172,13 +173,17 @@ class HookSession:
                 fail.fail.traceback = text.encode()[-TRACEBACK_LIMIT:].decode(errors="ignore")
             await self.send(fail, check=False)
 
-    async def _drive(self, items: Any) -> None:
+    async def _drive(self, items: Any, *, lockstep: bool = True) -> None:
         """Emit what the author's generator yields. As in-process, its code after a ``yield`` runs
         only once the consumer asks for the next item: after an emit the SDK suspends and waits for
         the host's resume; after an observed copy (which the host did not wait for) it waits for the
-        host's next message."""
+        host's next message. ``lockstep=False``: no author code runs between items (the stream of
+        next_handler() itself), so nothing waits."""
         async for out in items:
-            if self.emit(out):
+            emitted = self.emit(out)
+            if not lockstep:
+                continue
+            if emitted:
                 msg = hooks_pb2.MiddlewareMessage()
                 msg.suspend.SetInParent()
                 self.suspended = True
@@ -206,7 +211,9 @@ class HookSession:
             first = await inner.__anext__()  # call-time errors raise here, as in-process
         except StopAsyncIteration:
             first = None
-        return prepend(first, inner)
+        stream = prepend(first, inner)
+        self.inner_streams.append(stream)
+        return stream
 
     def changed_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """What the inner pipeline gets that differs from the begin's kwargs: the explicit overrides

@@ -85,11 +85,12 @@ class SlotDict(dict):
         return dict.pop(self, key, *default)
 
     def changed(self) -> tuple[bool, Any]:
-        """(changed since the last sync, current value); resets the mark."""
-        if not self.touched:
+        """(changed since the last sync, current value); resets the mark. A dict or list value is
+        always compared: the author may keep a reference to it and edit it later."""
+        value = dict.get(self, self.key)
+        if not self.touched and not isinstance(value, (dict, list)):
             return False, None
         self.touched = False
-        value = dict.get(self, self.key)
         text = json.dumps(value, sort_keys=True)
         if text == self.synced:
             return False, None

@@ -560,3 +560,22 @@ async def test_a_remote_exception_keeps_its_traceback(sdk_fidelity_servers: Serv
     (record,) = [r for r in caplog.records if "middleware 'Raises' raised in on_reasoning" in r.getMessage()]
     assert 'raise ValueError("budget service says no")' in record.getMessage()
     assert "ValueError: budget service says no" in record.getMessage()
+
+
+async def test_every_delivered_item_is_numbered() -> None:
+    """Observed copies carry their own seq (1, 2, ... with the intercepted ones), not 0."""
+    from agent_host.agent import Agent
+    from agent_host.data import UserMsg
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import RemoteMiddleware
+    from clients.launch import ServerProcess
+
+    proc = ServerProcess(["-m", "tests.raw_mw", "seqs", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
+        events = [e async for e in agent.reply_stream(UserMsg("hello"))]
+        assert events[-2].finished_reason == "completed", events[-2].error
+        await remote.close()
+    finally:
+        proc.stop()

@@ -130,6 +130,7 @@ class HookSession:
         self.detached = subscription.detached
         self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
         self.begin_kwargs: hooks_pb2.Kwargs | None = None
+        self.kwargs: dict[str, Any] = {}  # the author's input_kwargs (edited in place, as in-process)
         self.inner_streams: list[Any] = []  # on_model_call: the streams next_handler() returned
 
     # -- running the author's code ---------------------------------------------------------------

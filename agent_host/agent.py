@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
 
+from . import metrics
 from .chain import Chain, transform
 from .data import (
     RESUME_EVENTS,
@@ -354,7 +355,13 @@ class Agent:
                             yield item
                 grammar.finish()
             except Exception as exc:
-                log.warning("a reply of session %s failed", self.state.session_id, exc_info=True)
+                quiet = metrics.quiet_failure(exc)  # told by the reply's log line; a host bug gets a traceback
+                log.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "a reply of session %s failed",
+                    self.state.session_id,
+                    exc_info=True,
+                )
                 failure = exc
             await self._stop_tool_tasks()  # e.g. a batch left behind by a middleware that raised
             if failure is not None:
@@ -709,6 +716,8 @@ class Agent:
             model = self.models.get(model_id)
             for _attempt in range(self.models.entry(model_id).max_retries + 1):
                 self._models_used: list[str] = []
+                if last_exc is not None:
+                    metrics.model_retry(model_id)
                 try:
                     result = await self._model_chain(
                         self, current_model=model, messages=messages, tools=tools, tool_choice=tool_choice

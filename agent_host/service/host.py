@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import jsonschema
 
-from .. import tracing
+from .. import metrics, tracing
 from ..agent import Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..data import (
@@ -181,8 +181,9 @@ class Host:
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
                 try:
-                    with tracing.reply_span(agent, inputs):
+                    with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
                         async for item in agent.reply_stream(inputs, structured_schema):
+                            watch.last = item
                             await run.put(item)
                 finally:
                     # Shielded: a host shutdown that cancels this task must not lose the session.

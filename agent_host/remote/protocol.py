@@ -144,7 +144,6 @@ class HookCall:
         if record and self.spec.name in _EVENT_HOOKS and not after_final:
             yield CustomEvent(
                 name="middleware_bypassed",
-                reply_id=self.agent.state.reply_id,
                 value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
             )
         async for item in self._without_middleware():

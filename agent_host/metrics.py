@@ -55,11 +55,12 @@ BYPASSES = Counter(
     "Failed hook invocations the host went on without (fail_open, or a detached hook)",
     ["middleware", "hook"],
 )
-MODEL_RETRIES = Counter(
-    "agentmw_model_retries",
-    "Model call attempts after a failed one (a retry of the same model or a fallback), by the model tried",
+MODEL_FAILURES = Counter(
+    "agentmw_model_failed_attempts",
+    "Model call attempts that failed (each followed by a retry, a fallback, or the reply's error), by model",
     ["model"],
 )
+MODEL_RETRIES = Counter("agentmw_model_retries", "Failed model call attempts retried with the same model", ["model"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +156,12 @@ def quiet_failure(exc: BaseException) -> bool:
     return isinstance(exc, MiddlewareFailure | ModelError)
 
 
-def model_retry(model_id: str) -> None:
-    MODEL_RETRIES.labels(model_id).inc()
+def model_attempt_failed(failure: Any) -> dict[str, Any]:
+    """Count a failed model attempt (a models.retry.Failure); its dict, for the model-call events."""
+    MODEL_FAILURES.labels(failure.model).inc()
+    if failure.delay is not None:  # a retry of the same model follows
+        MODEL_RETRIES.labels(failure.model).inc()
+    return failure.as_dict()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +249,7 @@ __all__ = [
     "hook_failed",
     "hook_started",
     "middleware_status",
-    "model_retry",
+    "model_attempt_failed",
     "quiet_failure",
     "reply",
     "serve",

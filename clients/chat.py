@@ -49,7 +49,10 @@ from agent_host.data import (
     DataBlockEndEvent,
     DataBlockStartEvent,
     ExternalExecutionResultEvent,
+    FinishedReason,
     HintBlockEvent,
+    ModelCallEndEvent,
+    ModelCallStartEvent,
     Msg,
     ReplyEndEvent,
     ReplyFinishedReason,
@@ -221,6 +224,14 @@ async def converse(
 # Showing a reply.
 
 
+# Model calls that ended short of a complete answer, as agent-chat says it.
+_CUT = {
+    FinishedReason.LENGTH: "the model's answer was cut at its output token limit",
+    FinishedReason.CONTENT_FILTER: "the model's answer was withheld by the provider's content filter",
+    FinishedReason.ERROR: "the model call failed mid-answer; what arrived is kept",
+}
+
+
 class View:
     """Prints a reply's items readably, as they arrive; saves audio to WAV files."""
 
@@ -237,6 +248,7 @@ class View:
         self.audio: dict[str, tuple[str, list[str]]] = {}  # block id -> (media type, base64 pieces)
         self.saved: list[Path] = []
         self.player: Player | None = None  # plays each saved file (--play)
+        self.failed = False  # the reply's end reported an error
 
     def _dim(self, text: str) -> str:
         return f"\033[2m{text}\033[0m" if self.color else text
@@ -250,7 +262,7 @@ class View:
 
     def show(self, item: Any) -> None:
         if isinstance(item, ReplyStartEvent):
-            self.streamed_text = False
+            self.streamed_text = self.failed = False
         elif isinstance(item, TextBlockDeltaEvent):
             self.out.write(item.delta)
             self.out.flush()
@@ -297,16 +309,24 @@ class View:
         elif isinstance(item, HintBlockEvent):
             hint = item.hint if isinstance(item.hint, str) else " ".join(getattr(b, "text", "") for b in item.hint)
             self._line(self._dim(f"  hint{f' ({item.source})' if item.source else ''}: {_short(hint)}"))
+        elif isinstance(item, ModelCallStartEvent):
+            for failure in item.metadata.get("failed_attempts") or []:  # retries and fallbacks before it
+                self._line(self._dim(f"  (model {failure.get('model')} failed: {failure.get('error')})"))
+        elif isinstance(item, ModelCallEndEvent) and item.finished_reason in _CUT:
+            self._line(f"  ({_CUT[item.finished_reason]})")
         elif isinstance(item, ReplyEndEvent):
+            self.failed = item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None
             for block_id in list(self.audio):
                 self._save_audio(block_id)
             if item.finished_reason == ReplyFinishedReason.INTERRUPTED:
                 self._line("  (reply interrupted)")
             elif item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None:
                 self._line(f"  (reply failed: {item.error.message})")
-        elif isinstance(item, Msg) and (
-            not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED
-        ):
+        elif (
+            isinstance(item, Msg)
+            and not (self.failed and item.finished_reason == ReplyFinishedReason.ERROR)
+            and (not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED)
+        ):  # a failed reply's message repeats the error its end already showed
             self._line(item.text)
 
     def _audio_piece(self, block_id: str, media_type: str, data: str | None) -> None:

@@ -78,7 +78,11 @@ class OfflineRuleModel(ChatModel):
         self.calls = 0
 
     async def _open(
-        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any] | None = None,
     ) -> AsyncIterator[ChatResponse]:
         self.calls += 1
         if messages and "<compress-context>" in messages[-1].text:  # the agent asks for a summary

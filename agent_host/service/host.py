@@ -26,7 +26,7 @@ import grpc
 import jsonschema
 
 from .. import metrics, tracing
-from ..agent import Agent, ReplyError, check_input_messages
+from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..data import (
     ExternalExecutionResultEvent,
@@ -47,6 +47,9 @@ log = logging.getLogger("agentmw.host")
 
 QUEUE_SIZE = 256  # items a reply may run ahead of a slow client before it waits
 BATCH = 64  # items at most in one ReplyEvent
+# Seconds an interrupted reply may take to wind down (its end flows out through every on_reply
+# middleware) before it is cut off: a middleware that keeps the reply going cannot keep the host busy.
+INTERRUPT_GRACE = 5.0
 
 
 class ReplyRejected(Exception):
@@ -93,12 +96,28 @@ class ReplyRun:
         self.interrupted = False
         self.consumer_gone = False
         self.task: asyncio.Task[None] | None = None
+        self.cut_off = False  # the reply did not wind down within INTERRUPT_GRACE and was cancelled
+        self._grace: asyncio.TimerHandle | None = None
 
-    def interrupt(self) -> None:
-        """The client cancelled: interrupt the reply (it still ends cleanly and is saved)."""
+    def interrupt(self, grace: float = INTERRUPT_GRACE) -> None:
+        """The client cancelled: interrupt the reply (it still ends cleanly and is saved), and cut it
+        off if it has not ended ``grace`` seconds later."""
         self.interrupted = True
         if self.agent is not None:
             self.agent.interrupt()
+        if self._grace is None and self.task is not None and not self.task.done():
+            self._grace = asyncio.get_running_loop().call_later(grace, self._cut_off)
+            self.task.add_done_callback(lambda _t: self._grace.cancel() if self._grace else None)
+
+    def _cut_off(self) -> None:
+        if self.task is not None and not self.task.done():
+            log.warning(
+                "session %s: the interrupted reply did not end within %ss: cancelling it",
+                self.session_id,
+                INTERRUPT_GRACE,
+            )
+            self.cut_off = True
+            self.task.cancel()
 
     def abandon(self) -> None:
         """The client went away: interrupt, and drop whatever is still queued."""
@@ -156,6 +175,17 @@ class Host:
             await self._reply(run, inputs, structured_schema)
         except ReplyRejected as exc:
             await run.put(exc)
+        except asyncio.CancelledError:
+            if not run.cut_off:  # the host is shutting down
+                raise
+            asyncio.current_task().uncancel()
+            await run.put(
+                ReplyRejected(
+                    grpc.StatusCode.ABORTED,
+                    f"the reply was interrupted but did not end within {INTERRUPT_GRACE}s (a middleware kept it "
+                    "going), so it was cut off; the session keeps what was done, open tool calls closed",
+                )
+            )
         except Exception:  # a host bug: say so on the stream rather than hang the client
             log.exception("reply of session %s failed", run.session_id)
             await run.put(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
@@ -186,6 +216,8 @@ class Host:
                             watch.last = item
                             await run.put(item)
                 finally:
+                    if run.cut_off:  # cancelled half-way: close the reply as after a host crash
+                        agent.close_interrupted_reply(None, CUT_OFF)
                     # Shielded: a host shutdown that cancels this task must not lose the session.
                     await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
             finally:
@@ -365,6 +397,7 @@ class Host:
                 await asyncio.wait(pending, timeout=2.0)
         for a in self.middleware:
             await a.remote.close()
+        await self.models.aclose()  # the model clients' connection pools (else "Unclosed client session")
         self.store.close()
 
 

@@ -160,3 +160,16 @@ def test_host_reports_replies_outages_and_metrics(setup: tuple[Procs, ServerProc
     assert samples[("agentmw_hook_duration_seconds_count", hook)] >= 3
     assert samples[("agentmw_middleware_failures_total", hook)] >= 2
     assert samples[("agentmw_middleware_bypasses_total", hook)] >= 2
+
+
+def test_example_middleware_contributes_a_tool(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
+    procs, host, _recorder = setup
+    target = "mw_servers.examples.world_clock:WorldClockMiddleware"
+    clock = procs.start("clock", ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0"])
+    attached = agentmw_json(host, "middleware", "attach", clock.address, "--name", "clock")
+    assert isinstance(attached, dict) and attached["tools"] == ["clock__time_in"] and attached["hooks"] == []
+    done = chat(host.address, "--message", "use clock__time_in timezone=Asia/Tokyo")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"← clock__time_in: \d{4}-\d\d-\d\d \d\d:\d\d \(Asia/Tokyo, UTC\+0900\)", done.stdout), done.stdout
+    bad = chat(host.address, "--message", "use clock__time_in timezone=Mars/Olympus")
+    assert "unknown time zone 'Mars/Olympus'" in bad.stdout, bad.stdout

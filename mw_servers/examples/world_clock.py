@@ -5,8 +5,8 @@
 on_check_permission and through on_acting like any other tool. A tool is a typed function: its
 signature and docstring become the JSON schema the model sees.
 
-    .venv/bin/python -m mw_servers.sdk mw_servers.examples.world_clock:WorldClockMiddleware --address 127.0.0.1:50075
-    .venv/bin/agentmw middleware attach 127.0.0.1:50075 --name clock
+    .venv/bin/python -m mw_servers.sdk mw_servers.examples.world_clock:WorldClockMiddleware --address 127.0.0.1:50076
+    .venv/bin/agentmw middleware attach 127.0.0.1:50076 --name clock
     .venv/bin/agent-chat -m "use clock__time_in timezone=Asia/Tokyo"
 """
 
@@ -38,4 +38,4 @@ class WorldClockMiddleware(MiddlewareBase):
 
 
 if __name__ == "__main__":
-    serve(WorldClockMiddleware(), sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:50075")
+    serve(WorldClockMiddleware(), sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1:50076")

@@ -79,6 +79,7 @@ from agent_host.data import (
     new_id,
 )
 from agent_host.data.events import ConfirmResult
+from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 DEFAULT_HOST = "127.0.0.1:50070"
@@ -91,9 +92,9 @@ DEFAULT_HOST = "127.0.0.1:50070"
 class HostClient:
     """An AgentHost connection (one channel); ``reply()`` starts one Reply call."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str = "") -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = client_channel(address, tls, token)  # TLS / token when the host requires them
         self.stub = host_pb2_grpc.AgentHostStub(self.channel)
 
     def reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyCall:
@@ -514,7 +515,7 @@ async def _turn(
         on_external = _auto_external(args.external_result)
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
-        async with HostClient(args.host) as client:
+        async with HostClient(args.host, *_credentials(args)) as client:
             return await converse(
                 client,
                 session_id,
@@ -534,9 +535,16 @@ class UnknownSession(Exception):
     pass
 
 
+def _credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
+    """TLS files and the token (from AGENTMW_TOKEN or --token-file: never a command-line argument)."""
+    tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
+    token = read_secret(file=args.token_file, where="--token-file") if args.token_file else ""
+    return tls, token or os.environ.get("AGENTMW_TOKEN", "")
+
+
 async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
     """What a session is parked on, as ``converse`` resume arguments ({} when it is not)."""
-    async with HostClient(args.host) as client:
+    async with HostClient(args.host, *_credentials(args)) as client:
         try:
             session = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -690,6 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--external-result", help="non-interactive: the result to give client-side tools")
     parser.add_argument("--audio-dir", default="agent-audio", help="where audio is saved (default ./agent-audio)")
     parser.add_argument("--play", action="store_true", help="play saved audio (with aplay, paplay or ffplay)")
+    security = parser.add_argument_group("security (see docs/security.md)")
+    env = os.environ.get
+    security.add_argument("--tls-ca", default=env("AGENTMW_TLS_CA", ""), help="connect over TLS, trusting this CA")
+    security.add_argument("--tls-cert", default=env("AGENTMW_TLS_CLIENT_CERT", ""), help="client certificate (mTLS)")
+    security.add_argument("--tls-key", default=env("AGENTMW_TLS_CLIENT_KEY", ""), help="its private key")
+    security.add_argument("--tls-server-name", default="", help="the name the host's certificate carries")
+    security.add_argument("--token-file", help="a file holding the bearer token (else env AGENTMW_TOKEN)")
     args = parser.parse_args(argv)
     if args.schema is not None and args.message is None:
         parser.error("--schema goes with --message")
@@ -730,6 +745,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.aio.AioRpcError as exc:
         print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except SecurityError as exc:
+        print(f"agent-chat: {exc}", file=sys.stderr)
+        return 2
     finally:
         if view.player is not None:
             view.player.close()

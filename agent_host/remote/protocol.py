@@ -480,6 +480,7 @@ class HookCall:
         """Validate and apply one state change; anything not the middleware's own is a violation."""
         agent, state, key = self.agent, self.agent.state, self.mw.key
         op = mutation.WhichOneof("op")
+        self.mw.check_mutation(op, self.spec.name)  # its permissions (security: client.py)
         try:
             if op == "set_slot":
                 value = value_to_json(mutation.set_slot)

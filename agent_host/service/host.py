@@ -39,7 +39,9 @@ from ..data.state import AgentState
 from ..hooks import HOOKS
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
+from ..remote.client import Access
 from ..runtime_state import RuntimeState
+from ..security import ANONYMOUS_ADMIN, Principal
 from ..store import Journal, ReplyStatus, SessionRecord, SessionStore
 from ..tools import Tool, Toolkit, middleware_tools
 
@@ -89,8 +91,9 @@ _END = object()
 class ReplyRun:
     """One reply in flight: its task, and the queue its items flow through to the client."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, owner: str = "") -> None:
         self.session_id = session_id
+        self.owner = owner
         self.queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
         self.agent: Agent | None = None
         self.interrupted = False
@@ -161,17 +164,31 @@ class Host:
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def start_reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyRun:
+    def start_reply(
+        self,
+        session_id: str,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None = None,
+        *,
+        caller: Principal = ANONYMOUS_ADMIN,
+        may_create: bool = True,
+    ) -> ReplyRun:
         """Run a reply to ``inputs`` (a message, or an event resuming a parked reply); with
-        ``structured_schema`` (a message only) its final Msg carries a ``structured_output``."""
-        run = ReplyRun(session_id)
-        run.task = asyncio.create_task(self._run(run, inputs, structured_schema), name=f"reply {session_id}")
+        ``structured_schema`` (a message only) its final Msg carries a ``structured_output``.
+        ``caller`` must own the session (or be an admin); ``may_create``: an unknown id starts a
+        new session (else it is NOT_FOUND, like another user's)."""
+        run = ReplyRun(session_id, caller.name)
+        work = self._run(run, inputs, structured_schema, caller, may_create)
+        run.task = asyncio.create_task(work, name=f"reply {session_id}")
         self._runs.add(run)
         run.task.add_done_callback(lambda _t: self._runs.discard(run))
         return run
 
-    async def _run(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
+    async def _run(
+        self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, caller: Principal, may_create: bool
+    ) -> None:
         try:
+            await self._check_access(run, inputs, caller, may_create)
             await self._reply(run, inputs, structured_schema)
         except ReplyRejected as exc:
             await run.put(exc)
@@ -200,7 +217,7 @@ class Host:
             if journal is None:
                 if not isinstance(inputs, Msg):
                     raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
-                journal = self.store.create(sid)
+                journal = self.store.create(sid, owner=run.owner)
             setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
             for a in setup.middleware:
                 a.users += 1
@@ -225,6 +242,31 @@ class Host:
                     a.users -= 1
                     if a.detached and a.users == 0:
                         await a.remote.close()
+
+    async def _check_access(self, run: ReplyRun, inputs: Any, caller: Principal, may_create: bool) -> None:
+        """Another user's session answers exactly as a missing one; per-owner limits (with
+        authentication). Before the session lock: waiting on it would tell a session is busy."""
+        sid = run.session_id
+        record = await self.store.record(sid)
+        if (record is None and not may_create) or not self._visible(record, caller):
+            what = f"no session {sid!r}" + ("" if isinstance(inputs, Msg) else " to resume")
+            raise ReplyRejected(grpc.StatusCode.NOT_FOUND, what)
+        if not caller.name:  # no authentication: one anonymous owner, no per-owner limits
+            return
+        limits = self.config.security
+        if sum(1 for r in self._runs if r.owner == caller.name) > limits.replies_per_owner:  # this one included
+            raise ReplyRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limits.replies_per_owner} replies at once per user"
+            )
+        if record is None and len(await self.store.list(0, caller.name)) >= limits.sessions_per_owner:
+            raise ReplyRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {limits.sessions_per_owner} sessions per user: delete some first",
+            )
+
+    @staticmethod
+    def _visible(record: SessionRecord | None, caller: Principal) -> bool:
+        return record is None or caller.admin or record.owner == caller.name
 
     async def _open(self, session_id: str) -> Journal | None:
         """The session for a reply (the caller holds its lock). A reply found OPEN was running when
@@ -290,10 +332,14 @@ class Host:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    async def sessions(self, limit: int = 0) -> list[SessionRecord]:
-        return await self.store.list(limit)
+    async def sessions(self, limit: int = 0, caller: Principal = ANONYMOUS_ADMIN) -> list[SessionRecord]:
+        return await self.store.list(limit, None if caller.admin else caller.name)
 
-    async def session(self, session_id: str) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
+    async def session(
+        self, session_id: str, caller: Principal = ANONYMOUS_ADMIN
+    ) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
+        if not self._visible(await self.store.record(session_id), caller):
+            return None
         loaded = await self.store.load(session_id)
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
             async with self._session_lock(session_id):  # left open by a host that stopped: close it
@@ -305,7 +351,9 @@ class Host:
         state = loaded[0]
         return record, state, self._agent(state).awaiting_calls()
 
-    async def delete_session(self, session_id: str) -> bool:
+    async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
+        if not self._visible(await self.store.record(session_id), caller):
+            return False
         async with self._session_lock(session_id):
             return await self.store.delete(session_id)
 
@@ -331,11 +379,15 @@ class Host:
                 policy=Policy(
                     fail_open=mc.fail_open, timeout=mc.timeout, max_items=mc.max_items, max_bytes=mc.max_bytes
                 ),
+                access=self._access(mc),
             )
             try:
                 await remote.connect()
                 if any(a.name == remote.name for a in self.middleware):
                     raise ValueError(f"a middleware named {remote.name!r} is already attached")
+                owner = next((m for m in self.config.middleware if m.key == remote.key and m is not mc), None)
+                if not mc.key and owner is not None:  # a configured key's slot is that middleware's alone
+                    raise ValueError(f"{mc.address} reports key {remote.key!r}, reserved for {owner.source}")
                 clash = next((a for a in self.middleware if a.remote.key == remote.key), None)
                 if clash is not None:  # one key = one middle_context slot: two would share it
                     raise ValueError(
@@ -360,6 +412,10 @@ class Host:
                 ", ".join(tools) or "none",
             )
             return attached
+
+    def _access(self, mc: MiddlewareConfig) -> Access:
+        sec = self.config.security
+        return Access(tls=sec.middleware_tls, token=sec.middleware_token, key=mc.key, permissions=mc.permissions)
 
     async def detach(self, name: str) -> Attached:
         """Remove it for the next replies; replies using it now finish with it (then it is closed)."""

@@ -61,12 +61,14 @@ bench: install $(AS_VENV)/.installed
 # The mem0 server's own venv (torch, sentence-transformers, mem0ai; ~1.9 GB, a few minutes once):
 # the host's .venv stays free of them. Tests and the demo run the server with its python.
 MEM0_VENV := .venv-mem0
-$(MEM0_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(MEM0_VENV)
-	$(MEM0_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(MEM0_VENV)/bin/python -m pip install --quiet -e '.[mem0]'
-	$(MEM0_VENV)/bin/python -m pip check
-	touch $@
+$(MEM0_VENV)/.installed: pyproject.toml setup.py
+	@echo "==> creating the mem0 server's virtual environment $(MEM0_VENV) (torch, mem0ai: a few minutes the first time)"
+	@$(PYTHON) -m venv $(MEM0_VENV)
+	@$(MEM0_VENV)/bin/python -m pip install -qq --upgrade pip
+	@$(MEM0_VENV)/bin/python -m pip install -qq -e '.[mem0]'
+	@echo "==> checking the mem0 environment's dependencies (pip check)"
+	@$(MEM0_VENV)/bin/python -m pip check
+	@touch $@
 
 mem0: $(MEM0_VENV)/.installed $(STUBS)
 

@@ -9,25 +9,33 @@ STUBS  := agentmw/v1/.stamp
 
 .PHONY: install protos test demo bench lint clean mem0
 
-$(VENV)/.installed: pyproject.toml
+# Each step says what it does; pip runs at -qq (its errors still show, setuptools' notices do not).
+$(VENV)/.installed: pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip check
-	touch $@
+	@echo "==> creating the virtual environment $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip"
+	@$(PY) -m pip install -qq --upgrade pip
+	@echo "==> installing agentmw (editable) with its pinned dependencies and the dev tools (1-2 minutes the first time)"
+	@$(PY) -m pip install -qq -e '.[dev]'
+	@echo "==> checking the installed dependencies (pip check)"
+	@$(PY) -m pip check
+	@touch $@
 
 install: $(VENV)/.installed $(STUBS)
 	@if ! command -v npm >/dev/null; then echo "npm not found: the Node.js example middleware is skipped"; \
 	elif [ ! -f mw_servers/examples/node/node_modules/.package-lock.json ] || \
 	     [ mw_servers/examples/node/package-lock.json -nt mw_servers/examples/node/node_modules/.package-lock.json ]; then \
-	  npm ci --prefix mw_servers/examples/node --no-audit --no-fund || \
+	  echo "==> installing the Node.js example middleware's packages (npm ci)"; \
+	  npm ci --prefix mw_servers/examples/node --no-audit --no-fund --loglevel=error || \
 	  echo "npm ci failed: tests/test_node_middleware.py will say why"; fi
+	@echo "==> ready: .venv/bin/agent-host, .venv/bin/agent-chat, .venv/bin/agentmw (or: source .venv/bin/activate)"
 
 # Python stubs for protos/agentmw/v1/*.proto, into the importable package agentmw.v1.
 $(STUBS): $(PROTOS) $(VENV)/.installed
-	$(PY) -m agent_host.protogen
-	touch $@
+	@echo "==> generating the gRPC stubs (agentmw/v1)"
+	@$(PY) -m agent_host.protogen
+	@touch $@
 
 protos: $(VENV)/.installed
 	$(PY) -m agent_host.protogen
@@ -53,12 +61,14 @@ bench: install $(AS_VENV)/.installed
 # The mem0 server's own venv (torch, sentence-transformers, mem0ai; ~1.9 GB, a few minutes once):
 # the host's .venv stays free of them. Tests and the demo run the server with its python.
 MEM0_VENV := .venv-mem0
-$(MEM0_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(MEM0_VENV)
-	$(MEM0_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(MEM0_VENV)/bin/python -m pip install --quiet -e '.[mem0]'
-	$(MEM0_VENV)/bin/python -m pip check
-	touch $@
+$(MEM0_VENV)/.installed: pyproject.toml setup.py
+	@echo "==> creating the mem0 server's virtual environment $(MEM0_VENV) (torch, mem0ai: a few minutes the first time)"
+	@$(PYTHON) -m venv $(MEM0_VENV)
+	@$(MEM0_VENV)/bin/python -m pip install -qq --upgrade pip
+	@$(MEM0_VENV)/bin/python -m pip install -qq -e '.[mem0]'
+	@echo "==> checking the mem0 environment's dependencies (pip check)"
+	@$(MEM0_VENV)/bin/python -m pip check
+	@touch $@
 
 mem0: $(MEM0_VENV)/.installed $(STUBS)
 

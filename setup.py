@@ -1,14 +1,33 @@
-"""Only here so that building the package also generates the gRPC stubs (agentmw.v1)."""
+"""Only here so that building the package also generates the gRPC stubs (agentmw.v1).
+
+A PEP 517 build runs this file without the project directory on sys.path, and finds the packages
+before anything is generated; so the generator is loaded by path, and agentmw.v1 is added to the
+packages once it exists (else a wheel built from a fresh clone would lack the stubs).
+"""
+
+import importlib.util
+from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+ROOT = Path(__file__).resolve().parent
+STUBS = "agentmw.v1"
+
+
+def _generate() -> None:
+    spec = importlib.util.spec_from_file_location("_agentmw_protogen", ROOT / "agent_host" / "protogen.py")
+    assert spec is not None and spec.loader is not None
+    protogen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(protogen)
+    protogen.generate(ROOT)
+
 
 class BuildWithStubs(build_py):
     def run(self) -> None:
-        from agent_host.protogen import generate
-
-        generate()
+        _generate()
+        if self.packages is not None and STUBS not in self.packages:
+            self.packages.append(STUBS)
         super().run()
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
 
+from . import metrics
 from .chain import Chain, transform
 from .data import (
     RESUME_EVENTS,
@@ -360,7 +361,13 @@ class Agent:
                             yield item
                 grammar.finish()
             except Exception as exc:
-                log.warning("a reply of session %s failed", self.state.session_id, exc_info=True)
+                quiet = metrics.quiet_failure(exc)  # told by the reply's log line; a host bug gets a traceback
+                log.log(
+                    logging.DEBUG if quiet else logging.WARNING,
+                    "a reply of session %s failed",
+                    self.state.session_id,
+                    exc_info=True,
+                )
                 failure = exc
             await self._stop_tool_tasks()  # e.g. a batch left behind by a middleware that raised
             if failure is not None:
@@ -750,7 +757,9 @@ class Agent:
             return result, (self._models_used[-1] if self._models_used else model_id)
 
         (result, used), _ = await call_with_fallback(
-            self.models.candidates(self.model.id), attempt, lambda f: self._model_failures.append(f.as_dict())
+            self.models.candidates(self.model.id),
+            attempt,
+            lambda f: self._model_failures.append(metrics.model_attempt_failed(f)),
         )
         return result, used
 

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import sys
 
-from . import tracing
+from . import metrics, tracing
 from .config import _TLS_SETTINGS, ConfigError, load_config
 from .service import StartupError, run_host
 
@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", metavar="ID", help="default model id of the registry")
     parser.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (default info)")
+    parser.add_argument(
+        "--metrics-port", metavar="PORT", help="serve Prometheus metrics at http://<listen host>:PORT/metrics"
+    )
     tls = parser.add_argument_group("TLS (PEM file paths; see docs/security.md)")
     tls.add_argument("--tls-cert", metavar="PATH", help="serve AgentHost over TLS with this certificate")
     tls.add_argument("--tls-key", metavar="PATH", help="the private key of --tls-cert")
@@ -55,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         "middleware": args.middleware,
         "model": args.model,
         "log_level": args.log_level,
+        "metrics_port": args.metrics_port,
         **{key: getattr(args, key.replace(".", "_")) for key in _TLS_SETTINGS},
     }
     try:
@@ -67,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             tracing.configure("agent-host", settings=config.tracing)
         except ValueError as exc:
             raise ConfigError(f"{config.source}: tracing: {exc}") from None
+        if config.metrics_port is not None:
+            host = config.listen.rsplit(":", 1)[0]
+            try:
+                port = metrics.serve(config.metrics_port, host)
+            except OSError as exc:
+                raise StartupError(
+                    f"metrics_port: cannot serve metrics on {host}:{config.metrics_port}: {exc}"
+                ) from None
+            print(f"agentmw host metrics at http://{host}:{port}/metrics", flush=True)
         asyncio.run(run_host(config))
     except ConfigError as exc:
         print(f"agent-host: configuration error: {exc}", file=sys.stderr)

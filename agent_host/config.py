@@ -7,6 +7,7 @@ YAML (every key optional)::
     listen: 127.0.0.1:50070        # host:port of the AgentHost gRPC service (port 0 = any free port)
     db: agentmw.db                 # SQLite session store (":memory:" keeps nothing)
     log_level: info
+    metrics_port: 9464             # Prometheus /metrics on the listen host (absent: none; 0 = any free port)
     agent: {name: assistant, system_prompt: "...", max_iters: 10,
             inject_runtime_state: false, timezone: UTC}   # tell the model the time (docs/behaviour.md)
     models:                        # the model registry: ids -> provider settings
@@ -35,10 +36,10 @@ YAML (every key optional)::
     limits: {max_message_bytes: 4194304, sessions_per_owner: 1000, replies_per_owner: 8}
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
-AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port").
+AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port"), AGENTMW_METRICS_PORT.
 AGENTMW_TLS_CERT / _KEY / _CLIENT_CA, AGENTMW_MIDDLEWARE_TLS_CA / _CERT / _KEY (file paths),
 AGENTMW_MIDDLEWARE_TOKEN (the token itself).
-Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable),
+Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable), --metrics-port,
 --tls-cert, --tls-key, --tls-client-ca, --middleware-tls-ca, --middleware-tls-cert, --middleware-tls-key.
 
 Middleware from the environment or flags overlay the YAML list by name: a name given again gets
@@ -141,6 +142,7 @@ class HostConfig:
     listen: str = DEFAULT_LISTEN
     db: str = DEFAULT_DB
     log_level: str = "info"
+    metrics_port: int | None = None  # Prometheus /metrics (agent_host/metrics.py); None: not served
     agent_name: str = "assistant"
     system_prompt: str = "You are a helpful assistant."
     max_iters: int = 10
@@ -194,6 +196,7 @@ def load_config(
                 "log_level": "AGENTMW_LOG_LEVEL",
                 "model": "AGENTMW_MODEL",
                 "middleware": "AGENTMW_MIDDLEWARE",
+                "metrics_port": "AGENTMW_METRICS_PORT",
                 **{key: "AGENTMW_" + key.replace(".", "_").upper() for key in _TLS_SETTINGS},
                 "middleware_token": "AGENTMW_MIDDLEWARE_TOKEN",
             },
@@ -206,6 +209,7 @@ def load_config(
                 "log_level": "--log-level",
                 "model": "--model",
                 "middleware": "--middleware",
+                "metrics_port": "--metrics-port",
                 **{key: "--" + key.replace(".", "-").replace("_", "-") for key in _TLS_SETTINGS},
             },
         ),
@@ -220,6 +224,8 @@ def load_config(
                 items = [s for s in raw.split(",") if s.strip()] if isinstance(raw, str) else list(raw)
                 for item in items:
                     _overlay_middleware(cfg, parse_middleware_arg(item, where))
+            elif key == "metrics_port":
+                cfg.metrics_port = _port(str(raw), where)
             elif key == "model":
                 if not isinstance(cfg.models, dict):
                     cfg.models = {}
@@ -286,6 +292,12 @@ def _check_address(address: str, where: str) -> None:
         raise ConfigError(f"{where}: {address!r} is not HOST:PORT")
 
 
+def _port(text: str, where: str) -> int:
+    if not text.strip().isdigit() or int(text) > 65535:
+        raise ConfigError(f"{where}: {text!r} is not a port number (0-65535)")
+    return int(text)
+
+
 def _check_listen(address: str, where: str) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -296,7 +308,19 @@ def _check_listen(address: str, where: str) -> None:
 # YAML.
 
 
-_TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware", "tracing", "security", "limits"}
+_TOP_KEYS = {
+    "listen",
+    "db",
+    "log_level",
+    "metrics_port",
+    "agent",
+    "models",
+    "tools",
+    "middleware",
+    "tracing",
+    "security",
+    "limits",
+}
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
 _MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes", "key", "permissions"}
 _PERMISSION_KEYS = {"hooks": list, "context": bool, "mutate_context": bool, "set_model": bool, "tools": bool}
@@ -337,6 +361,10 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     for key in ("listen", "db", "log_level"):
         if key in data:
             setattr(cfg, key, _expect(data[key], str, f"{src}: {key}"))
+    if data.get("metrics_port") is not None:
+        cfg.metrics_port = _port(
+            str(_expect(data["metrics_port"], int, f"{src}: metrics_port")), f"{src}: metrics_port"
+        )
     agent = data.get("agent") or {}
     if not isinstance(agent, Mapping):
         raise ConfigError(f"{src}: agent: expected a mapping, got {_kind(agent)}")

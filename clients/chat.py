@@ -12,7 +12,10 @@ confirmation asks (y / n / edit its input); a tool the client must run asks for 
 and played with --play.
 With ``--schema`` the reply must also fill that JSON schema: its ``structured_output`` is printed
 as JSON after the answer.
-Ctrl-C while a reply streams interrupts it (the host ends it cleanly); Ctrl-C at the prompt quits.
+Ctrl-C while a reply streams interrupts it (the host ends it cleanly); Ctrl-C at the prompt quits
+(printing the session id to continue with); end of input (Ctrl-D) at a confirmation denies it.
+Interactive commands: /help, /sessions, /usage, /quit. After each reply it shows the tokens used;
+hints and the middleware's events (a middleware bypassed because it failed, say) show as they come.
 
 The pieces (``HostClient``, ``converse``, ``View``) are reused by ``clients.demo``.
 """
@@ -47,6 +50,7 @@ from agent_host.data import (
     DataBlockStartEvent,
     ExternalExecutionResultEvent,
     FinishedReason,
+    HintBlockEvent,
     ModelCallEndEvent,
     ModelCallStartEvent,
     Msg,
@@ -72,6 +76,7 @@ from agent_host.data import (
     ToolResultTextDeltaEvent,
     UserConfirmResultEvent,
     UserMsg,
+    new_id,
 )
 from agent_host.data.events import ConfirmResult
 from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret
@@ -297,8 +302,14 @@ class View:
         elif isinstance(item, RequireExternalExecutionEvent):
             for call in item.tool_calls:
                 self._line(f"  ? {call.name} must be run by the client")
+        elif isinstance(item, CustomEvent) and item.name == "middleware_bypassed" and isinstance(item.value, dict):
+            v = item.value
+            self._line(f"  ! middleware {v.get('middleware')} skipped in {v.get('hook')} (it failed): {v.get('error')}")
         elif isinstance(item, CustomEvent):
             self._line(self._dim(f"  · {item.name}: {json.dumps(item.value, sort_keys=True)}"))
+        elif isinstance(item, HintBlockEvent):
+            hint = item.hint if isinstance(item.hint, str) else " ".join(getattr(b, "text", "") for b in item.hint)
+            self._line(self._dim(f"  hint{f' ({item.source})' if item.source else ''}: {_short(hint)}"))
         elif isinstance(item, ModelCallStartEvent):
             for failure in item.metadata.get("failed_attempts") or []:  # retries and fallbacks before it
                 self._line(self._dim(f"  (model {failure.get('model')} failed: {failure.get('error')})"))
@@ -398,23 +409,33 @@ def _short(text: str, limit: int = 200) -> str:
 # The command line.
 
 
-def _ask(prompt: str) -> str:
+def _ask(prompt: str) -> str | None:
+    """A line of input; None at the end of input (so a prompt cannot ask again forever)."""
     try:
         return input(prompt)
     except EOFError:
-        return ""
+        print()
+        return None
 
 
 async def _ask_confirm(call: ToolCallBlock) -> ConfirmResult | None:
     print(f"  ? allow {call.name}({call.input})?")
     while True:
-        answer = _ask("    [y]es / [n]o / [e]dit input: ").strip().lower()
+        answer = _ask("    [y]es / [n]o / [e]dit input: ")
+        if answer is None:
+            print(f"    (end of input: {call.name} denied)")
+            return ConfirmResult(confirmed=False, tool_call=call)
+        answer = answer.strip().lower()
         if answer in ("y", "yes"):
             return ConfirmResult(confirmed=True, tool_call=call)
         if answer in ("n", "no"):
             return ConfirmResult(confirmed=False, tool_call=call)
         if answer in ("e", "edit"):
-            raw = _ask("    new input (JSON): ").strip()
+            raw = _ask("    new input (JSON): ")
+            if raw is None:
+                print(f"    (end of input: {call.name} denied)")
+                return ConfirmResult(confirmed=False, tool_call=call)
+            raw = raw.strip()
             try:
                 json.loads(raw)
             except json.JSONDecodeError as exc:
@@ -426,6 +447,8 @@ async def _ask_confirm(call: ToolCallBlock) -> ConfirmResult | None:
 
 async def _ask_external(call: ToolCallBlock) -> ToolResultBlock | None:
     text = _ask(f"  ? {call.name}({call.input}) runs on your side; its result: ")
+    if text is None:  # end of input: the reply stays parked, to be answered later
+        return None
     return ToolResultBlock(id=call.id, name=call.name, output=text, state=ToolResultState.SUCCESS)
 
 
@@ -555,9 +578,103 @@ def _report(turn: Turn) -> int:
     if turn.parked:
         print(f"  (the reply is waiting; answer with: agent-chat --session {turn.session_id} --yes | --deny)")
         return 3
-    if turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.ERROR:
+    return 1 if _failed(turn) else 0
+
+
+def _failed(turn: Turn) -> bool:
+    """The reply ended with an error (said by its end event, or by its final message alone)."""
+    reasons = {turn.end.finished_reason if turn.end is not None else None}
+    reasons.add(turn.final.finished_reason if turn.final is not None else None)
+    return ReplyFinishedReason.ERROR in reasons
+
+
+def _usage(turn: Turn) -> tuple[int, int]:
+    usage = turn.final.usage if turn.final is not None else None
+    return (usage.input_tokens, usage.output_tokens) if usage is not None else (0, 0)
+
+
+HELP = """commands:
+  /help       this list
+  /sessions   the host's sessions, most recent first (continue one with: agent-chat --session ID)
+  /usage      tokens used in this chat so far
+  /quit       leave (also Ctrl-D); Ctrl-C interrupts a reply, or leaves at the prompt
+anything else is a message to the agent"""
+
+
+async def _check_host(address: str) -> str:
+    """The host's health (SERVING / NOT_SERVING); raises AioRpcError when it cannot be reached."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def _sessions(address: str, current: str) -> str:
+    async with HostClient(address) as client:
+        found = await client.stub.ListSessions(host_pb2.ListSessionsRequest(limit=20), timeout=10)
+    rows = [
+        f"  {'*' if s.session_id == current else ' '} {s.session_id}  {s.updated_at}  {s.title}" for s in found.sessions
+    ]
+    return "\n".join(rows) or "  (no sessions)"
+
+
+def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, Any], view: View) -> int:
+    """The chat loop. Returns the exit status: 1 if the last reply failed (or could not be sent)."""
+    try:
+        health = asyncio.run(_check_host(args.host))
+    except grpc.aio.AioRpcError as exc:
+        print(f"agent-chat: cannot reach the host at {args.host} ({exc.code().name})", file=sys.stderr)
         return 1
-    return 0
+    note = "" if health == "SERVING" else f" (its health: {health}; `agentmw status` says why)"
+    print(f"agent-chat: connected to {args.host}{note}. /help lists commands; Ctrl-C interrupts a reply.")
+    session_id = session_id or new_id()  # known from the start, so that every way out can name it
+    tokens = [0, 0]
+    status = 0
+    try:
+        if parked:
+            print(f"session {session_id} is waiting on {', '.join(c.name for c in parked['parked_on'])}")
+            asyncio.run(_turn(args, session_id, None, view, interactive=True, **parked))
+        while True:
+            try:
+                text = input("you> ").strip()
+            except EOFError:
+                print()
+                break
+            if text in ("/quit", "/exit"):
+                break
+            if text.startswith("/"):
+                if text == "/help":
+                    print(HELP)
+                elif text == "/usage":
+                    print(f"  tokens this chat: {tokens[0]} in, {tokens[1]} out (session {session_id})")
+                elif text == "/sessions":
+                    try:
+                        print(asyncio.run(_sessions(args.host, session_id)))
+                    except grpc.aio.AioRpcError as exc:
+                        print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                else:
+                    print(f"unknown command {text.split()[0]}; /help lists them (a message cannot start with /)")
+                continue
+            if not text:
+                continue
+            try:
+                turn = asyncio.run(_turn(args, session_id, UserMsg(text), view, interactive=True))
+            except grpc.aio.AioRpcError as exc:  # e.g. the host restarting: the chat goes on
+                print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()} (not answered; try again)")
+                status = 1
+                continue
+            used = _usage(turn)
+            tokens[0] += used[0]
+            tokens[1] += used[1]
+            if any(used):
+                view._line(view._dim(f"  ({used[0]} tokens in, {used[1]} out)"))
+            status = 1 if _failed(turn) else 0
+    except KeyboardInterrupt:
+        print()
+        status = 130
+    print(f"(session {session_id}; continue with: agent-chat --session {session_id})")
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -613,25 +730,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             if turn.final is not None and turn.final.structured_output is not None:
                 print(json.dumps(turn.final.structured_output, indent=2, ensure_ascii=False), flush=True)
+            used = _usage(turn)
+            if any(used):
+                print(f"({used[0]} tokens in, {used[1]} out)", file=sys.stderr)
             print(f"(session {turn.session_id})", file=sys.stderr)
             return _report(turn)
-        print(f"agent-chat: connected to {args.host}. Ctrl-C interrupts a reply; /quit or Ctrl-D leaves.")
-        if parked:
-            print(f"session {session_id} is waiting on {', '.join(c.name for c in parked['parked_on'])}")
-            asyncio.run(_turn(args, session_id, None, view, interactive=True, **parked))
-        while True:
-            try:
-                text = input("you> ").strip()
-            except EOFError:
-                print()
-                break
-            if text in ("/quit", "/exit"):
-                break
-            if text:
-                session_id = asyncio.run(_turn(args, session_id, UserMsg(text), view, interactive=True)).session_id
-        if session_id:
-            print(f"(session {session_id}; continue with: agent-chat --session {session_id})")
-        return 0
+        return _interactive(args, session_id, parked, view)
     except UnknownSession:
         print(f"agent-chat: no session {session_id} on {args.host}", file=sys.stderr)
         return 1

@@ -61,6 +61,7 @@ SERVER_PYTHON = {"mem0": ".venv-mem0/bin/python"}
 TOOL_CALLS = {
     "mem0__add_memory": 'call mem0__add_memory {"thinking": "a wish", "content": ["The user likes short replies."]}',
     "mem0__search_memory": 'call mem0__search_memory keywords=["replies"]',
+    "world_clock__time_in": "call world_clock__time_in timezone=Asia/Tokyo",
 }
 
 

@@ -7,8 +7,13 @@ with a temporary SQLite db; every process is stopped in teardown, every wait is 
 from __future__ import annotations
 
 import itertools
+import queue
 import re
+import signal
 import subprocess
+import sys
+import threading
+import time
 import wave
 from pathlib import Path
 
@@ -16,7 +21,7 @@ import pytest
 
 from agent_host.codec import codec
 from agent_host.data import ToolCallState, ToolResultState
-from clients.launch import ServerProcess
+from clients.launch import ROOT, ServerProcess
 
 from .audio_mw import FREQUENCY, RATE, SECONDS, tone
 from .host_util import Procs, chat, get_session, processes
@@ -170,3 +175,159 @@ async def test_audio_blocks_saved_as_wav(tmp_path: Path) -> None:
 def _audio_host(procs: Procs, tmp_path: Path) -> ServerProcess:
     beep = procs.start("beep", ["-m", "mw_servers.sdk", "tests.audio_mw:Beep", "--address", "127.0.0.1:0"])
     return procs.host(tmp_path / "sessions.db", "--middleware", f"beep={beep.address}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Interactive agent-chat (stdin piped, as a script or a closed terminal gives it).
+
+FAILING_MODEL = """
+models:
+  default: offline
+  models:
+    offline:
+      provider: offline
+      rules:
+        - {pattern: "please fail", error: {type: invalid_request, message: "no such thing"}}
+"""
+
+
+def interactive(address: str, stdin: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    """agent-chat without --message, its input given at once and then closed."""
+    argv = [sys.executable, "-m", "clients.chat", "--host", address]
+    try:
+        return subprocess.run(argv, cwd=ROOT, input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(
+            f"agent-chat did not exit within {timeout}s; output {len(exc.stdout or b'')} bytes"
+        ) from None
+
+
+class Chat:
+    """agent-chat running interactively: send lines, wait (bounded) for its output."""
+
+    def __init__(self, address: str) -> None:
+        argv = [sys.executable, "-m", "clients.chat", "--host", address]
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.out: queue.Queue[str] = queue.Queue()
+        self.seen = ""
+        self.mark = 0  # where the next expect() starts looking
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        while chunk := self.proc.stdout.read(1):
+            self.out.put(chunk)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, *texts: str, timeout: float = 15) -> str:
+        """Wait for the first of ``texts`` printed after what earlier calls consumed; which one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [(self.seen.find(t, self.mark), t) for t in texts]
+            hits = sorted((i, t) for i, t in found if i >= 0)
+            if hits:
+                self.mark = hits[0][0] + len(hits[0][1])
+                return hits[0][1]
+            left = deadline - time.monotonic()
+            try:
+                self.seen += self.out.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                if left <= 0:
+                    raise AssertionError(f"agent-chat never printed {texts}; it printed:\n{self.seen}") from None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def test_end_of_input_at_a_confirmation_denies_and_exits(host: ServerProcess) -> None:
+    done = interactive(host.address, f"{EMAIL}\n")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
+    assert len(done.stdout) < 10_000, f"{len(done.stdout)} bytes of output"
+    assert done.stdout.count("[y]es / [n]o / [e]dit input:") == 1
+    assert "(end of input: send_email denied)" in done.stdout
+    assert "← send_email [denied]" in done.stdout and "sent (" not in done.stdout
+
+
+def test_unreachable_host_is_not_connected() -> None:
+    done = interactive("127.0.0.1:1", "hello\n")
+    assert done.returncode == 1
+    assert "connected to" not in done.stdout
+    assert "agent-chat: cannot reach the host at 127.0.0.1:1 (UNAVAILABLE)" in done.stderr
+
+
+def test_commands_are_not_messages_and_usage_is_shown(host: ServerProcess) -> None:
+    done = interactive(host.address, "/help\n/usage\nhello there\n/usage\n/sessions\n/nope\n")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "You said: /" not in out, "a command went to the model"
+    assert "/sessions   the host's sessions" in out and "unknown command /nope" in out
+    session = re.findall(r"\(session (\w+); continue with: agent-chat --session \1\)", out)
+    assert len(session) == 1, out
+    usage = re.findall(r"tokens this chat: (\d+) in, (\d+) out", out)
+    assert usage[0] == ("0", "0") and int(usage[1][0]) > 0 and int(usage[1][1]) > 0, usage
+    assert re.search(r"You said: hello there\n\s+\(\d+ tokens in, \d+ out\)", out), out
+    assert f"* {session[0]}" in out  # /sessions marks the current one
+
+
+async def test_host_restart_does_not_end_the_chat_and_ctrl_c_names_the_session(tmp_path: Path) -> None:
+    with processes(tmp_path) as procs:
+        host = procs.start("host", ["-m", "agent_host", "--listen", "127.0.0.1:{port}", "--db", str(tmp_path / "s.db")])
+        chat_ = Chat(host.address)
+        try:
+            chat_.expect("you> ")
+            chat_.send("hello")
+            chat_.expect("You said: hello")
+            host.stop()
+            chat_.send("anyone?")
+            chat_.expect("(not answered; try again)")
+            host.start()
+            for _attempt in range(20):  # as a user would: again, until the reconnect backoff lets it through
+                chat_.expect("you> ")
+                chat_.send("back again")
+                if chat_.expect("You said: back again", "(not answered; try again)") == "You said: back again":
+                    break
+                time.sleep(0.5)
+            chat_.expect("you> ")
+            chat_.proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt
+            assert chat_.proc.wait(15) == 130
+            chat_.expect("continue with")
+            out = chat_.seen
+        finally:
+            chat_.close()
+        (session,) = re.findall(r"\(session (\w+); continue with", out)
+        _info, state, _ = await get_session(host.address, session)
+        assert [m.text for m in state.context if m.role.value == "user"] == ["hello", "back again"]
+
+
+def test_failed_reply_exits_non_zero_and_a_bypass_is_shown(tmp_path: Path) -> None:
+    with processes(tmp_path) as procs:
+        recorder = procs.recorder()
+        config = tmp_path / "host.yaml"
+        config.write_text(
+            FAILING_MODEL
+            + f"middleware:\n  - {{name: rec, address: '{recorder.address}', fail_open: true, timeout: 1}}\n"
+        )
+        host = procs.host(tmp_path / "s.db", "--config", str(config))
+        ok = chat(host.address, "--message", "hello")
+        assert ok.returncode == 0 and "!" not in ok.stdout, ok.stdout
+        assert re.search(r"^\(\d+ tokens in, \d+ out\)$", ok.stderr, re.M), ok.stderr
+
+        recorder.kill()
+        bypassed = chat(host.address, "--message", "hello again")
+        assert bypassed.returncode == 0, bypassed.stdout + bypassed.stderr
+        assert "! middleware rec skipped in on_reply (it failed): middleware 'rec' failed" in bypassed.stdout
+        assert "You said: hello again" in bypassed.stdout
+
+        failed = chat(host.address, "--message", "please fail")
+        assert failed.returncode == 1, failed.stdout + failed.stderr
+        typed = interactive(host.address, "please fail\n")
+        assert typed.returncode == 1, typed.stdout + typed.stderr
+        assert "no such thing" in typed.stdout

@@ -18,7 +18,7 @@ import grpc
 
 from agentmw.v1 import hooks_pb2
 
-from .. import tracing
+from .. import metrics, tracing
 from ..chain import prepend
 from ..codec import CodecError, codec, json_to_value, value_to_json
 from ..data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
@@ -111,6 +111,7 @@ class HookCall:
     # -- failure policy ------------------------------------------------------------------------
 
     async def _guarded(self) -> AsyncIterator[Any]:
+        started = metrics.hook_started()
         try:
             try:
                 async with aclosing(self._run()) as run:
@@ -121,6 +122,7 @@ class HookCall:
                 self.mw.failed()
                 table = self.mw.tables.get(self.spec.name)
                 watcher = table is not None and table.detached  # as last described
+                metrics.hook_failed(self.mw, self.spec.name, exc, bypassed=self.mw.policy.fail_open or watcher)
                 if not (self.mw.policy.fail_open or watcher):
                     raise
                 tracing.hook_bypassed(self.span, exc)
@@ -128,13 +130,14 @@ class HookCall:
                     yield item
         finally:
             tracing.end_hook_span(self.span, sys.exc_info()[1])
+            metrics.hook_ended(self.mw, self.spec.name, started, sys.exc_info()[1])
             await self._close()
 
     async def _bypass(self, exc: MiddlewareFailure, *, record: bool = True) -> AsyncIterator[Any]:
         """fail_open (and any detached hook): go on as if the middleware were not there
         (transparent until it changed items). ``record``: say so in the reply's events."""
         self.mw.bypasses += 1
-        log.warning("bypassing %s", exc)
+        log.debug("bypassing %s", exc)  # metrics.hook_failed warns once per outage
         # An on_reply that failed only after its last item (the final Msg) went out: nothing may
         # follow that message in a reply, so the bypass is only logged and counted.
         after_final = (

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import jsonschema
 
-from .. import tracing
+from .. import metrics, tracing
 from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..data import (
@@ -228,8 +228,9 @@ class Host:
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
                 try:
-                    with tracing.reply_span(agent, inputs):
+                    with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
                         async for item in agent.reply_stream(inputs, structured_schema):
+                            watch.last = item
                             await run.put(item)
                 finally:
                     if run.cut_off:  # cancelled half-way: close the reply as after a host crash

@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
+from .. import metrics
 from ..codec import CodecError, codec
 from ..config import ConfigError, HostConfig, MiddlewareConfig
 from ..data import new_id
@@ -264,6 +265,7 @@ def _info(a: Attached) -> host_pb2.MiddlewareInfo:
         tools=list(a.tools),
         fail_open=a.config.fail_open,
         timeout=a.config.timeout,
+        **metrics.middleware_status(a.remote),
     )
 
 

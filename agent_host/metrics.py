@@ -1,0 +1,256 @@
+"""What the host tells its operators: Prometheus metrics, one log line per reply, middleware health.
+
+* Metrics live in prometheus_client's default registry (so the process metrics come along) and are
+  served over HTTP only when asked (``--metrics-port`` / ``metrics_port:``; ``serve``).
+* ``reply(agent)`` wraps one reply: the open-replies gauge, the outcome counter, and at the end one
+  info line: session, reply, outcome, duration, tokens, which middleware acted and which failed or
+  were bypassed.
+* ``hook_started`` / ``hook_failed`` / ``hook_ended`` are called once per remote hook invocation:
+  its latency, failures and bypasses, and each middleware's health (its last error; one warning
+  when it starts failing and one info line when it serves again, not a traceback per reply).
+
+Cheap on the hot path: nothing here runs per streamed item; per reply and per hook invocation only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+
+from .data import Msg, now
+
+log = logging.getLogger("agentmw.host")
+disable_created_metrics()  # no *_created series: a timestamp per label set that nobody graphs
+
+REPLIES = Counter(
+    "agentmw_replies",
+    "Replies that ended, by outcome: completed, interrupted, exceed_max_iters, error, parked, cancelled",
+    ["outcome"],
+)
+REPLY_ERRORS = Counter("agentmw_reply_errors", "Replies that ended with an error, by error type", ["type"])
+REPLY_SECONDS = Histogram("agentmw_reply_duration_seconds", "Wall time of a reply (to its end or park)")
+OPEN_REPLIES = Gauge("agentmw_open_replies", "Replies running now (each streams to one open Reply call)")
+TOKENS = Counter("agentmw_tokens", "Model tokens of ended replies", ["kind"])
+HOOK_SECONDS = Histogram(
+    "agentmw_hook_duration_seconds",
+    "Wall time of one remote hook invocation, the inner chain included (on_reply spans the reply)",
+    ["middleware", "hook"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+MIDDLEWARE_FAILURES = Counter(
+    "agentmw_middleware_failures",
+    "Hook invocations whose middleware failed (unreachable, timeout, broken stream, protocol violation)",
+    ["middleware", "hook"],
+)
+BYPASSES = Counter(
+    "agentmw_middleware_bypasses",
+    "Failed hook invocations the host went on without (fail_open, or a detached hook)",
+    ["middleware", "hook"],
+)
+MODEL_FAILURES = Counter(
+    "agentmw_model_failed_attempts",
+    "Model call attempts that failed (each followed by a retry, a fallback, or the reply's error), by model",
+    ["model"],
+)
+MODEL_RETRIES = Counter("agentmw_model_retries", "Failed model call attempts retried with the same model", ["model"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving.
+
+
+def serve(port: int, host: str = "127.0.0.1") -> int:
+    """Serve /metrics on ``host:port`` (port 0: any free one) from a thread; the port it got."""
+    server, _thread = start_http_server(port, addr=host.strip("[]"))
+    return int(server.server_port)
+
+
+# ---------------------------------------------------------------------------------------------
+# Replies.
+
+
+@dataclass
+class ReplyWatch:
+    """One reply as the operator sees it; ``last`` is set by the host to each item it streams
+    (an attribute store, the only per-item cost), so the final Msg is known at the end."""
+
+    session_id: str
+    started: float = field(default_factory=time.perf_counter)
+    acted: dict[str, None] = field(default_factory=dict)  # middleware that ran a hook, in order
+    trouble: dict[str, str] = field(default_factory=dict)  # middleware -> "bypassed" / "failed"
+    last: Any = None
+
+
+_current: contextvars.ContextVar[ReplyWatch | None] = contextvars.ContextVar("agentmw_reply", default=None)
+
+
+@contextlib.contextmanager
+def reply(agent: Any) -> Iterator[ReplyWatch]:
+    """Around one reply of ``agent``: counts it, and logs one line when it ends (however it ends).
+    Hook invocations of the reply (its task and the tasks it starts) are attributed to it."""
+    watch = ReplyWatch(agent.state.session_id)
+    token = _current.set(watch)
+    OPEN_REPLIES.inc()
+    outcome = "cancelled"
+    try:
+        yield watch
+        outcome = _outcome(agent, watch.last)
+    finally:
+        OPEN_REPLIES.dec()
+        _current.reset(token)
+        _ended(agent, watch, outcome)
+
+
+def _outcome(agent: Any, final: Any) -> str:
+    if agent.awaiting_calls():
+        return "parked"
+    if isinstance(final, Msg) and final.finished_reason is not None:
+        return final.finished_reason.value
+    return "error"
+
+
+def _ended(agent: Any, watch: ReplyWatch, outcome: str) -> None:
+    seconds = time.perf_counter() - watch.started
+    final = watch.last if isinstance(watch.last, Msg) else None
+    usage = final.usage if final is not None else None
+    tokens_in, tokens_out = (usage.input_tokens, usage.output_tokens) if usage is not None else (0, 0)
+    REPLIES.labels(outcome).inc()
+    REPLY_SECONDS.observe(seconds)
+    if tokens_in or tokens_out:
+        TOKENS.labels("input").inc(tokens_in)
+        TOKENS.labels("output").inc(tokens_out)
+    error = ""
+    if outcome == "error":
+        info = final.error if final is not None else None
+        REPLY_ERRORS.labels(info.type.value if info is not None else "unknown").inc()
+        error = f" error={(info.message if info is not None else '')!r}"
+    trouble = " ".join(f"{how}={name}" for name, how in watch.trouble.items())
+    log.info(
+        "reply session=%s reply=%s outcome=%s duration=%.3fs tokens=%d/%d middleware=%s%s%s",
+        watch.session_id,
+        agent.state.reply_id or "-",
+        outcome,
+        seconds,
+        tokens_in,
+        tokens_out,
+        ",".join(watch.acted) or "-",
+        f" {trouble}" if trouble else "",
+        error,
+    )
+
+
+def quiet_failure(exc: BaseException) -> bool:
+    """A failure the reply log line and the middleware warning already tell (a middleware or a
+    model that failed): no traceback for it. Anything else is a host bug worth one."""
+    from .models.base import ModelError
+    from .remote.client import MiddlewareFailure
+
+    return isinstance(exc, MiddlewareFailure | ModelError)
+
+
+def model_attempt_failed(failure: Any) -> dict[str, Any]:
+    """Count a failed model attempt (a models.retry.Failure); its dict, for the model-call events."""
+    MODEL_FAILURES.labels(failure.model).inc()
+    if failure.delay is not None:  # a retry of the same model follows
+        MODEL_RETRIES.labels(failure.model).inc()
+    return failure.as_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# Middleware: hook invocations and health.
+
+
+@dataclass
+class MiddlewareHealth:
+    """What the host saw of one attached middleware (shown by ListMiddleware / ``agentmw status``)."""
+
+    failing: bool = False
+    last_error: str = ""
+    last_error_at: str = ""  # ISO 8601, UTC
+    failed_at: float = 0.0  # perf_counter of the last failure
+    failures: int = 0
+
+
+_health: weakref.WeakKeyDictionary[Any, MiddlewareHealth] = weakref.WeakKeyDictionary()
+
+
+def health(mw: Any) -> MiddlewareHealth:
+    found = _health.get(mw)
+    if found is None:
+        found = _health[mw] = MiddlewareHealth()
+    return found
+
+
+def hook_started() -> float:
+    return time.perf_counter()
+
+
+def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool) -> None:
+    """The middleware failed in one invocation; ``bypassed``: the host goes on without it."""
+    h = health(mw)
+    h.failures += 1
+    h.last_error, h.last_error_at, h.failed_at = str(exc), now(), time.perf_counter()
+    MIDDLEWARE_FAILURES.labels(mw.name, hook).inc()
+    if bypassed:
+        BYPASSES.labels(mw.name, hook).inc()
+    watch = _current.get()
+    if watch is not None:
+        watch.trouble[mw.name] = "bypassed" if bypassed else "failed"
+    if not h.failing:  # once per outage, not per reply
+        h.failing = True
+        then = (
+            "bypassed (fail_open) until it answers again" if bypassed else "replies that reach it fail until it is back"
+        )
+        log.warning("middleware %s at %s is failing, %s: %s", mw.name, mw.address, then, exc)
+
+
+def hook_ended(mw: Any, hook: str, started: float, exc: BaseException | None) -> None:
+    """One invocation ended (``exc``: how, if it raised): its latency; and, when it was served
+    by a middleware that had been failing, the news that it is back."""
+    HOOK_SECONDS.labels(mw.name, hook).observe(time.perf_counter() - started)
+    h = _health.get(mw)
+    failed_now = h is not None and h.failed_at >= started
+    if exc is None and not failed_now:
+        watch = _current.get()
+        if watch is not None:
+            watch.acted[mw.name] = None
+        if h is not None and h.failing:
+            h.failing = False
+            log.info("middleware %s at %s answers again", mw.name, mw.address)
+
+
+def middleware_status(mw: Any) -> dict[str, Any]:
+    """MiddlewareInfo's status fields (host.proto, 20+) of an attached RemoteMiddleware."""
+    h = _health.get(mw) or MiddlewareHealth()
+    reachable = mw.reachable()
+    return {
+        "health": "connecting" if reachable is None else "reachable" if reachable else "unreachable",
+        "last_error": h.last_error,
+        "last_error_at": h.last_error_at,
+        "failures": h.failures,
+        "bypasses": getattr(mw, "bypasses", 0),
+        "failing": h.failing,
+    }
+
+
+__all__ = [
+    "MiddlewareHealth",
+    "ReplyWatch",
+    "health",
+    "hook_ended",
+    "hook_failed",
+    "hook_started",
+    "middleware_status",
+    "model_attempt_failed",
+    "quiet_failure",
+    "reply",
+    "serve",
+]

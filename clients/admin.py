@@ -1,0 +1,231 @@
+"""``agentmw``: operate a running agent host (the AgentHost RPCs and grpc.health.v1).
+
+    agentmw status                                   # host health; attached middleware and their health
+    agentmw middleware list
+    agentmw middleware attach 127.0.0.1:50071 --name timing [--fail-open] [--timeout 5] [--position 0]
+    agentmw middleware detach timing
+    agentmw sessions list [--limit 20]
+    agentmw sessions show ID
+    agentmw sessions delete ID
+
+``--host ADDRESS`` (default: $AGENTMW_HOST, else 127.0.0.1:50070, the host's default listen) and
+``--json`` (machine-readable output) go before or after the command. Exit status: 0 done; 1 the
+host is unreachable, NOT_SERVING (status), or refused the request; 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent_host.codec import codec
+from agentmw.v1 import host_pb2, host_pb2_grpc
+
+DEFAULT_HOST = "127.0.0.1:50070"
+TIMEOUT = 10.0
+
+
+class Admin:
+    """One host connection; each method is one command and returns what it prints (text or JSON data)."""
+
+    def __init__(self, address: str, timeout: float = TIMEOUT) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = host_pb2_grpc.AgentHostStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def status(self) -> dict[str, Any]:
+        reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+        serving = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return {"host": self.address, "health": serving, "middleware": self.middleware_list()}
+
+    def middleware_list(self) -> list[dict[str, Any]]:
+        found = self.stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=self.timeout)
+        return [_dict(m) for m in found.middleware]
+
+    def attach(self, address: str, name: str, fail_open: bool, timeout: float, position: int | None) -> dict[str, Any]:
+        request = host_pb2.AttachMiddlewareRequest(address=address, name=name, fail_open=fail_open, timeout=timeout)
+        if position is not None:
+            request.position = position
+        return _dict(self.stub.AttachMiddleware(request, timeout=self.timeout + 30))  # Describe may wait
+
+    def detach(self, name: str) -> dict[str, Any]:
+        return _dict(self.stub.DetachMiddleware(host_pb2.DetachMiddlewareRequest(name=name), timeout=self.timeout))
+
+    def sessions(self, limit: int) -> list[dict[str, Any]]:
+        found = self.stub.ListSessions(host_pb2.ListSessionsRequest(limit=limit), timeout=self.timeout)
+        return [_dict(s) for s in found.sessions]
+
+    def session(self, session_id: str) -> dict[str, Any]:
+        found = self.stub.GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=self.timeout)
+        state = codec.decode(found.state)
+        return {
+            "summary": _dict(found.summary),
+            "replying": found.replying,
+            "messages": [
+                {"role": m.role.value, "name": m.name, "text": m.text, "blocks": [b.type for b in m.content]}
+                for m in state.context
+            ],
+            "pending_tool_calls": [
+                {"id": c.id, "name": c.name, "input": c.input} for c in map(codec.decode, found.pending_tool_calls)
+            ],
+            "middle_context": json.loads(found.middle_context_json or "{}"),
+        }
+
+    def delete(self, session_id: str) -> dict[str, Any]:
+        found = self.stub.DeleteSession(host_pb2.DeleteSessionRequest(session_id=session_id), timeout=self.timeout)
+        return {"session_id": session_id, "deleted": found.deleted}
+
+
+def _dict(message: Any) -> dict[str, Any]:
+    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text output.
+
+
+def _middleware_lines(found: list[dict[str, Any]]) -> list[str]:
+    if not found:
+        return ["  (no middleware attached)"]
+    out = []
+    for i, m in enumerate(found):
+        policy = "fail_open" if m["fail_open"] else "fail_closed"
+        out.append(f"  {i}. {m['name']} at {m['address']}: {m['health'] or '?'}, {policy}, timeout {m['timeout']:g}s")
+        out.append(f"     hooks: {', '.join(m['hooks']) or '-'}; tools: {', '.join(m['tools']) or '-'}")
+        if m["last_error"]:
+            now = " (failing now)" if m["failing"] else ""
+            out.append(f"     last error{now} at {m['last_error_at']}: {m['last_error']}")
+        if int(m["failures"]) or int(m["bypasses"]):
+            out.append(f"     failed hook calls: {m['failures']}, bypassed: {m['bypasses']}")
+    return out
+
+
+def _text(command: str, result: Any) -> str:
+    if command == "status":
+        lines = [f"host {result['host']}: {result['health']}", "middleware (outermost first):"]
+        return "\n".join(lines + _middleware_lines(result["middleware"]))
+    if command == "middleware list":
+        return "\n".join(_middleware_lines(result))
+    if command in ("middleware attach", "middleware detach"):
+        verb = "attached" if command.endswith("attach") else "detached"
+        return f"{verb} {result['name']} at {result['address']}\n" + "\n".join(_middleware_lines([result])[1:])
+    if command == "sessions list":
+        if not result:
+            return "(no sessions)"
+        rows = [
+            f"{s['session_id']}  {s['updated_at']}  {s['message_count']:>4} msgs"
+            f"{'  PARKED' if s['parked'] else ''}  {s['title']}"
+            for s in result
+        ]
+        return "\n".join(rows)
+    if command == "sessions show":
+        s = result["summary"]
+        flags = (", parked" if s["parked"] else "") + (", replying now" if result["replying"] else "")
+        lines = [
+            f"session {s['session_id']}: {s['message_count']} messages, created {s['created_at']}, "
+            f"updated {s['updated_at']}{flags}"
+        ]
+        for m in result["messages"]:
+            text = m["text"] or f"[{', '.join(m['blocks'])}]"
+            lines.append(f"  {m['role']:>9}: {text}")
+        for c in result["pending_tool_calls"]:
+            lines.append(f"  waiting on {c['name']}({c['input']}) [{c['id']}]")
+        if result["middle_context"]:
+            lines.append(f"  middle_context: {json.dumps(result['middle_context'], sort_keys=True)}")
+        return "\n".join(lines)
+    if command == "sessions delete":
+        return f"deleted {result['session_id']}" if result["deleted"] else f"no session {result['session_id']}"
+    raise AssertionError(command)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line.
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--host",
+        default=argparse.SUPPRESS,
+        help=f"the host's address (default $AGENTMW_HOST, else {DEFAULT_HOST})",
+    )
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    parser = argparse.ArgumentParser(prog="agentmw", description="Operate a running agentmw host.", parents=[common])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("status", parents=[common], help="host health and attached middleware")
+
+    mw = commands.add_parser("middleware", parents=[common], help="list, attach or detach middleware")
+    mw_commands = mw.add_subparsers(dest="action", required=True, metavar="ACTION")
+    mw_commands.add_parser("list", parents=[common], help="the attached middleware, outermost first")
+    attach = mw_commands.add_parser("attach", parents=[common], help="attach a middleware server by address")
+    attach.add_argument("address", help="HOST:PORT or any gRPC target")
+    attach.add_argument("--name", default="", help="default: the middleware's key")
+    attach.add_argument("--fail-open", action="store_true", help="skip it when it fails instead of failing replies")
+    attach.add_argument("--timeout", type=float, default=0.0, help="seconds per message (default: the host's)")
+    attach.add_argument("--position", type=int, help="onion position, 0 = outermost (default: innermost)")
+    detach = mw_commands.add_parser("detach", parents=[common], help="detach a middleware by name")
+    detach.add_argument("name")
+
+    sessions = commands.add_parser("sessions", parents=[common], help="list, show or delete sessions")
+    s_commands = sessions.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = s_commands.add_parser("list", parents=[common], help="sessions, most recently updated first")
+    listing.add_argument("--limit", type=int, default=0, help="at most this many (default all)")
+    show = s_commands.add_parser("show", parents=[common], help="one session: messages, pending calls, slots")
+    show.add_argument("session_id")
+    delete = s_commands.add_parser("delete", parents=[common], help="delete a session")
+    delete.add_argument("session_id")
+
+    args = parser.parse_args(argv)
+    args.host = getattr(args, "host", None) or os.environ.get("AGENTMW_HOST") or DEFAULT_HOST
+    args.json = getattr(args, "json", False)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = f"{args.command} {args.action}" if getattr(args, "action", None) else args.command
+    admin = Admin(args.host)
+    run: dict[str, Callable[[], Any]] = {
+        "status": admin.status,
+        "middleware list": admin.middleware_list,
+        "middleware attach": lambda: admin.attach(args.address, args.name, args.fail_open, args.timeout, args.position),
+        "middleware detach": lambda: admin.detach(args.name),
+        "sessions list": lambda: admin.sessions(args.limit),
+        "sessions show": lambda: admin.session(args.session_id),
+        "sessions delete": lambda: admin.delete(args.session_id),
+    }
+    try:
+        result = run[command]()
+    except grpc.RpcError as exc:
+        code = exc.code()  # type: ignore[attr-defined]
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            what = f"cannot reach the host at {args.host} ({code.name})"
+        else:
+            what = f"{args.host}: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+        if args.json:
+            print(json.dumps({"error": what, "code": code.name}))
+        print(f"agentmw: {what}", file=sys.stderr)
+        return 1
+    finally:
+        admin.close()
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else _text(command, result))
+    if command == "sessions delete" and not result["deleted"]:
+        return 1
+    return 0 if command != "status" or result["health"] == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""``agentmw`` (clients/admin.py) and what the host tells its operator: the per-reply log line, one
+warning per middleware outage, MiddlewareInfo's status fields, and the /metrics endpoint.
+
+Real processes only: a host (with --metrics-port 0), a middleware server (the recorder of
+tests/host_util.py), ``python -m clients.admin`` and ``python -m clients.chat`` as users run them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from clients.launch import ServerProcess
+
+from .host_util import Procs, chat, processes, run_cli
+
+pytestmark = pytest.mark.timeout(90)
+
+METRICS = re.compile(r"agentmw host metrics at (http://\S+/metrics)")
+
+
+def agentmw(host: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("clients.admin", "--host", host.address, *args, timeout=30)
+
+
+def agentmw_json(host: ServerProcess, *args: str) -> object:
+    done = agentmw(host, "--json", *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout)
+
+
+def host_log(proc: ServerProcess, wanted: str, timeout: float = 10.0) -> str:
+    """The host's output (its last 200 lines, kept by the launcher) once it contains ``wanted``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = "\n".join(line.strip() for line in proc.tail(200).splitlines())
+        if wanted in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[Procs, ServerProcess, ServerProcess]]:
+    with processes(tmp_path) as procs:
+        recorder = procs.recorder()
+        host = procs.host(tmp_path / "sessions.db", "--metrics-port", "0")
+        yield procs, host, recorder
+
+
+def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
+    _procs, host, recorder = setup
+    done = agentmw(host, "status")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == f"host {host.address}: SERVING"
+    assert "(no middleware attached)" in done.stdout
+
+    attached = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec", "--position", "0")
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert attached.stdout.startswith(f"attached rec at {recorder.address}")
+    again = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec")
+    assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
+
+    listed = agentmw_json(host, "middleware", "list")
+    assert isinstance(listed, list) and [m["name"] for m in listed] == ["rec"]
+    (rec,) = listed
+    assert rec["address"] == recorder.address and rec["health"] == "reachable"
+    assert rec["hooks"] == ["on_reply"] and rec["tools"] == ["rec__shout", "rec__nap"]
+    assert rec["last_error"] == "" and not rec["failing"]
+
+    said = chat(host.address, "--message", "use rec__shout text=hi")
+    assert said.returncode == 0, said.stdout + said.stderr
+    sessions = agentmw_json(host, "sessions", "list")
+    assert isinstance(sessions, list) and len(sessions) == 1
+    sid = sessions[0]["session_id"]
+    assert sessions[0]["title"] == "use rec__shout text=hi"
+
+    shown = agentmw_json(host, "sessions", "show", sid)
+    assert isinstance(shown, dict)
+    assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]
+    assert shown["middle_context"]["recorder"]["starts"] == 1
+    text = agentmw(host, "sessions", "show", sid)
+    assert text.returncode == 0 and "user: use rec__shout text=hi" in text.stdout
+
+    assert agentmw(host, "sessions", "delete", sid).stdout.strip() == f"deleted {sid}"
+    gone = agentmw(host, "sessions", "delete", sid)
+    assert gone.returncode == 1 and gone.stdout.strip() == f"no session {sid}"
+    missing = agentmw(host, "sessions", "show", sid)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+    detached = agentmw(host, "middleware", "detach", "rec")
+    assert detached.returncode == 0 and detached.stdout.startswith("detached rec")
+    assert agentmw_json(host, "middleware", "list") == []
+
+
+def test_unreachable_host_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    done = run_cli("clients.admin", "--host", "127.0.0.1:1", "status", timeout=30)
+    assert done.returncode == 1
+    assert done.stderr.strip() == "agentmw: cannot reach the host at 127.0.0.1:1 (UNAVAILABLE)"
+
+
+def test_host_reports_replies_outages_and_metrics(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
+    """A fail_open middleware that goes down: replies go on (bypassed), the host logs one warning for
+    the outage (no traceback), one info line per reply, status shows the last error, and /metrics
+    counts replies, hook latency, failures and bypasses."""
+    _procs, host, recorder = setup
+    url = METRICS.search(host.tail(50))
+    assert url is not None, host.tail(50)
+    attach = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec", "--fail-open", "--timeout", "1")
+    assert attach.returncode == 0, attach.stdout + attach.stderr
+
+    ok = chat(host.address, "--message", "hello")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    log = host_log(host, "outcome=completed")
+    line = next(x for x in log.splitlines() if "agentmw.host INFO reply session=" in x)
+    assert re.search(r"outcome=completed duration=\d+\.\d+s tokens=\d+/\d+ middleware=rec$", line), line
+
+    recorder.kill()
+    for i in range(2):
+        down = chat(host.address, "--message", f"still there {i}?")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert f"You said: still there {i}?" in down.stdout
+    log = host_log(host, "bypassed=rec")
+    replies = [x for x in log.splitlines() if "INFO reply session=" in x]
+    assert len(replies) == 3 and all("bypassed=rec" in x for x in replies[1:]), replies
+    warnings = [x for x in log.splitlines() if "WARNING" in x]
+    assert len(warnings) == 1 and "middleware rec at" in warnings[0] and "is failing" in warnings[0], warnings
+    assert "Traceback" not in log
+
+    status = agentmw(host, "status")
+    assert status.returncode == 0, status.stdout + status.stderr  # fail_open: the host still serves
+    (rec,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
+    assert rec["failing"] and rec["health"] in ("unreachable", "connecting")
+    assert "middleware 'rec' failed" in rec["last_error"] and rec["last_error_at"]
+    assert int(rec["failures"]) >= 2 and int(rec["bypasses"]) >= 2
+    assert "last error (failing now)" in status.stdout
+
+    samples = scrape(url.group(1))
+    assert samples[("agentmw_replies_total", (("outcome", "completed"),))] == 3
+    assert samples[("agentmw_open_replies", ())] == 0
+    assert samples[("agentmw_tokens_total", (("kind", "input"),))] > 0
+    hook = (("hook", "on_reply"), ("middleware", "rec"))
+    assert samples[("agentmw_hook_duration_seconds_count", hook)] >= 3
+    assert samples[("agentmw_middleware_failures_total", hook)] >= 2
+    assert samples[("agentmw_middleware_bypasses_total", hook)] >= 2
+
+
+def test_example_middleware_contributes_a_tool(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
+    procs, host, _recorder = setup
+    target = "mw_servers.examples.world_clock:WorldClockMiddleware"
+    clock = procs.start("clock", ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0"])
+    attached = agentmw_json(host, "middleware", "attach", clock.address, "--name", "clock")
+    assert isinstance(attached, dict) and attached["tools"] == ["clock__time_in"] and attached["hooks"] == []
+    done = chat(host.address, "--message", "use clock__time_in timezone=Asia/Tokyo")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"← clock__time_in: \d{4}-\d\d-\d\d \d\d:\d\d \(Asia/Tokyo, UTC\+0900\)", done.stdout), done.stdout
+    bad = chat(host.address, "--message", "use clock__time_in timezone=Mars/Olympus")
+    assert "unknown time zone 'Mars/Olympus'" in bad.stdout, bad.stdout

@@ -5,7 +5,11 @@ wrong and where (file and key, variable, or flag), so the CLI can print it as on
 YAML (every key optional)::
 
     listen: 127.0.0.1:50070        # host:port of the AgentHost gRPC service (port 0 = any free port)
-    db: agentmw.db                 # SQLite session store (":memory:" keeps nothing)
+    db: agentmw.db                 # SQLite session store (":memory:" keeps nothing), or a
+                                   # postgresql:// DSN: a store many hosts share
+    store: {dsn: postgresql://..., lease: 10}   # the same as db: DSN; lease: seconds a host holds
+                                   # a session without renewing (a paused host loses it after)
+    drain_grace: 30                # on SIGTERM, seconds the replies in flight get to finish
     log_level: info
     agent: {name: assistant, system_prompt: "...", max_iters: 10,
             inject_runtime_state: false, timezone: UTC}   # tell the model the time (docs/behaviour.md)
@@ -21,8 +25,10 @@ YAML (every key optional)::
                                    # without it the standard OTEL_* variables decide (docs/tracing.md)
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
-AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port").
-Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable).
+AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port"),
+AGENTMW_LEASE, AGENTMW_DRAIN_GRACE.
+Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable),
+--lease, --drain-grace.
 
 Middleware from the environment or flags overlay the YAML list by name: a name given again gets
 the new address and keeps its YAML policy (fail_open, timeout); new names are appended in order.
@@ -43,6 +49,8 @@ import yaml
 DEFAULT_LISTEN = "127.0.0.1:50070"
 DEFAULT_DB = "agentmw.db"
 DEFAULT_TIMEOUT = 10.0
+DEFAULT_LEASE = 10.0
+DEFAULT_DRAIN_GRACE = 30.0
 
 # The embedded default model: offline and deterministic, with rules that reach every demo tool
 # from plain sentences ("What's the weather in Paris?", "email bob@example.com saying hi").
@@ -88,7 +96,9 @@ class MiddlewareConfig:
 @dataclass
 class HostConfig:
     listen: str = DEFAULT_LISTEN
-    db: str = DEFAULT_DB
+    db: str = DEFAULT_DB  # a SQLite path, or a postgresql:// DSN
+    lease: float = DEFAULT_LEASE  # seconds (shared store): a host that stops renewing loses a session after
+    drain_grace: float = DEFAULT_DRAIN_GRACE  # seconds the replies in flight get to finish on SIGTERM
     log_level: str = "info"
     agent_name: str = "assistant"
     system_prompt: str = "You are a helpful assistant."
@@ -142,6 +152,8 @@ def load_config(
                 "log_level": "AGENTMW_LOG_LEVEL",
                 "model": "AGENTMW_MODEL",
                 "middleware": "AGENTMW_MIDDLEWARE",
+                "lease": "AGENTMW_LEASE",
+                "drain_grace": "AGENTMW_DRAIN_GRACE",
             },
         ),
         (
@@ -152,6 +164,8 @@ def load_config(
                 "log_level": "--log-level",
                 "model": "--model",
                 "middleware": "--middleware",
+                "lease": "--lease",
+                "drain_grace": "--drain-grace",
             },
         ),
     )
@@ -169,6 +183,8 @@ def load_config(
                 if not isinstance(cfg.models, dict):
                     cfg.models = {}
                 cfg.models["default"] = str(raw)
+            elif key in _SECONDS:
+                setattr(cfg, key, _seconds(raw, where))
             else:
                 setattr(cfg, key, str(raw))
     _check_listen(cfg.listen, "listen")
@@ -220,7 +236,21 @@ def _check_listen(address: str, where: str) -> None:
 # YAML.
 
 
-_TOP_KEYS = {"listen", "db", "log_level", "agent", "models", "tools", "middleware", "tracing"}
+_TOP_KEYS = {"listen", "db", "store", "drain_grace", "log_level", "agent", "models", "tools", "middleware", "tracing"}
+_SECONDS = {"lease", "drain_grace"}
+
+
+def _seconds(raw: Any, where: str) -> float:
+    """A duration setting: a finite number of seconds above 0."""
+    try:
+        value = float(raw) if not isinstance(raw, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where}: expected a number of seconds above 0, got {raw!r}")
+    return value
+
+
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
 _MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes"}
 
@@ -249,6 +279,18 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     for key in ("listen", "db", "log_level"):
         if key in data:
             setattr(cfg, key, _expect(data[key], str, f"{src}: {key}"))
+    store = data.get("store") or {}
+    if not isinstance(store, Mapping):
+        raise ConfigError(f"{src}: store: expected a mapping, got {_kind(store)}")
+    for key, value in store.items():
+        if key == "dsn":
+            cfg.db = _expect(value, str, f"{src}: store.dsn")
+        elif key == "lease":
+            cfg.lease = _seconds(value, f"{src}: store.lease")
+        else:
+            raise ConfigError(f"{src}: store: unknown key {key!r} (known: dsn, lease)")
+    if "drain_grace" in data:
+        cfg.drain_grace = _seconds(data["drain_grace"], f"{src}: drain_grace")
     agent = data.get("agent") or {}
     if not isinstance(agent, Mapping):
         raise ConfigError(f"{src}: agent: expected a mapping, got {_kind(agent)}")

@@ -10,11 +10,17 @@
   ``Journal`` (the user turn, each tool start and result, the park or the end), so a restarted
   host continues any session; a reply its host stopped during is closed when the session is
   next loaded (``_open``), and a tool whose result is recorded, or that was started, never runs again.
+* With a shared store (PostgreSQL, many hosts), a reply also holds the session's lease
+  (``store.hold``) for its whole run: a reply to a session held by another host waits for it, an
+  interrupt request from another host or a lease found taken over interrupts the reply, and a
+  reply whose lease was taken over ends with ABORTED (its writes, tool starts included, fail).
+* ``drain`` (SIGTERM): new replies are refused with UNAVAILABLE while those in flight finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
@@ -31,6 +37,8 @@ from ..config import HostConfig, MiddlewareConfig
 from ..data import (
     ExternalExecutionResultEvent,
     Msg,
+    ReplyFinishedReason,
+    Role,
     ToolCallBlock,
     UserConfirmResultEvent,
     UserInterruptEvent,
@@ -40,7 +48,7 @@ from ..hooks import HOOKS
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
 from ..runtime_state import RuntimeState
-from ..store import Journal, ReplyStatus, SessionRecord, SessionStore
+from ..store import Journal, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, SessionStore
 from ..tools import Tool, Toolkit, middleware_tools
 
 log = logging.getLogger("agentmw.host")
@@ -139,6 +147,7 @@ class Host:
         self._setup_lock = asyncio.Lock()
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._runs: set[ReplyRun] = set()
+        self.draining = False  # shutting down: new replies are refused (UNAVAILABLE)
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -156,6 +165,9 @@ class Host:
             await self._reply(run, inputs, structured_schema)
         except ReplyRejected as exc:
             await run.put(exc)
+        except LeaseLostError as exc:  # paused or cut off past the lease: another host has the session
+            log.warning("%s: the reply stops here, nothing more of it is stored", exc)
+            await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
         except Exception:  # a host bug: say so on the stream rather than hang the client
             log.exception("reply of session %s failed", run.session_id)
             await run.put(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
@@ -165,18 +177,23 @@ class Host:
     async def _reply(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
         sid = run.session_id
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
-        async with self._session_lock(sid):
-            journal = await self._open(sid)
+        if self.draining:
+            raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")
+        # The local lock first: one waiter per session and host polls the shared store's lease.
+        async with self._session_lock(sid), self.store.hold(sid, on_stop=run.interrupt) as hold:
+            journal = await self._open(sid, hold.fence)
             if journal is None:
                 if not isinstance(inputs, Msg):
                     raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
-                journal = self.store.create(sid)
+                journal = self.store.create(sid, fence=hold.fence)
             setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
             for a in setup.middleware:
                 a.users += 1
             try:
                 agent = self._agent(journal.state, setup, journal)
                 self._check_inputs(agent, inputs)
+                if _is_retry(journal.state, inputs):  # the client retries a reply its host stopped during
+                    inputs = None  # continue the stored turn: its message is not stored twice
                 run.agent = agent
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
@@ -193,10 +210,11 @@ class Host:
                     if a.detached and a.users == 0:
                         await a.remote.close()
 
-    async def _open(self, session_id: str) -> Journal | None:
-        """The session for a reply (the caller holds its lock). A reply found OPEN was running when
-        its host stopped: it is closed now, its recorded results kept, before anything else happens."""
-        journal = await self.store.open(session_id)
+    async def _open(self, session_id: str, fence: int | None) -> Journal | None:
+        """The session for a reply (the caller holds its lock and lease). A reply found OPEN was running
+        when its host stopped (or lost the lease): it is closed now, its recorded results kept, before
+        anything else happens."""
+        journal = await self.store.open(session_id, fence=fence)
         if journal is not None and journal.status == ReplyStatus.OPEN:
             log.warning("session %s: closing the reply its host stopped during", session_id)
             self._agent(journal.state).close_interrupted_reply(journal.in_doubt)
@@ -255,6 +273,13 @@ class Host:
     def replying(self, session_id: str) -> bool:
         return any(r.session_id == session_id for r in self._runs)
 
+    async def interrupt(self, session_id: str) -> bool:
+        """Interrupt the session's running reply, here or on another host of a shared store."""
+        local = [r for r in self._runs if r.session_id == session_id]
+        for run in local:
+            run.interrupt()
+        return await self.store.interrupt(session_id) or bool(local)
+
     # -- sessions --------------------------------------------------------------------------------
 
     async def sessions(self, limit: int = 0) -> list[SessionRecord]:
@@ -263,8 +288,10 @@ class Host:
     async def session(self, session_id: str) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
         loaded = await self.store.load(session_id)
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
-            async with self._session_lock(session_id):  # left open by a host that stopped: close it
-                await self._open(session_id)
+            # Left open by a host that stopped: close it; unless another host replies in it now.
+            with contextlib.suppress(SessionBusyError):
+                async with self._session_lock(session_id), self.store.hold(session_id, wait=False) as hold:
+                    await self._open(session_id, hold.fence)
             loaded = await self.store.load(session_id)
         record = await self.store.record(session_id)
         if loaded is None or record is None:
@@ -273,7 +300,7 @@ class Host:
         return record, state, self._agent(state).awaiting_calls()
 
     async def delete_session(self, session_id: str) -> bool:
-        async with self._session_lock(session_id):
+        async with self._session_lock(session_id), self.store.hold(session_id):
             return await self.store.delete(session_id)
 
     @staticmethod
@@ -350,9 +377,17 @@ class Host:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    async def drain(self, grace: float) -> None:
+        """Refuse new replies (UNAVAILABLE) and give the replies in flight ``grace`` seconds to end."""
+        self.draining = True
+        tasks = [r.task for r in self._runs if r.task is not None]
+        log.info("draining: %d replies in flight, %.3gs to finish", len(tasks), grace)
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+
     async def close(self, timeout: float = 10.0) -> None:
         """Interrupt the replies in flight (their clients still get the INTERRUPTED end), wait for them
-        to end and be saved, then let go."""
+        to end and be saved, then let go (of the store, and of its leases)."""
         tasks = [r.task for r in self._runs if r.task is not None]
         for run in self._runs:
             run.interrupt()
@@ -364,7 +399,23 @@ class Host:
                 await asyncio.wait(pending, timeout=2.0)
         for a in self.middleware:
             await a.remote.close()
-        self.store.close()
+        await self.store.aclose()
+
+
+def _is_retry(state: AgentState, inputs: Any) -> bool:
+    """``inputs`` is the latest stored user message again (same id). Its reply was interrupted (its
+    host stopped, or the client went away): the retry continues it. Any other end is final: refused."""
+    if not isinstance(inputs, Msg):
+        return False
+    latest = next((m for m in reversed(state.context) if m.role == Role.USER), None)
+    if latest is None or latest.id != inputs.id:
+        return False
+    if state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED:
+        raise ReplyRejected(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"message {inputs.id} was already answered in session {state.session_id!r}: see GetSession",
+        )
+    return True
 
 
 def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:

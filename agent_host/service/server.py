@@ -23,6 +23,7 @@ from ..hooks import HOOKS
 from ..remote import MiddlewareFailure
 from ..remote.client import check_timeout
 from ..store import SessionRecord, open_store
+from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
 from .host import Attached, Host, ReplyRejected, ReplyRun
 
@@ -81,7 +82,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def DeleteSession(self, request: Any, context: Any) -> host_pb2.DeleteSessionResponse:
         return host_pb2.DeleteSessionResponse(deleted=await self.host.delete_session(request.session_id))
 
+    async def InterruptReply(self, request: Any, context: Any) -> host_pb2.InterruptReplyResponse:
+        return host_pb2.InterruptReplyResponse(interrupted=await self.host.interrupt(request.session_id))
+
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
+        await _per_host_middleware(self.host, context)
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
         if request.timeout != 0:  # 0 = the default
@@ -108,6 +113,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         return _info(attached)
 
     async def DetachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
+        await _per_host_middleware(self.host, context)
         try:
             return _info(await self.host.detach(request.name))
         except KeyError:
@@ -115,6 +121,16 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
 
     async def ListMiddleware(self, request: Any, context: Any) -> host_pb2.MiddlewareList:
         return host_pb2.MiddlewareList(middleware=[_info(a) for a in self.host.middleware])
+
+
+async def _per_host_middleware(host: Host, context: grpc.aio.ServicerContext) -> None:
+    """Hosts sharing a store must run the same middleware: a change to one host alone is refused."""
+    if host.store.shared:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this host shares its session store with other hosts: attach and detach would change one host only; "
+            "change the middleware in every host's configuration and restart them one by one (they drain)",
+        )
 
 
 async def _watch_cancel(request_iterator: Any, run: ReplyRun) -> None:
@@ -216,7 +232,7 @@ class HostHealth(health.aio.HealthServicer):
 
     async def refresh(self) -> None:
         reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
-        if False in reachable:
+        if self.host.draining or False in reachable:  # draining: load balancers stop sending replies
             self.serving = False
         elif None not in reachable:  # None: still connecting, keep the last answer
             self.serving = True
@@ -238,9 +254,9 @@ async def build_host(config: HostConfig) -> Host:
     StartupError naming what failed and where it was configured."""
     models = config.build_models()
     try:
-        store = open_store(config.db)
+        store = await open_store(config.db, lease=config.lease)
     except (OSError, sqlite3.Error) as exc:
-        raise StartupError(f"db: cannot open the session store {config.db!r}: {exc}") from None
+        raise StartupError(f"db: cannot open the session store {redact(config.db)!r}: {exc}") from None
     host = Host(config, store, models, [BUILTIN_TOOLS[name] for name in config.tools])
     try:
         for mc in config.middleware:
@@ -278,7 +294,8 @@ async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
 
 
 async def run_host(config: HostConfig, *, ready: Any = None) -> None:
-    """Run until SIGTERM / SIGINT; then interrupt and save the replies in flight and stop."""
+    """Run until SIGTERM / SIGINT; then drain: NOT_SERVING and new replies refused at once, the replies
+    in flight get ``config.drain_grace`` seconds to finish, the rest are interrupted and saved."""
     host = await build_host(config)
     try:
         server, port = await start_server(host, config.listen)
@@ -295,6 +312,11 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    stop.clear()
+    drain, again = asyncio.create_task(host.drain(config.drain_grace)), asyncio.create_task(stop.wait())
+    await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)  # a second signal cuts the drain
+    drain.cancel()
+    again.cancel()
     log.info("stopping: interrupting %d replies in flight", len(host._runs))
     closing = asyncio.create_task(host.close())
     await server.stop(5.0)

@@ -308,6 +308,12 @@ async def test_a_reply_parked_on_a_host_that_died_is_confirmed_on_another(
     assert not any(isinstance(i, ReplyStartEvent) for i in items)
     assert lines(effects) == ["hello"]
 
+    async with grpc.aio.insecure_channel(b.address) as channel:  # one host's middleware alone: refused
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub(channel).DetachMiddleware(host_pb2.DetachMiddlewareRequest(name="fx"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "shares its session store" in refused.value.details()
+
 
 async def test_interrupt_sent_to_one_host_ends_a_reply_running_on_another(
     procs: Procs, tmp_path: Path, dsn: str
@@ -407,3 +413,19 @@ async def test_a_bounded_load_across_three_hosts_runs_every_turn_once(procs: Pro
         results = [b for b in blocks if isinstance(b, ToolResultBlock)]
         assert len(calls) == len(results) == turns, "every tool call has a result"
         assert all(r.state == ToolResultState.SUCCESS for r in results)
+
+
+def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path) -> None:
+    from agent_host.config import ConfigError, load_config
+
+    config = tmp_path / "host.yaml"
+    config.write_text("store: {dsn: 'postgresql://u@h/db', lease: 4}\ndrain_grace: 7\n")
+    cfg = load_config(config, env={})
+    assert (cfg.db, cfg.lease, cfg.drain_grace) == ("postgresql://u@h/db", 4.0, 7.0)
+    cfg = load_config(config, env={"AGENTMW_LEASE": "3"}, flags={"drain_grace": "1.5"})
+    assert (cfg.lease, cfg.drain_grace) == (3.0, 1.5)
+    config.write_text("store: {lease: -1}\n")
+    with pytest.raises(ConfigError, match=r"store\.lease: expected a number of seconds above 0"):
+        load_config(config, env={})
+    with pytest.raises(ConfigError, match="--drain-grace"):
+        load_config(None, env={}, flags={"drain_grace": "soon"})

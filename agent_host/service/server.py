@@ -294,8 +294,9 @@ async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
 
 
 async def run_host(config: HostConfig, *, ready: Any = None) -> None:
-    """Run until SIGTERM / SIGINT; then drain: NOT_SERVING and new replies refused at once, the replies
-    in flight get ``config.drain_grace`` seconds to finish, the rest are interrupted and saved."""
+    """Run until SIGTERM / SIGINT. SIGTERM drains: NOT_SERVING and new replies refused at once, the
+    replies in flight get ``config.drain_grace`` seconds to finish; then (at once on SIGINT, Ctrl-C)
+    the rest are interrupted and saved."""
     host = await build_host(config)
     try:
         server, port = await start_server(host, config.listen)
@@ -307,16 +308,19 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     print(f"agentmw host listening on {address}", flush=True)
     if ready is not None:
         ready(address)
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, lambda: (stop.set(), now.set()))  # Ctrl-C: no grace
     await stop.wait()
-    stop.clear()
-    drain, again = asyncio.create_task(host.drain(config.drain_grace)), asyncio.create_task(stop.wait())
-    await asyncio.wait([drain, again], return_when=asyncio.FIRST_COMPLETED)  # a second signal cuts the drain
+    loop.add_signal_handler(signal.SIGTERM, now.set)  # a second SIGTERM cuts the grace short
+    drain, cut = (
+        asyncio.create_task(host.drain(0 if now.is_set() else config.drain_grace)),
+        asyncio.create_task(now.wait()),
+    )
+    await asyncio.wait([drain, cut], return_when=asyncio.FIRST_COMPLETED)
     drain.cancel()
-    again.cancel()
+    cut.cancel()
     log.info("stopping: interrupting %d replies in flight", len(host._runs))
     closing = asyncio.create_task(host.close())
     await server.stop(5.0)

@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PROTOS := $(wildcard protos/agentmw/v1/*.proto)
 STUBS  := agentmw/v1/.stamp
 
-.PHONY: install protos test demo bench lint clean
+.PHONY: install protos test demo bench lint clean mem0
 
 $(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -32,12 +32,12 @@ $(STUBS): $(PROTOS) $(VENV)/.installed
 protos: $(VENV)/.installed
 	$(PY) -m agent_host.protogen
 
-test: install
+test: install mem0
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
-demo: install
+demo: install mem0
 	$(PY) -m clients.demo
 
 # The peer to beat, AgentScope 2.0.11 in-process, lives in its own venv (never in .venv).
@@ -50,9 +50,21 @@ $(AS_VENV)/.installed:
 bench: install $(AS_VENV)/.installed
 	BENCH_AGENTSCOPE_PYTHON=$(CURDIR)/$(AS_VENV)/bin/python $(PY) -m bench.run
 
+# The mem0 server's own venv (torch, sentence-transformers, mem0ai; ~1.9 GB, a few minutes once):
+# the host's .venv stays free of them. Tests and the demo run the server with its python.
+MEM0_VENV := .venv-mem0
+$(MEM0_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(MEM0_VENV)
+	$(MEM0_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MEM0_VENV)/bin/python -m pip install --quiet -e '.[mem0]'
+	$(MEM0_VENV)/bin/python -m pip check
+	touch $@
+
+mem0: $(MEM0_VENV)/.installed $(STUBS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(AS_VENV) agentmw/v1
+	rm -rf $(VENV) $(AS_VENV) $(MEM0_VENV) agentmw/v1

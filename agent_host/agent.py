@@ -80,6 +80,7 @@ from .data import (
 from .data.state import AgentState
 from .hooks import HOOKS
 from .models import ChatModel, ModelRegistry
+from .models.retry import call_with_fallback
 from .reply_grammar import ReplyGrammar, blame_of
 from .runtime_state import RuntimeState
 from .tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError, Toolkit
@@ -89,6 +90,11 @@ log = logging.getLogger("agentmw.agent")
 YIELD_EVERY_CHUNKS = 16  # fairness under concurrency costs ~3% CPU on a 1,000-delta reply (bench)
 WAITING_MESSAGE = "I'm waiting for your permission or the external execution to finish."
 INTERRUPTION_MESSAGE = "I notice the interruption. How can I help you?"
+# The result of a tool call in a model output that was cut (finish reason length / content_filter).
+_CUT_CALL = (
+    "<system-reminder>Not run: the model's output was cut ({reason}) before this call was complete, "
+    "so its arguments may be incomplete.</system-reminder>"
+)
 MAX_ITERS_HINT = (  # AgentScope's wording
     "<system-reminder>You have reached the maximum of {n} reasoning-acting iterations. Summarize the work "
     "and findings so far and return the final answer as text. Do not call any tools.</system-reminder>"
@@ -106,15 +112,15 @@ TRUNCATED_REMINDER = (
     "here. Ask for a narrower result if you need the rest.</system-reminder>"
 )
 MAX_ITERS_SOURCE = '{"label": "System", "sublabel": "Max Iterations Reached"}'
+# What closing a reply that did not end writes into the context; {cause} says why it did not end.
+HOST_STOPPED = "The host stopped"
+CUT_OFF = "The reply was interrupted and then cut off"
 IN_DOUBT_TOOL_TEXT = (
-    "<system-reminder>The host stopped while this tool call ran, before its result was recorded: it may or "
+    "<system-reminder>{cause} while this tool call ran, before its result was recorded: it may or "
     "may not have taken effect. It was not run again.</system-reminder>"
 )
-NOT_RUN_TOOL_TEXT = "<system-reminder>The host stopped before this tool call ran; it was not run.</system-reminder>"
-HOST_STOPPED_TEXT = (
-    "<system-reminder>The host stopped before this reply ended; the reply was closed when the session was next "
-    "loaded.</system-reminder>"
-)
+NOT_RUN_TOOL_TEXT = "<system-reminder>{cause} before this tool call ran; it was not run.</system-reminder>"
+UNENDED_REPLY_TEXT = "<system-reminder>{cause} before this reply ended; the reply was closed.</system-reminder>"
 COMPRESSION_PROMPT = (
     "<compress-context>Summarize the conversation above for your future self: the task, the current "
     "state, important discoveries, next steps. Reply with the summary only.</compress-context>"
@@ -618,11 +624,13 @@ class Agent:
         converter = _ChunkConverter(reply_id)
         used = self.model.id
         started = False
+        failure: Exception | None = None
+        self._model_failures: list[dict[str, Any]] = []  # failed attempts before this call answered
         try:
             result, used = await self._interruptible(self._call_model(messages, tools, tool_choice))
             # Emitted once the call is under way, so it names the model that answers (after any
-            # retry or fallback), not merely the one first asked.
-            yield ModelCallStartEvent(reply_id=reply_id, model_name=used)
+            # retry or fallback), not merely the one first asked; the failures before it ride along.
+            yield ModelCallStartEvent(reply_id=reply_id, model_name=used, metadata=self._call_metadata(used))
             started = True
             if isinstance(result, ChatResponse):
                 completed = result
@@ -647,30 +655,53 @@ class Agent:
             if completed is None:
                 completed = ChatResponse(content=[], finished_reason=FinishedReason.INTERRUPTED)
             if not started:
-                yield ModelCallStartEvent(reply_id=reply_id, model_name=used)
+                yield ModelCallStartEvent(reply_id=reply_id, model_name=used, metadata=self._call_metadata(used))
+        except Exception as exc:
+            if not started:  # nothing reached the client: the reply fails as before
+                raise
+            # Failed mid-stream: close what is open, end the call, keep what the user saw (below).
+            failure = exc
+            completed = getattr(exc, "partial", None) or ChatResponse(content=[])
+            completed.finished_reason = FinishedReason.ERROR
         for event in converter.close_all():
             yield event
         if completed is None:
             raise ReplyError(f"model {used!r} returned an empty streaming response")
         usage = completed.usage
-        # An interrupted reply stops at the end event, so its partial content is saved before it
+        # An interrupted or failed reply stops at the end event, so its partial content is saved before it
         # (docs/behaviour.md#interruption).
-        interrupted = completed.finished_reason == FinishedReason.INTERRUPTED
-        saved = self._save_to_context(completed) if interrupted and completed.content else None
+        partial = completed.finished_reason in (FinishedReason.INTERRUPTED, FinishedReason.ERROR)
+        saved = self._save_to_context(completed) if partial and completed.content else None
+        if failure is not None and saved is not None:
+            saved.metadata["incomplete"] = {"model": used, "error": f"{type(failure).__name__}: {failure}"}
+        metadata = self._call_metadata(used)
+        metadata.update({k: v for k, v in completed.metadata.items() if k == "request_id"})
+        if failure is not None and getattr(failure, "request_id", ""):
+            metadata["request_id"] = failure.request_id
         yield ModelCallEndEvent(
             reply_id=reply_id,
             input_tokens=usage.input_tokens if usage else 0,
             output_tokens=usage.output_tokens if usage else 0,
             cache_input_tokens=usage.cache_input_tokens if usage else 0,
             cache_creation_input_tokens=usage.cache_creation_input_tokens if usage else 0,
+            reasoning_tokens=usage.reasoning_tokens if usage else 0,
             finished_reason=completed.finished_reason,
-            metadata={"model": used},
+            metadata=metadata,
         )
-        if not interrupted:
+        if failure is not None:
+            raise failure
+        if not partial:
             saved = self._save_to_context(completed)
-        has_calls = any(isinstance(b, ToolCallBlock) for b in completed.content)
+        calls = [b for b in completed.content if isinstance(b, ToolCallBlock)]
+        if calls and completed.finished_reason in (FinishedReason.LENGTH, FinishedReason.CONTENT_FILTER):
+            # The output was cut: the calls' arguments may be incomplete JSON. Never run them.
+            for call in calls:
+                for event in self._error_result(
+                    call, _CUT_CALL.format(reason=completed.finished_reason), ToolResultState.ERROR
+                ):
+                    yield event
         thinking_only = bool(completed.content) and all(isinstance(b, ThinkingBlock) for b in completed.content)
-        if completed.finished_reason != FinishedReason.INTERRUPTED and not has_calls and not thinking_only:
+        if not partial and not calls and not thinking_only:
             yield AssistantMsg(
                 copy.deepcopy(completed.content),
                 name=self.name,
@@ -678,6 +709,12 @@ class Agent:
                 usage=copy.copy(saved.usage) if saved else None,
                 finished_reason=ReplyFinishedReason.COMPLETED,
             )
+
+    def _call_metadata(self, used: str) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"model": used}
+        if self._model_failures:
+            metadata["failed_attempts"] = copy.deepcopy(self._model_failures)
+        return metadata
 
     def _save_to_context(self, completed: ChatResponse) -> Msg | None:
         blocks = [
@@ -694,6 +731,7 @@ class Agent:
                     output_tokens=u.output_tokens,
                     cache_input_tokens=u.cache_input_tokens,
                     cache_creation_input_tokens=u.cache_creation_input_tokens,
+                    reasoning_tokens=u.reasoning_tokens,
                 )
             )
         return msg
@@ -701,32 +739,32 @@ class Agent:
     async def _call_model(
         self, messages: list[Msg], tools: list[dict], tool_choice: ToolChoice | None
     ) -> tuple[Any, str]:
-        """The retry/fallback loop around the whole on_model_call chain (docs/behaviour.md#reasoning)."""
-        first = self.model.id
-        candidates = [first, *self.models.entry(first).fallback]
-        last_exc: Exception | None = None
-        for model_id in candidates:
-            model = self.models.get(model_id)
-            for _attempt in range(self.models.entry(model_id).max_retries + 1):
-                self._models_used: list[str] = []
-                try:
-                    result = await self._model_chain(
-                        self, current_model=model, messages=messages, tools=tools, tool_choice=tool_choice
-                    )
-                    return result, (self._models_used[-1] if self._models_used else model_id)
-                except Exception as exc:  # any failure of the chain: next attempt, then next model
-                    last_exc = exc
-                    if not getattr(exc, "retryable", True):
-                        break  # e.g. an auth error: no retry of this model, but fallbacks still run
-        assert last_exc is not None
-        raise last_exc
+        """Retries with backoff, then the fallbacks, around the whole on_model_call chain (docs/behaviour.md#reasoning;
+        the policy is models/retry.py). Each failed attempt is noted for the model-call events."""
+
+        async def attempt(model_id: str) -> tuple[Any, str]:
+            self._models_used: list[str] = []
+            result = await self._model_chain(
+                self, current_model=self.models.get(model_id), messages=messages, tools=tools, tool_choice=tool_choice
+            )
+            return result, (self._models_used[-1] if self._models_used else model_id)
+
+        (result, used), _ = await call_with_fallback(
+            self.models.candidates(self.model.id), attempt, lambda f: self._model_failures.append(f.as_dict())
+        )
+        return result, used
 
     async def _model_call_impl(
-        self, current_model: Any, messages: list[Msg], tools: list[dict], tool_choice: ToolChoice | None
+        self,
+        current_model: Any,
+        messages: list[Msg],
+        tools: list[dict],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any] | None = None,
     ) -> Any:
         model = self.models.resolve(current_model)
         self._models_used.append(model.id)
-        return await model(messages, tools, tool_choice)
+        return await model(messages, tools, tool_choice, parameters)
 
     # -- acting (docs/behaviour.md#acting) ------------------------------------------------------
 
@@ -988,17 +1026,18 @@ class Agent:
         for ev in events:
             yield ev
 
-    def close_interrupted_reply(self, in_doubt: frozenset[str]) -> None:
-        """Close a reply whose host stopped during it (found OPEN at load): a call started without a
-        recorded result gets an error result saying it may have run (it is never run again), any
-        other unanswered call one saying it did not run; the reply's message ends with a note."""
+    def close_interrupted_reply(self, in_doubt: frozenset[str] | None, cause: str = HOST_STOPPED) -> None:
+        """Close a reply that did not end: its host stopped during it (found OPEN at load), or it was
+        cut off. A call started without a recorded result gets an error result saying it may have run
+        (it is never run again), any other unanswered call one saying it did not run; the reply's
+        message ends with a note. ``in_doubt`` None: every call that was allowed to run may have run."""
         for call in self._unanswered_calls():
-            self._save_result(
-                call, IN_DOUBT_TOOL_TEXT if call.id in in_doubt else NOT_RUN_TOOL_TEXT, ToolResultState.ERROR, {}
-            )
-        msg = self.state.append_context(self.name, [TextBlock(text=HOST_STOPPED_TEXT)])
+            doubtful = call.state == ToolCallState.ALLOWED if in_doubt is None else call.id in in_doubt
+            text = IN_DOUBT_TOOL_TEXT if doubtful else NOT_RUN_TOOL_TEXT
+            self._save_result(call, text.format(cause=cause), ToolResultState.ERROR, {})
+        msg = self.state.append_context(self.name, [TextBlock(text=UNENDED_REPLY_TEXT.format(cause=cause))])
         msg.finished_reason = ReplyFinishedReason.INTERRUPTED
-        msg.error = ErrorInfo(type=ErrorType.INTERNAL, message="the host stopped during the reply")
+        msg.error = ErrorInfo(type=ErrorType.INTERNAL, message=f"{cause} during the reply")
         self.state.reply_context.model_id = None
 
     def _close_unfinished_tool_calls(self, state: ToolResultState, text: str) -> list[Any]:
@@ -1106,12 +1145,16 @@ class _ChunkConverter:
         self.open_ids: dict[str, str | None] = {"text": None, "thinking": None}
         self.tool_ids: list[str] = []
         self.open_tools: set[str] = set()
+        self.tool_args: dict[str, list[str]] = {}  # call id -> its argument pieces, for the end event
         self.data_ids: set[str] = set()
 
     def _textual(self, kind: str, piece: str, has_data: bool, out: list[Any]) -> None:
         start, delta, end = self._TEXTUAL[kind]
         block_id = self.open_ids[kind]
         if piece:
+            if kind == "text" and self.open_ids["thinking"] is not None:  # the answer ends the thinking
+                out.append(ThinkingBlockEndEvent(reply_id=self.reply_id, block_id=self.open_ids["thinking"]))
+                self.open_ids["thinking"] = None
             if block_id is None:
                 block_id = self.open_ids[kind] = new_id()
                 out.append(start(reply_id=self.reply_id, block_id=block_id))
@@ -1127,19 +1170,17 @@ class _ChunkConverter:
         thinking = "".join(b.thinking for b in chunk.content if isinstance(b, ThinkingBlock))
         self._textual("thinking", thinking, has_data, out)
         self._textual("text", "".join(b.text for b in chunk.content if isinstance(b, TextBlock)), has_data, out)
-        seen = set()
+        # Tool calls stay open until the model call ends: parallel calls' fragments may interleave,
+        # so a chunk without a call does not mean that call is complete.
         for block in chunk.content:
             if isinstance(block, ToolCallBlock):
-                seen.add(block.id)
                 if block.id not in self.open_tools and block.id not in self.tool_ids:
                     self.tool_ids.append(block.id)
                     self.open_tools.add(block.id)
                     out.append(ToolCallStartEvent(reply_id=rid, tool_call_id=block.id, tool_call_name=block.name))
                 if block.input:
+                    self.tool_args.setdefault(block.id, []).append(block.input)
                     out.append(ToolCallDeltaEvent(reply_id=rid, tool_call_id=block.id, delta=block.input))
-        for call_id in [i for i in self.tool_ids if i in self.open_tools and i not in seen]:
-            self.open_tools.discard(call_id)
-            out.append(ToolCallEndEvent(reply_id=rid, tool_call_id=call_id))
         for block in chunk.content:
             if isinstance(block, DataBlock) and block.source.type == "base64":
                 media_type = block.source.media_type
@@ -1160,7 +1201,11 @@ class _ChunkConverter:
             if self.open_ids[kind] is not None:
                 out.append(end(reply_id=rid, block_id=self.open_ids[kind]))
                 self.open_ids[kind] = None
-        out.extend(ToolCallEndEvent(reply_id=rid, tool_call_id=i) for i in self.tool_ids if i in self.open_tools)
+        out.extend(
+            ToolCallEndEvent(reply_id=rid, tool_call_id=i, metadata={"input": "".join(self.tool_args.get(i, []))})
+            for i in self.tool_ids
+            if i in self.open_tools
+        )
         out.extend(DataBlockEndEvent(reply_id=rid, block_id=i) for i in sorted(self.data_ids))
         self.open_tools.clear()
         self.data_ids.clear()

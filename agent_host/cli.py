@@ -16,7 +16,7 @@ import logging
 import sys
 
 from . import tracing
-from .config import ConfigError, load_config
+from .config import _TLS_SETTINGS, ConfigError, load_config
 from .service import StartupError, run_host
 
 
@@ -43,6 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", metavar="ID", help="default model id of the registry")
     parser.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (default info)")
+    tls = parser.add_argument_group("TLS (PEM file paths; see docs/security.md)")
+    tls.add_argument("--tls-cert", metavar="PATH", help="serve AgentHost over TLS with this certificate")
+    tls.add_argument("--tls-key", metavar="PATH", help="the private key of --tls-cert")
+    tls.add_argument("--tls-client-ca", metavar="PATH", help="require client certificates signed by this CA (mTLS)")
+    tls.add_argument("--middleware-tls-ca", metavar="PATH", help="connect to middleware over TLS, trusting this CA")
+    tls.add_argument("--middleware-tls-cert", metavar="PATH", help="the host's client certificate for middleware")
+    tls.add_argument("--middleware-tls-key", metavar="PATH", help="the private key of --middleware-tls-cert")
     return parser.parse_args(argv)
 
 
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         "log_level": args.log_level,
         "lease": args.lease,
         "drain_grace": args.drain_grace,
+        **{key: getattr(args, key.replace(".", "_")) for key in _TLS_SETTINGS},
     }
     try:
         config = load_config(args.config, flags=flags)

@@ -20,15 +20,32 @@ YAML (every key optional)::
     tools: [get_weather, add, send_email, lookup_order]   # built-in demo tools to enable
     middleware:                    # onion order: first = outermost
       - {name: budget, address: 127.0.0.1:50062, fail_open: false, timeout: 10}
-      # also per middleware: max_items / max_bytes, what one hook call may emit (100000 / 64 MiB)
+      # also per middleware: max_items / max_bytes, what one hook call may emit (100000 / 64 MiB);
+      # key: the middle_context slot it must report in Describe (the host decides, not the server);
+      # permissions: {hooks: [on_reply, ...], context: true, mutate_context: true, set_model: true,
+      #               tools: true}   (each true / every hook by default; docs/security.md)
     tracing: {endpoint: http://127.0.0.1:4317}   # OTLP/gRPC spans (also: exporter, service_name);
                                    # without it the standard OTEL_* variables decide (docs/tracing.md)
+    security:                      # all optional; none = plaintext, no authentication (loopback use)
+      tls: {cert: host.pem, key: host.key, client_ca: ca.pem, require_client_cert: true}
+      users:                       # authentication on: tokens (never in the file itself) or certificates
+        - {name: alice, role: user, token_env: ALICE_TOKEN}       # also token_file, token_sha256
+        - {name: ops, role: admin, cert_cn: ops}                  # mTLS identity
+      middleware_tls: {ca: ca.pem, cert: host-client.pem, key: host-client.key, server_name: localhost}
+      middleware_token_env: AGENTMW_MIDDLEWARE_TOKEN   # presented to every middleware (or _file)
+      attach_allow: ["10.0.0.*:50061"]   # AttachMiddleware targets; default: loopback + configured
+      attach_permissions: {...}    # permissions of AttachMiddleware'd servers (default: all)
+      reflection: false            # gRPC server reflection
+    limits: {max_message_bytes: 4194304, sessions_per_owner: 1000, replies_per_owner: 8}
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
 AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port"),
 AGENTMW_LEASE, AGENTMW_DRAIN_GRACE.
+AGENTMW_TLS_CERT / _KEY / _CLIENT_CA, AGENTMW_MIDDLEWARE_TLS_CA / _CERT / _KEY (file paths),
+AGENTMW_MIDDLEWARE_TOKEN (the token itself).
 Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable),
---lease, --drain-grace.
+--lease, --drain-grace, --tls-cert, --tls-key, --tls-client-ca, --middleware-tls-ca, --middleware-tls-cert,
+--middleware-tls-key.
 
 Middleware from the environment or flags overlay the YAML list by name: a name given again gets
 the new address and keeps its YAML policy (fail_open, timeout); new names are appended in order.
@@ -45,6 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_digest
 
 DEFAULT_LISTEN = "127.0.0.1:50070"
 DEFAULT_DB = "agentmw.db"
@@ -83,14 +102,46 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class Permissions:
+    """What a middleware may do (least privilege); checked where Describe is read and where its
+    mutations are applied (agent_host/remote/client.py). Everything is allowed by default."""
+
+    hooks: frozenset[str] | None = None  # hooks it may serve; None = every hook
+    context: bool = True  # receive agent.state.context (wants_context)
+    mutate_context: bool = True  # append / remove messages and blocks, set cur_iter / max_iters
+    set_model: bool = True
+    tools: bool = True  # contribute tools (ToolSource)
+
+
+@dataclass
 class MiddlewareConfig:
     address: str
     name: str = ""  # "" = the middleware's Describe key
+    key: str = ""  # "" = whatever Describe reports; else Describe must report exactly this key
+    permissions: Permissions = field(default_factory=Permissions)
     fail_open: bool = False
     timeout: float = DEFAULT_TIMEOUT
     max_items: int = 100_000  # per hook call (agent_host.remote.Policy)
     max_bytes: int = 64 * 1024 * 1024
     source: str = ""  # where it was configured, for error messages
+
+
+@dataclass
+class SecurityConfig:
+    """Transport security, authentication and limits (docs/security.md). The defaults are today's
+    loopback setup: plaintext, no authentication, every caller an admin."""
+
+    tls: TlsFiles = field(default_factory=TlsFiles)  # the host's server side; ca = client CA
+    require_client_cert: bool = True  # with tls.ca: mutual TLS
+    users: list[User] = field(default_factory=list)  # none = no authentication
+    middleware_tls: TlsFiles = field(default_factory=TlsFiles)  # the host as a middleware client
+    middleware_token: str = ""  # the secret presented to middleware servers (never logged or stored)
+    attach_allow: list[str] | None = None  # None = loopback and configured addresses
+    attach_permissions: Permissions = field(default_factory=Permissions)
+    reflection: bool = False
+    max_message_bytes: int = 4 * 1024 * 1024  # what the host accepts per message from a client
+    sessions_per_owner: int = 1000  # with authentication: sessions one user may own
+    replies_per_owner: int = 8  # with authentication: replies of one user running at once
 
 
 @dataclass
@@ -109,6 +160,7 @@ class HostConfig:
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_TOOLS))
     middleware: list[MiddlewareConfig] = field(default_factory=list)
     tracing: dict[str, Any] = field(default_factory=dict)  # see agent_host/tracing.py
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     source: str = "defaults"  # the YAML file, when there is one
 
     def build_models(self) -> Any:
@@ -154,6 +206,8 @@ def load_config(
                 "middleware": "AGENTMW_MIDDLEWARE",
                 "lease": "AGENTMW_LEASE",
                 "drain_grace": "AGENTMW_DRAIN_GRACE",
+                **{key: "AGENTMW_" + key.replace(".", "_").upper() for key in _TLS_SETTINGS},
+                "middleware_token": "AGENTMW_MIDDLEWARE_TOKEN",
             },
         ),
         (
@@ -166,6 +220,7 @@ def load_config(
                 "middleware": "--middleware",
                 "lease": "--lease",
                 "drain_grace": "--drain-grace",
+                **{key: "--" + key.replace(".", "-").replace("_", "-") for key in _TLS_SETTINGS},
             },
         ),
     )
@@ -185,9 +240,19 @@ def load_config(
                 cfg.models["default"] = str(raw)
             elif key in _SECONDS:
                 setattr(cfg, key, _seconds(raw, where))
+            elif key == "middleware_token":
+                cfg.security.middleware_token = str(raw)
+            elif key in _TLS_SETTINGS:
+                group, attr = _TLS_SETTINGS[key]
+                setattr(getattr(cfg.security, group), attr, str(raw))
             else:
                 setattr(cfg, key, str(raw))
     _check_listen(cfg.listen, "listen")
+    for group in ("tls", "middleware_tls"):
+        try:
+            getattr(cfg.security, group).check(f"security.{group}")
+        except SecurityError as exc:
+            raise ConfigError(str(exc)) from None
     for mw in cfg.middleware:
         if not mw.address:
             raise ConfigError(
@@ -195,6 +260,17 @@ def load_config(
                 f"(give one in YAML or with --middleware {mw.name}=HOST:PORT)"
             )
     return cfg
+
+
+# Flag / environment names of the TLS file paths: key -> (SecurityConfig field, TlsFiles field).
+_TLS_SETTINGS = {
+    "tls.cert": ("tls", "cert"),
+    "tls.key": ("tls", "key"),
+    "tls.client_ca": ("tls", "ca"),
+    "middleware_tls.ca": ("middleware_tls", "ca"),
+    "middleware_tls.cert": ("middleware_tls", "cert"),
+    "middleware_tls.key": ("middleware_tls", "key"),
+}
 
 
 def parse_middleware_arg(text: str, where: str) -> MiddlewareConfig:
@@ -236,7 +312,20 @@ def _check_listen(address: str, where: str) -> None:
 # YAML.
 
 
-_TOP_KEYS = {"listen", "db", "store", "drain_grace", "log_level", "agent", "models", "tools", "middleware", "tracing"}
+_TOP_KEYS = {
+    "listen",
+    "db",
+    "store",
+    "drain_grace",
+    "log_level",
+    "agent",
+    "models",
+    "tools",
+    "middleware",
+    "tracing",
+    "security",
+    "limits",
+}
 _SECONDS = {"lease", "drain_grace"}
 
 
@@ -252,7 +341,19 @@ def _seconds(raw: Any, where: str) -> float:
 
 
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
-_MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes"}
+_MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes", "key", "permissions"}
+_PERMISSION_KEYS = {"hooks": list, "context": bool, "mutate_context": bool, "set_model": bool, "tools": bool}
+_SECURITY_KEYS = {
+    "tls",
+    "users",
+    "middleware_tls",
+    "middleware_token_env",
+    "middleware_token_file",
+    "attach_allow",
+    "attach_permissions",
+    "reflection",
+}
+_LIMIT_KEYS = ("max_message_bytes", "sessions_per_owner", "replies_per_owner")
 
 
 def _apply_yaml(cfg: HostConfig, path: Path) -> None:
@@ -325,6 +426,92 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         if not isinstance(data["tracing"], Mapping):
             raise ConfigError(f"{src}: tracing: expected a mapping, got {_kind(data['tracing'])}")
         cfg.tracing = {k: _expect(v, str, f"{src}: tracing.{k}") for k, v in data["tracing"].items()}
+    try:
+        _yaml_security(cfg.security, _mapping(data.get("security"), f"{src}: security", _SECURITY_KEYS), src)
+    except SecurityError as exc:
+        raise ConfigError(str(exc)) from None
+    for key, value in _mapping(data.get("limits"), f"{src}: limits", set(_LIMIT_KEYS)).items():
+        limit = _expect(value, int, f"{src}: limits.{key}")
+        if limit < 1:
+            raise ConfigError(f"{src}: limits.{key}: must be above 0, got {limit}")
+        setattr(cfg.security, key, limit)
+
+
+def _mapping(raw: Any, where: str, known: set[str]) -> Mapping[str, Any]:
+    """An optional mapping with only ``known`` keys ({} when absent)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {_kind(raw)}")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    return raw
+
+
+def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str) -> None:
+    where = f"{src}: security"
+    tls = _mapping(data.get("tls"), f"{where}.tls", {"cert", "key", "client_ca", "require_client_cert"})
+    sec.tls = TlsFiles(
+        **{
+            ("ca" if k == "client_ca" else k): _expect(v, str, f"{where}.tls.{k}")
+            for k, v in tls.items()
+            if k != "require_client_cert"
+        }
+    )
+    sec.require_client_cert = _expect(tls.get("require_client_cert", True), bool, f"{where}.tls.require_client_cert")
+    mtls = _mapping(data.get("middleware_tls"), f"{where}.middleware_tls", {"ca", "cert", "key", "server_name"})
+    sec.middleware_tls = TlsFiles(**{k: _expect(v, str, f"{where}.middleware_tls.{k}") for k, v in mtls.items()})
+    sec.middleware_token = read_secret(
+        env=_expect(data.get("middleware_token_env", ""), str, f"{where}.middleware_token_env"),
+        file=_expect(data.get("middleware_token_file", ""), str, f"{where}.middleware_token_file"),
+        where=f"{where}.middleware_token",
+    )
+    users = data.get("users") or []
+    if not isinstance(users, Sequence) or isinstance(users, str):
+        raise ConfigError(f"{where}.users: expected a list, got {_kind(users)}")
+    user_keys = {"name", "role", "token_env", "token_file", "token_sha256", "cert_cn"}
+    for i, entry in enumerate(users):
+        at = f"{where}.users[{i}]"
+        entry = _mapping(entry, at, user_keys)
+        name = _expect(entry.get("name", ""), str, f"{at}.name")
+        role = _expect(entry.get("role", ""), str, f"{at}.role")
+        if not name or role not in ROLES:
+            raise ConfigError(f"{at}: needs a name and a role ({' or '.join(ROLES)})")
+        digest = _expect(entry.get("token_sha256", ""), str, f"{at}.token_sha256").lower()
+        secret = read_secret(
+            env=_expect(entry.get("token_env", ""), str, f"{at}.token_env"),
+            file=_expect(entry.get("token_file", ""), str, f"{at}.token_file"),
+            where=f"{at}.token",
+        )
+        digest = token_digest(secret) if secret else digest  # only the digest is kept
+        cert_cn = _expect(entry.get("cert_cn", ""), str, f"{at}.cert_cn")
+        if not digest and not cert_cn:
+            raise ConfigError(f"{at}: give a token (token_env, token_file or token_sha256) or a cert_cn")
+        if any(u.name == name for u in sec.users):
+            raise ConfigError(f"{at}.name: {name!r} is used twice")
+        sec.users.append(User(name, role, digest, cert_cn))
+    if "attach_allow" in data:
+        allow = data["attach_allow"] or []
+        if not isinstance(allow, Sequence) or isinstance(allow, str):
+            raise ConfigError(f"{where}.attach_allow: expected a list of HOST:PORT patterns, got {_kind(allow)}")
+        sec.attach_allow = [_expect(a, str, f"{where}.attach_allow[{i}]") for i, a in enumerate(allow)]
+    if "attach_permissions" in data:
+        sec.attach_permissions = _permissions(data["attach_permissions"], f"{where}.attach_permissions")
+    sec.reflection = _expect(data.get("reflection", False), bool, f"{where}.reflection")
+
+
+def _permissions(raw: Any, where: str) -> Permissions:
+    from .hooks import HOOKS
+
+    entry = _mapping(raw, where, set(_PERMISSION_KEYS))
+    values = {k: _expect(v, _PERMISSION_KEYS[k], f"{where}.{k}") for k, v in entry.items()}
+    if "hooks" in values:
+        unknown = [h for h in values["hooks"] if h not in HOOKS]
+        if unknown:
+            raise ConfigError(f"{where}.hooks: unknown hook {unknown[0]!r} (known: {', '.join(HOOKS)})")
+        values["hooks"] = frozenset(values["hooks"])
+    return Permissions(**values)
 
 
 def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
@@ -358,6 +545,11 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
                 if limits[key] < 1:
                     raise ConfigError(f"{where}.{key}: must be above 0, got {limits[key]}")
         name = _expect(entry.get("name", ""), str, f"{where}.name")
+        key = _expect(entry.get("key", ""), str, f"{where}.key")
+        if key and any(m.key == key for m in out):
+            raise ConfigError(f"{where}.key: {key!r} is used twice (one key = one middle_context slot)")
+        if "permissions" in entry:
+            limits["permissions"] = _permissions(entry["permissions"], f"{where}.permissions")
         if any(m.name and m.name == name for m in out):
             raise ConfigError(f"{where}.name: {name!r} is used twice")
         out.append(
@@ -366,6 +558,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
                 name=name,
                 fail_open=_expect(entry.get("fail_open", False), bool, f"{where}.fail_open"),
                 timeout=float(timeout),
+                key=key,
                 source=where,
                 **limits,
             )
@@ -385,4 +578,12 @@ def _kind(value: Any) -> str:
     return {dict: "a mapping", list: "a list", str: "a string"}.get(type(value), type(value).__name__)
 
 
-__all__ = ["ConfigError", "HostConfig", "MiddlewareConfig", "load_config", "parse_middleware_arg"]
+__all__ = [
+    "ConfigError",
+    "HostConfig",
+    "MiddlewareConfig",
+    "Permissions",
+    "SecurityConfig",
+    "load_config",
+    "parse_middleware_arg",
+]

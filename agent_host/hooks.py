@@ -40,7 +40,7 @@ HOOKS: dict[str, HookSpec] = {
         _spec("on_reasoning", Kind.STREAM, "tool_choice"),
         _spec("on_acting", Kind.STREAM, "tool_call"),
         _spec("on_check_permission", Kind.CALL, "tool_call", "tool", "tool_input"),
-        _spec("on_model_call", Kind.MODEL, "current_model", "messages", "tools", "tool_choice"),
+        _spec("on_model_call", Kind.MODEL, "current_model", "messages", "tools", "tool_choice", "parameters"),
         _spec("on_compress_context", Kind.CALL, "context_config", "instructions"),
         _spec("on_system_prompt", Kind.TRANSFORM, "prompt"),
     )

@@ -46,6 +46,9 @@ from agent_host.data import (
     DataBlockEndEvent,
     DataBlockStartEvent,
     ExternalExecutionResultEvent,
+    FinishedReason,
+    ModelCallEndEvent,
+    ModelCallStartEvent,
     Msg,
     ReplyEndEvent,
     ReplyFinishedReason,
@@ -71,6 +74,7 @@ from agent_host.data import (
     UserMsg,
 )
 from agent_host.data.events import ConfirmResult
+from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 DEFAULT_HOST = "127.0.0.1:50070"
@@ -83,9 +87,9 @@ DEFAULT_HOST = "127.0.0.1:50070"
 class HostClient:
     """An AgentHost connection (one channel); ``reply()`` starts one Reply call."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str = "") -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = client_channel(address, tls, token)  # TLS / token when the host requires them
         self.stub = host_pb2_grpc.AgentHostStub(self.channel)
 
     def reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyCall:
@@ -216,6 +220,14 @@ async def converse(
 # Showing a reply.
 
 
+# Model calls that ended short of a complete answer, as agent-chat says it.
+_CUT = {
+    FinishedReason.LENGTH: "the model's answer was cut at its output token limit",
+    FinishedReason.CONTENT_FILTER: "the model's answer was withheld by the provider's content filter",
+    FinishedReason.ERROR: "the model call failed mid-answer; what arrived is kept",
+}
+
+
 class View:
     """Prints a reply's items readably, as they arrive; saves audio to WAV files."""
 
@@ -232,6 +244,7 @@ class View:
         self.audio: dict[str, tuple[str, list[str]]] = {}  # block id -> (media type, base64 pieces)
         self.saved: list[Path] = []
         self.player: Player | None = None  # plays each saved file (--play)
+        self.failed = False  # the reply's end reported an error
 
     def _dim(self, text: str) -> str:
         return f"\033[2m{text}\033[0m" if self.color else text
@@ -245,7 +258,7 @@ class View:
 
     def show(self, item: Any) -> None:
         if isinstance(item, ReplyStartEvent):
-            self.streamed_text = False
+            self.streamed_text = self.failed = False
         elif isinstance(item, TextBlockDeltaEvent):
             self.out.write(item.delta)
             self.out.flush()
@@ -286,16 +299,24 @@ class View:
                 self._line(f"  ? {call.name} must be run by the client")
         elif isinstance(item, CustomEvent):
             self._line(self._dim(f"  · {item.name}: {json.dumps(item.value, sort_keys=True)}"))
+        elif isinstance(item, ModelCallStartEvent):
+            for failure in item.metadata.get("failed_attempts") or []:  # retries and fallbacks before it
+                self._line(self._dim(f"  (model {failure.get('model')} failed: {failure.get('error')})"))
+        elif isinstance(item, ModelCallEndEvent) and item.finished_reason in _CUT:
+            self._line(f"  ({_CUT[item.finished_reason]})")
         elif isinstance(item, ReplyEndEvent):
+            self.failed = item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None
             for block_id in list(self.audio):
                 self._save_audio(block_id)
             if item.finished_reason == ReplyFinishedReason.INTERRUPTED:
                 self._line("  (reply interrupted)")
             elif item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None:
                 self._line(f"  (reply failed: {item.error.message})")
-        elif isinstance(item, Msg) and (
-            not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED
-        ):
+        elif (
+            isinstance(item, Msg)
+            and not (self.failed and item.finished_reason == ReplyFinishedReason.ERROR)
+            and (not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED)
+        ):  # a failed reply's message repeats the error its end already showed
             self._line(item.text)
 
     def _audio_piece(self, block_id: str, media_type: str, data: str | None) -> None:
@@ -471,7 +492,7 @@ async def _turn(
         on_external = _auto_external(args.external_result)
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
-        async with HostClient(args.host) as client:
+        async with HostClient(args.host, *_credentials(args)) as client:
             return await converse(
                 client,
                 session_id,
@@ -491,9 +512,16 @@ class UnknownSession(Exception):
     pass
 
 
+def _credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
+    """TLS files and the token (from AGENTMW_TOKEN or --token-file: never a command-line argument)."""
+    tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
+    token = read_secret(file=args.token_file, where="--token-file") if args.token_file else ""
+    return tls, token or os.environ.get("AGENTMW_TOKEN", "")
+
+
 async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
     """What a session is parked on, as ``converse`` resume arguments ({} when it is not)."""
-    async with HostClient(args.host) as client:
+    async with HostClient(args.host, *_credentials(args)) as client:
         try:
             session = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -553,6 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--external-result", help="non-interactive: the result to give client-side tools")
     parser.add_argument("--audio-dir", default="agent-audio", help="where audio is saved (default ./agent-audio)")
     parser.add_argument("--play", action="store_true", help="play saved audio (with aplay, paplay or ffplay)")
+    security = parser.add_argument_group("security (see docs/security.md)")
+    env = os.environ.get
+    security.add_argument("--tls-ca", default=env("AGENTMW_TLS_CA", ""), help="connect over TLS, trusting this CA")
+    security.add_argument("--tls-cert", default=env("AGENTMW_TLS_CLIENT_CERT", ""), help="client certificate (mTLS)")
+    security.add_argument("--tls-key", default=env("AGENTMW_TLS_CLIENT_KEY", ""), help="its private key")
+    security.add_argument("--tls-server-name", default="", help="the name the host's certificate carries")
+    security.add_argument("--token-file", help="a file holding the bearer token (else env AGENTMW_TOKEN)")
     args = parser.parse_args(argv)
     if args.schema is not None and args.message is None:
         parser.error("--schema goes with --message")
@@ -606,6 +641,9 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.aio.AioRpcError as exc:
         print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except SecurityError as exc:
+        print(f"agent-chat: {exc}", file=sys.stderr)
+        return 2
     finally:
         if view.player is not None:
             view.player.close()

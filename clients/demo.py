@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from .launch import LaunchError, ServerProcess, start_all
+from .launch import ROOT, LaunchError, ServerProcess, start_all
 from .traces import Receiver, format_trace
 
 # Constructor arguments some example servers need to be useful in the demo. The rate limit lets
@@ -43,15 +43,25 @@ SERVER_ARGS: dict[str, dict[str, Any]] = {
     "RateLimitMiddleware": {"rate": 20, "burst": 4},
 }
 
-# Flags of the built-in servers (``python -m mw_servers.<name>``). The budget counts output tokens
-# only, so the session's growing context does not use it up in the other steps: 3 is three
-# single-tool-call model turns, and the fourth step of that reply must answer without tools.
+# Flags of the built-in servers (``python -m mw_servers.<name>``); "{tmp}" is the demo's temporary
+# directory. The budget counts output tokens only, so the session's growing context does not use it
+# up in the other steps: 3 is three single-tool-call model turns, and the fourth step of that reply
+# must answer without tools.
 PACKAGE_ARGS: dict[str, list[str]] = {
     "budget": ["--token-budget", "3", "--input-token-weight", "0", "--output-token-weight", "1"],
+    "mem0": ["--store", "{tmp}/mem0-store"],
 }
 BUDGET_STEP = "Keep watching the forecast for Paris"
 
 OUTAGE = "the primary model is down (simulated outage)"
+
+# Built-in servers with a venv of their own (the demo builds it: `make demo` depends on it).
+SERVER_PYTHON = {"mem0": ".venv-mem0/bin/python"}
+# Tools that need more than text=hello in the demo.
+TOOL_CALLS = {
+    "mem0__add_memory": 'call mem0__add_memory {"thinking": "a wish", "content": ["The user likes short replies."]}',
+    "mem0__search_memory": 'call mem0__search_memory keywords=["replies"]',
+}
 
 
 def host_models() -> dict[str, Any]:
@@ -73,6 +83,7 @@ def host_models() -> dict[str, Any]:
             "input": {"city": "{0}"},
             "repeat": True,
         },
+        {"pattern": r"what(?:'s| is) my favou?rite (\w+)", "text": "Your favourite {0}, from memory:\n{hints}"},
     ]
     models["models"]["backup"] = {
         "provider": "offline",
@@ -86,6 +97,7 @@ class ServerSpec:
     name: str
     argv: list[str]
     what: str
+    python: str | None = None  # another interpreter than this one (a venv of its own)
 
 
 def discover_servers() -> list[ServerSpec]:
@@ -99,8 +111,12 @@ def discover_servers() -> list[ServerSpec]:
         path = Path(mw_servers.__path__[0]) / info.name
         if info.ispkg and info.name not in ("sdk", "examples") and (path / "__main__.py").exists():
             flags = PACKAGE_ARGS.get(info.name, [])
-            what = " ".join([f"mw_servers.{info.name}", *flags])
-            specs.append(ServerSpec(info.name, ["-m", f"mw_servers.{info.name}", *address, *flags], what))
+            argv = ["-m", f"mw_servers.{info.name}", *address, *flags]
+            python = str(ROOT / SERVER_PYTHON[info.name]) if info.name in SERVER_PYTHON else None
+            if python is not None and not Path(python).exists():
+                print(f"agentmw demo: skipping mw_servers.{info.name}: {python} is missing (make demo builds it)")
+                continue
+            specs.append(ServerSpec(info.name, argv, " ".join([f"mw_servers.{info.name}", *flags]), python))
     try:
         examples = importlib.import_module("mw_servers.examples")
     except ImportError:
@@ -132,6 +148,7 @@ class Step:
     message: str
     edit: dict[str, Any] | None = None  # confirmed calls get this input merged in
     external: str = "shipped on Monday, arrives Thursday"
+    new_session: bool = False  # in a session of its own (the main session goes on after it)
 
 
 @dataclass
@@ -155,7 +172,14 @@ def _steps(tools: list[str]) -> list[Step]:
         ),
     ]
     for name in tools:
-        steps.append(Step(f"a tool contributed by a middleware: {name}", f"call {name} text=hello"))
+        steps.append(
+            Step(f"a tool contributed by a middleware: {name}", TOOL_CALLS.get(name, f"call {name} text=hello"))
+        )
+    if any(name.startswith("mem0__") for name in tools):
+        steps += [
+            Step("long-term memory: a fact told in a new session", "My favourite colour is teal.", new_session=True),
+            Step("... recalled in another new session (mem0's hint)", "What is my favourite colour?", new_session=True),
+        ]
     steps += [
         Step("the dynamic system prompt: the model answers from it", "What do you know about today?"),
         Step(
@@ -218,9 +242,14 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
                 return ToolResultBlock(id=call.id, name=call.name, output=step.external, state=ToolResultState.SUCCESS)
 
             turn = await converse(
-                client, session, UserMsg(step.message), on_item=show, on_confirm=confirm, on_external=external
+                client,
+                "" if step.new_session else session,
+                UserMsg(step.message),
+                on_item=show,
+                on_confirm=confirm,
+                on_external=external,
             )
-            session = turn.session_id
+            session = session if step.new_session else turn.session_id
             reason = turn.end.finished_reason if turn.end is not None else None
             if reason != ReplyFinishedReason.COMPLETED:
                 outcome.failures.append(f"step {i} ({step.title}) ended {reason or 'parked'}")
@@ -264,16 +293,18 @@ def run(out: Any = sys.stdout) -> int:
     with tempfile.TemporaryDirectory(prefix="agentmw-demo-") as tmp:
         log_dir = Path(tmp)
 
-        def process(name: str, argv: list[str]) -> ServerProcess:
+        def process(name: str, argv: list[str], python: str | None = None) -> ServerProcess:
             # A session of its own: a Ctrl-C in the terminal reaches only the demo, which stops it.
-            proc = ServerProcess(argv, name=name, env=env, log_dir=log_dir, new_session=True)
+            argv = [a.replace("{tmp}", tmp) for a in argv]
+            proc = ServerProcess(argv, name=name, env=env, log_dir=log_dir, new_session=True, executable=python)
+            proc.startup = 120  # at most: the mem0 server loads an embedding model first
             procs.append(proc)
             return proc
 
         try:
             specs = discover_servers()
             print(f"agentmw demo: starting {len(specs)} middleware servers and the host (logs in {log_dir})", file=out)
-            start_all([process(spec.name, spec.argv) for spec in specs])
+            start_all([process(spec.name, spec.argv, spec.python) for spec in specs])
             flags = []
             for spec, proc in zip(specs, procs, strict=True):
                 print(f"  middleware {spec.name:<16} {proc.address:<22} ({spec.what})", file=out)

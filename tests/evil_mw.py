@@ -33,6 +33,7 @@ from google.protobuf import json_format
 
 from agent_host.hooks import HOOKS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
+from tests.raw_server import serve_raw
 
 
 def _msg(**fields: Any) -> hooks_pb2.MiddlewareMessage:
@@ -161,17 +162,10 @@ async def main() -> None:
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
     server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
     hooks = args.hooks.split(",")
-    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(hooks, args.tools is not None), server)
     if args.tools is not None:
         hooks_pb2_grpc.add_ToolSourceServicer_to_server(ToolSource(args.tools), server)
-    for hook in hooks:
-        service = f"agentmw.v1.{HOOKS[hook].service}"
-        handler = grpc.method_handlers_generic_handler(service, {"Run": hook_handler(args.scripts)})
-        server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port(args.address)
-    await server.start()
-    print(f"evil middleware listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts) for hook in hooks}
+    await serve_raw("evil middleware", args.address, Describe(hooks, args.tools is not None), handlers, server)
 
 
 if __name__ == "__main__":

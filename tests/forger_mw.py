@@ -21,6 +21,7 @@ import asyncio
 import grpc
 
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc, types_pb2
+from tests.raw_server import serve_raw
 
 MODES = ("confirm_unknown", "second_end", "foreign_start", "stray_delta", "start_twice", "left_open", "no_next")
 
@@ -104,15 +105,8 @@ async def main() -> None:
     parser.add_argument("mode", choices=MODES)
     parser.add_argument("--address", default="127.0.0.1:0")
     args = parser.parse_args()
-    server = grpc.aio.server()
-    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(), server)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": on_reply(args.mode)}),)
-    )
-    port = server.add_insecure_port(args.address)
-    await server.start()
-    print(f"forger middleware {args.mode} listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    handlers = {"agentmw.v1.OnReply": on_reply(args.mode)}
+    await serve_raw(f"forger middleware {args.mode}", args.address, Describe(), handlers)
 
 
 if __name__ == "__main__":

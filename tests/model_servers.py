@@ -20,10 +20,19 @@ from typing import Any
 
 @dataclass
 class Reply:
+    """One scripted answer. Fault modes: ``headers`` (e.g. Retry-After, x-request-id), ``raw``
+    (any body with any ``content_type``: an HTML page with status 200 or 502, an empty body),
+    ``stall`` (seconds before the status line: a late answer), frames without a finish reason
+    or ``[DONE]`` (a truncated stream), DashScope error frames inside a 200 stream."""
+
     status: int = 200
     body: Any = None  # a JSON error body (status != 200) or a complete JSON answer
     frames: list[str] = field(default_factory=list)  # SSE frames, written one by one
     delay: float = 0.0  # seconds between frames
+    headers: dict[str, str] = field(default_factory=dict)
+    raw: str | None = None  # sent as is instead of ``body`` / ``frames``
+    content_type: str = "application/json"
+    stall: float = 0.0
 
 
 @dataclass
@@ -31,6 +40,7 @@ class Request:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    at: float = field(default_factory=time.monotonic)  # when it arrived (for gaps between retries)
 
 
 class _Server(ThreadingHTTPServer):
@@ -85,22 +95,30 @@ class ScriptedServer:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 request = Request(self.path, {k.lower(): v for k, v in self.headers.items()}, json.loads(raw or b"{}"))
                 reply = server._next(request)
+                if reply.stall:
+                    time.sleep(reply.stall)
                 if reply.frames:
                     self._stream(reply)
                 else:
-                    self._json(reply.status, reply.body)
+                    self._json(reply)
 
-            def _json(self, status: int, body: Any) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+            def _headers(self, reply: Reply) -> None:
+                for name, value in reply.headers.items():
+                    self.send_header(name, value)
+
+            def _json(self, reply: Reply) -> None:
+                data = (reply.raw if reply.raw is not None else json.dumps(reply.body)).encode()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", reply.content_type)
                 self.send_header("Content-Length", str(len(data)))
+                self._headers(reply)
                 self.end_headers()
                 self.wfile.write(data)
 
             def _stream(self, reply: Reply) -> None:
                 self.send_response(reply.status)
                 self.send_header("Content-Type", "text/event-stream;charset=UTF-8")
+                self._headers(reply)
                 self.send_header("Transfer-Encoding", "chunked")
                 self.send_header("Cache-Control", "no-cache")
                 self.end_headers()
@@ -159,12 +177,28 @@ def dashscope_tool_fragment(index: int, arguments: str, *, id: str = "", name: s
     return {"index": index, "id": id, "type": "function", "function": function}
 
 
-def dashscope_stream(chunks: list[dict[str, Any]], delay: float = 0.0) -> Reply:
+def dashscope_stream(chunks: list[dict[str, Any]], delay: float = 0.0, *, complete: bool = True) -> Reply:
+    """A complete stream: when no chunk has a finish reason, the last one says "stop" (as the real
+    service's last event does). ``complete=False``: as given (a truncated stream)."""
+    if (
+        complete
+        and chunks
+        and all(c["output"]["choices"][0]["finish_reason"] == "null" for c in chunks if "output" in c)
+    ):
+        chunks = [*chunks[:-1], json.loads(json.dumps(chunks[-1]))]
+        if "output" in chunks[-1]:
+            chunks[-1]["output"]["choices"][0]["finish_reason"] = "stop"
     frames = [
         f"id:{i}\nevent:result\n:HTTP_STATUS/200\ndata:{json.dumps(chunk, ensure_ascii=False)}\n\n"
         for i, chunk in enumerate(chunks, 1)
     ]
     return Reply(frames=frames, delay=delay)
+
+
+def dashscope_error_frame(code: str, message: str, status: int = 500, request_id: str = "req-ds-1") -> str:
+    """An error event inside a 200 stream, as the service sends one after it has started."""
+    body = json.dumps({"code": code, "message": message, "request_id": request_id})
+    return f"id:99\nevent:error\n:HTTP_STATUS/{status}\ndata:{body}\n\n"
 
 
 def dashscope_error(status: int, code: str, message: str) -> Reply:
@@ -225,9 +259,20 @@ def openai_tool_fragment(index: int, arguments: str, *, id: str | None = None, n
     return fragment
 
 
-def openai_stream(chunks: list[dict[str, Any]], delay: float = 0.0) -> Reply:
+def openai_stream(chunks: list[dict[str, Any]], delay: float = 0.0, *, done: bool = True) -> Reply:
+    """A complete stream: when no chunk has a finish reason, one with "stop" is added before the
+    usage-only chunk (real servers always send one), and ``data: [DONE]`` ends it.
+    ``done=False``: as given, without ``[DONE]`` (a truncated stream)."""
+    finished = any(c.get("finish_reason") for chunk in chunks for c in chunk.get("choices") or [])
+    if done and not finished and not any("error" in chunk for chunk in chunks):
+        at = next((i for i, c in enumerate(chunks) if not c.get("choices")), len(chunks))
+        chunks = [
+            *chunks[:at],
+            openai_chunk(finish="stop", id=chunks[0].get("id", "chatcmpl-1") if chunks else "chatcmpl-1"),
+            *chunks[at:],
+        ]
     frames = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
-    return Reply(frames=[*frames, "data: [DONE]\n\n"], delay=delay)
+    return Reply(frames=[*frames, "data: [DONE]\n\n"] if done else frames, delay=delay)
 
 
 def openai_error(status: int, message: str, type: str, code: str | None = None) -> Reply:

@@ -15,6 +15,7 @@ import asyncio
 import grpc
 
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+from tests.raw_server import serve_raw
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
@@ -72,15 +73,8 @@ async def main() -> None:
     parser.add_argument("mode")
     parser.add_argument("--address", default="127.0.0.1:0")
     args = parser.parse_args()
-    server = grpc.aio.server()
-    hooks_pb2_grpc.add_DescribeServicer_to_server(Describe(), server)
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": on_reply(args.mode)}),)
-    )
-    port = server.add_insecure_port(args.address)
-    await server.start()
-    print(f"raw middleware {args.mode} listening on 127.0.0.1:{port}", flush=True)
-    await server.wait_for_termination()
+    handlers = {"agentmw.v1.OnReply": on_reply(args.mode)}
+    await serve_raw(f"raw middleware {args.mode}", args.address, Describe(), handlers)
 
 
 if __name__ == "__main__":

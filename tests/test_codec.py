@@ -114,6 +114,7 @@ def test_hook_kwargs_round_trip() -> None:
         "messages": [MSG],
         "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
         "tool_choice": d.ToolChoice(mode="required", tools=["add"]),
+        "parameters": {"temperature": 0.2, "max_tokens": 64},
     }
     out = decode_kwargs(spec, encode_kwargs(spec, kwargs, hooks_pb2.Kwargs()), complete=True)
     assert out == kwargs

@@ -53,11 +53,21 @@ from tests.model_servers import (
     run_reply,
 )
 
+_opened: list[DashScopeChatModel | ModelRegistry] = []  # closed after each test (each owns an aiohttp session)
+
 
 @pytest.fixture(autouse=True)
-async def _close_sdk_session() -> Any:
+async def _close_sessions() -> Any:
     yield
-    await dashscope.close_shared_aio_session()  # the SDK pools one aiohttp session per event loop
+    while _opened:
+        await _opened.pop().aclose()
+    await dashscope.close_shared_aio_session()
+
+
+def ds(**kw: Any) -> DashScopeChatModel:
+    model = DashScopeChatModel(**kw)
+    _opened.append(model)
+    return model
 
 
 def registry(server: ScriptedServer, max_retries: int = 0, **extra: Any) -> ModelRegistry:
@@ -69,7 +79,9 @@ def registry(server: ScriptedServer, max_retries: int = 0, **extra: Any) -> Mode
         "max_retries": max_retries,
         **extra,
     }
-    return ModelRegistry.from_config({"default": "a", "models": {"a": spec}})
+    reg = ModelRegistry.from_config({"default": "a", "models": {"a": spec}})
+    _opened.append(reg)
+    return reg
 
 
 @tool(description="Weather of a city.")
@@ -130,7 +142,7 @@ async def test_model_yields_deltas_then_one_complete_chunk(server: ScriptedServe
             ]
         )
     )
-    model = DashScopeChatModel(
+    model = ds(
         id="m",
         model_name="qwen-plus",
         base_url=f"{server.url}/api/v1",
@@ -152,7 +164,7 @@ async def test_model_yields_deltas_then_one_complete_chunk(server: ScriptedServe
 
 async def test_first_delta_arrives_before_the_stream_ends(server: ScriptedServer) -> None:
     server.replies.append(dashscope_stream([dashscope_chunk("early"), dashscope_chunk("late", finish="stop")], 0.6))
-    model = DashScopeChatModel(id="m", base_url=f"{server.url}/api/v1", api_key="k")
+    model = ds(id="m", base_url=f"{server.url}/api/v1", api_key="k")
     started = time.monotonic()
 
     stream = await model([UserMsg("x")])  # returns with the first chunk
@@ -166,7 +178,7 @@ async def test_first_delta_arrives_before_the_stream_ends(server: ScriptedServer
 
 async def test_non_streaming_call(server: ScriptedServer) -> None:
     server.replies.append(Reply(body=dashscope_chunk("whole answer", finish="stop", usage=(7, 2))))
-    model = DashScopeChatModel(id="m", base_url=f"{server.url}/api/v1", api_key="k", stream=False)
+    model = ds(id="m", base_url=f"{server.url}/api/v1", api_key="k", stream=False)
 
     chunks = [c async for c in await model([UserMsg("x")])]
 
@@ -235,7 +247,7 @@ async def test_tool_call_without_id_gets_a_stable_one(server: ScriptedServer) ->
             ]
         )
     )
-    model = DashScopeChatModel(id="m", base_url=f"{server.url}/api/v1", api_key="k")
+    model = ds(id="m", base_url=f"{server.url}/api/v1", api_key="k")
     tools = Toolkit([get_weather]).schemas()
 
     chunks = [c async for c in await model([UserMsg("x")], tools, ToolChoice(mode="get_weather"))]
@@ -286,12 +298,13 @@ async def test_auth_error_fails_at_once_with_the_provider_message(server: Script
         (503, "ServiceUnavailable", ErrorType.UPSTREAM, True),
         (400, "InvalidParameter", ErrorType.INVALID_REQUEST, False),
         (403, "AccessDenied", ErrorType.PERMISSION, False),
-        (400, "Throttling.AllocationQuota", ErrorType.RATE_LIMIT, True),
+        (400, "Throttling.RateQuota", ErrorType.RATE_LIMIT, True),
+        (429, "Throttling.AllocationQuota", ErrorType.RATE_LIMIT, False),  # quota exhausted: waiting won't help
     ],
 )
 async def test_error_mapping(server: ScriptedServer, status: int, code: str, kind: ErrorType, retryable: bool) -> None:
     server.replies.append(dashscope_error(status, code, f"provider says {code}"))
-    model = DashScopeChatModel(id="m", base_url=f"{server.url}/api/v1", api_key="k")
+    model = ds(id="m", base_url=f"{server.url}/api/v1", api_key="k")
 
     with pytest.raises(ModelError) as info:
         await model([UserMsg("x")])
@@ -304,7 +317,7 @@ async def test_connection_error_is_retryable() -> None:
     with socket.socket() as probe:  # a loopback port with nothing listening
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    model = DashScopeChatModel(id="m", base_url=f"http://127.0.0.1:{port}/api/v1", api_key="k")
+    model = ds(id="m", base_url=f"http://127.0.0.1:{port}/api/v1", api_key="k")
 
     with pytest.raises(ModelError) as info:
         await model([UserMsg("x")])
@@ -316,7 +329,7 @@ async def test_endpoint_and_key_from_the_environment(server: ScriptedServer, mon
     monkeypatch.setenv("DASHSCOPE_HTTP_BASE_URL", f"{server.url}/api/v1")
     monkeypatch.setenv("DASHSCOPE_API_KEY", "sk-from-env")
     server.replies.append(dashscope_stream([dashscope_chunk("env", finish="stop")]))
-    model = DashScopeChatModel(id="qwen-turbo")
+    model = ds(id="qwen-turbo")
 
     chunks = [c async for c in await model([SystemMsg("s"), UserMsg("x")])]
 
@@ -327,7 +340,7 @@ async def test_endpoint_and_key_from_the_environment(server: ScriptedServer, mon
 async def test_missing_key_is_a_setup_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DASHSCOPE_API_KEY", raising=False)
     monkeypatch.setattr(dashscope, "api_key", None)
-    model = DashScopeChatModel(id="m", base_url="http://127.0.0.1:9/api/v1")
+    model = ds(id="m", base_url="http://127.0.0.1:9/api/v1")
 
     with pytest.raises(ModelError) as info:
         await model([UserMsg("x")])
@@ -359,7 +372,7 @@ async def test_registry_fallback_after_a_fatal_error(server: ScriptedServer) -> 
         agent = Agent(models=reg, model="a")
 
         events, final = await run_reply(agent, "hi")
-        await reg.get("b").aclose()
+        await reg.aclose()
 
     assert final.text == "b here"
     assert (len(server.requests), len(server_b.requests)) == (1, 1)

@@ -43,6 +43,8 @@ from agent_host.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
+from agent_host.security import client_channel, token_digest
+from agent_host.store.postgres import PostgresStore
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
@@ -50,6 +52,8 @@ from clients.launch import ServerProcess, start_all
 from .durable_mw import lines
 from .host_util import Procs, get_session, processes, stub
 from .test_durable_sessions import calls_and_results, reply, user_texts, wait_until
+from .test_security import TOKENS
+from .test_security import reply as secure_reply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,11 +134,12 @@ SLOW = "models:\n  default: slow\n  models:\n    slow: {provider: offline, delay
 
 
 def cluster(
-    procs: Procs, tmp_path: Path, dsn: str, n: int, *args: str, delay: float = 0.0
+    procs: Procs, tmp_path: Path, dsn: str, n: int, *args: str, delay: float = 0.0, yaml: str = ""
 ) -> tuple[Path, list[ServerProcess]]:
-    """The side-effect middleware and ``n`` hosts on ``dsn``, started together; the effects file."""
+    """The side-effect middleware and ``n`` hosts on ``dsn`` (``yaml``: more of host.yaml), started
+    together; the effects file."""
     effects, config = tmp_path / "effects.txt", tmp_path / "host.yaml"
-    config.write_text(SLOW % delay)
+    config.write_text(SLOW % delay + yaml)
     argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
     fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
     settings = ["--db", dsn, "--config", str(config), "--middleware", f"fx={fx.address}", "--lease", LEASE, *args]
@@ -415,6 +420,76 @@ async def test_a_bounded_load_across_three_hosts_runs_every_turn_once(procs: Pro
         assert all(r.state == ToolResultState.SUCCESS for r in results)
 
 
+async def test_owners_are_stored_and_checked_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    """Two users on two hosts of one store: the owner goes into PostgreSQL with the session, each
+    user lists and reads only their own sessions whichever host they ask, and the per-owner
+    session limit counts the sessions made on any host."""
+    users = "".join(
+        f"    - {{name: {n}, role: {'admin' if n == 'ops' else 'user'}, token_sha256: '{token_digest(t)}'}}\n"
+        for n, t in TOKENS.items()
+    )
+    _, hosts = cluster(procs, tmp_path, dsn, 2, yaml=f"security:\n  users:\n{users}limits: {{sessions_per_owner: 1}}\n")
+    channels = {(n, i): client_channel(h.address, token=t) for n, t in TOKENS.items() for i, h in enumerate(hosts)}
+    try:
+        alices, _ = await secure_reply(channels["alice", 0], "alice's plans")
+        bobs, _ = await secure_reply(channels["bob", 1], "bob's plans")
+        for i in range(2):
+            for user, own in (("alice", alices), ("bob", bobs)):
+                listed = await stub(channels[user, i]).ListSessions(host_pb2.ListSessionsRequest(), timeout=8)
+                assert [s.session_id for s in listed.sessions] == [own], (user, i)
+            listed = await stub(channels["ops", i]).ListSessions(host_pb2.ListSessionsRequest(), timeout=8)
+            assert sorted(s.session_id for s in listed.sessions) == sorted([alices, bobs])
+            with pytest.raises(grpc.aio.AioRpcError) as theirs:
+                await stub(channels["bob", i]).GetSession(host_pb2.GetSessionRequest(session_id=alices), timeout=8)
+            assert theirs.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as theirs:
+                await secure_reply(channels["bob", i], "let me in", alices)
+            assert theirs.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as second:  # alice's one session is on the other host
+            await secure_reply(channels["alice", 1], "another conversation")
+        assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        owners = dict(await conn.fetch("SELECT session_id, owner FROM agentmw_sessions"))
+    finally:
+        await conn.close()
+    assert owners == {alices: "alice", bobs: "bob"}
+
+
+async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str) -> None:
+    """A database made before owners (schema 1) is migrated at start: its sessions keep their rows
+    and belong to no one; new sessions get their owner."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "CREATE TABLE agentmw_schema (version integer NOT NULL); INSERT INTO agentmw_schema VALUES (1);"
+            "CREATE TABLE agentmw_sessions (session_id text PRIMARY KEY, created_at timestamptz NOT NULL "
+            "DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now(), title text NOT NULL DEFAULT '', "
+            "message_count integer NOT NULL DEFAULT 0, status text NOT NULL DEFAULT 'idle', in_flight text[] "
+            "NOT NULL DEFAULT '{}', fence bigint, meta bytea NOT NULL);"
+            "INSERT INTO agentmw_sessions (session_id, title, meta) VALUES ('old', 'before owners', '')"
+        )
+    finally:
+        await conn.close()
+    store = await PostgresStore.connect(dsn, lease=5)
+    try:
+        async with store.hold("new") as hold:
+            await store.create("new", fence=hold.fence, owner="alice").begin_reply()
+        assert [(r.session_id, r.owner) for r in await store.list(owner="")] == [("old", "")]
+        assert [(r.session_id, r.owner) for r in await store.list(owner="alice")] == [("new", "alice")]
+        assert {r.session_id for r in await store.list()} == {"old", "new"}
+    finally:
+        await store.aclose()
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval("SELECT version FROM agentmw_schema") == 2
+    finally:
+        await conn.close()
+
+
 def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path) -> None:
     from agent_host.config import ConfigError, load_config
 
@@ -429,3 +504,14 @@ def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path)
         load_config(config, env={})
     with pytest.raises(ConfigError, match="--drain-grace"):
         load_config(None, env={}, flags={"drain_grace": "soon"})
+    # With the security branch's sections and flags in the same file and command line.
+    config.write_text(
+        "store: {dsn: 'postgresql://u@h/db', lease: 4}\ndrain_grace: 7\nlimits: {sessions_per_owner: 3}\n"
+        "security:\n  users: [{name: alice, role: user, token_sha256: '" + "0" * 64 + "'}]\n"
+    )
+    cert = tmp_path / "host.pem"
+    cert.write_text("")
+    cfg = load_config(config, env={}, flags={"lease": "2", "tls.cert": str(cert), "tls.key": str(cert)})
+    assert (cfg.db, cfg.lease, cfg.drain_grace) == ("postgresql://u@h/db", 2.0, 7.0)
+    assert ([u.name for u in cfg.security.users], cfg.security.sessions_per_owner) == (["alice"], 3)
+    assert cfg.security.tls.cert == str(cert)

@@ -7,11 +7,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
-from clients.launch import middleware_server
+from clients.launch import ServerProcess, middleware_server
 
 
 async def test_describe_health_reflection_and_sigterm() -> None:
-    proc = middleware_server("tests.conformance_mw:Budget", token_budget=3).start()
+    server = middleware_server("tests.conformance_mw:Budget", token_budget=3)
+    proc = ServerProcess([*server.argv, "--reflection"], name="Budget").start()  # reflection is opt-in
     try:
         async with grpc.aio.insecure_channel(proc.address) as channel:
             desc = await hooks_pb2_grpc.DescribeStub(channel).Describe(hooks_pb2.DescribeRequest())

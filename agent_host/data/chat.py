@@ -18,6 +18,7 @@ class ChatUsage:
     cache_creation_input_tokens: int = 0
     cache_input_tokens: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
+    reasoning_tokens: int = 0
 
 
 @dataclass(slots=True, kw_only=True)

@@ -37,6 +37,9 @@ class FinishedReason(StrEnum):
 
     COMPLETED = "completed"
     INTERRUPTED = "interrupted"
+    LENGTH = "length"  # cut at the output token limit (max_tokens): the content is incomplete
+    CONTENT_FILTER = "content_filter"  # the provider withheld (part of) the output
+    ERROR = "error"  # failed mid-stream: the content is what arrived before the failure
 
 
 class ErrorType(StrEnum):

@@ -61,6 +61,7 @@ class ModelCallEndEvent(EventBase):
     cache_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
     finished_reason: FinishedReason = FinishedReason.COMPLETED
+    reasoning_tokens: int = 0
 
 
 @_event("TEXT_BLOCK_START")

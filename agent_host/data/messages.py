@@ -16,12 +16,14 @@ class Usage:
     output_tokens: int = 0
     cache_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def add(self, other: Usage) -> None:
         self.input_tokens += other.input_tokens
         self.output_tokens += other.output_tokens
         self.cache_input_tokens += other.cache_input_tokens
         self.cache_creation_input_tokens += other.cache_creation_input_tokens
+        self.reasoning_tokens += other.reasoning_tokens
 
 
 @dataclass(slots=True, kw_only=True)

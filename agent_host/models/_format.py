@@ -7,14 +7,19 @@ status plus a provider message. This module holds the one copy of each conversio
 
 from __future__ import annotations
 
+import email.utils
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..data import (
+    ChatUsage,
     DataBlock,
     ErrorType,
+    FinishedReason,
     HintBlock,
     Msg,
     Role,
@@ -163,11 +168,26 @@ class ToolCallMerger:
     Only the first fragment of a call carries its id and name; later ones carry only more
     argument text. Every delta of one call gets the same id (the provider's, or a generated one),
     and none is emitted before the name is known, so consumers see the name on the first one.
+
+    ``taken`` holds the ids already in the conversation: some servers number calls per response
+    (``call_0`` on every turn), and a repeated id would make the later call look answered. Such a
+    call gets a fresh id; ``renamed`` maps it back to the provider's (the transcript sent back
+    uses the fresh one consistently, which every server accepts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, taken: set[str] | None = None) -> None:
         self.calls: dict[int, _Call] = {}
         self.last: int | None = None
+        self.taken = set(taken or ())
+        self.renamed: dict[str, str] = {}  # our id -> the provider's
+
+    def _new_call(self, provider_id: str) -> _Call:
+        call_id = provider_id or f"call_{new_id()}"
+        if call_id in self.taken:
+            call_id = f"call_{new_id()}"
+            self.renamed[call_id] = provider_id
+        self.taken.add(call_id)
+        return _Call(id=call_id)
 
     def add(self, fragments: list[dict[str, Any]] | None) -> list[ToolCallBlock]:
         out: list[ToolCallBlock] = []
@@ -175,7 +195,7 @@ class ToolCallMerger:
             index = self._index(fragment)
             call = self.calls.get(index)
             if call is None:
-                call = self.calls[index] = _Call(id=fragment.get("id") or f"call_{new_id()}")
+                call = self.calls[index] = self._new_call(fragment.get("id") or "")
             self.last = index
             function = fragment.get("function") or {}
             call.name = call.name or function.get("name") or ""
@@ -199,7 +219,7 @@ class ToolCallMerger:
         # a new one, and a bare fragment continues the last call.
         frag_id = fragment.get("id")
         for i, call in self.calls.items():
-            if frag_id and call.id == frag_id:
+            if frag_id and frag_id in (call.id, self.renamed.get(call.id)):
                 return i
         if frag_id or (fragment.get("function") or {}).get("name") or self.last is None:
             return len(self.calls)
@@ -217,6 +237,39 @@ class ToolCallMerger:
         return out
 
 
+def history_call_ids(messages: list[Msg]) -> set[str]:
+    """The ids of the tool calls already in the conversation (see ``ToolCallMerger.taken``)."""
+    return {b.id for m in messages for b in m.content if isinstance(b, ToolCallBlock)}
+
+
+# -- finish reasons ------------------------------------------------------------------------------
+
+# A provider's finish_reason -> ours. "stop" / "tool_calls" / "function_call" are COMPLETED.
+_FINISH = {
+    "length": FinishedReason.LENGTH,
+    "max_tokens": FinishedReason.LENGTH,
+    "content_filter": FinishedReason.CONTENT_FILTER,
+    "sensitive": FinishedReason.CONTENT_FILTER,
+}
+
+
+def finish_reason(reason: str | None) -> FinishedReason:
+    return _FINISH.get(reason or "", FinishedReason.COMPLETED)
+
+
+def usage_of(input_tokens: Any, output_tokens: Any, cached: Any = 0, reasoning: Any = 0) -> ChatUsage:
+    reasoning = int(reasoning or 0)
+    return ChatUsage(
+        input_tokens=int(input_tokens or 0),
+        output_tokens=int(output_tokens or 0),
+        cache_input_tokens=int(cached or 0),
+        reasoning_tokens=reasoning,
+        metadata={"reasoning_tokens": reasoning} if reasoning else {},
+    )
+
+
+# -- errors --------------------------------------------------------------------------------------
+
 # Status -> (error type, retryable). Other 4xx are invalid requests; 5xx are retryable upstream errors.
 _STATUS: dict[int, tuple[ErrorType, bool]] = {
     400: (ErrorType.INVALID_REQUEST, False),
@@ -228,27 +281,118 @@ _STATUS: dict[int, tuple[ErrorType, bool]] = {
     429: (ErrorType.RATE_LIMIT, True),
 }
 
+# Provider error codes that say more than the status (DashScope labels an error frame inside a 200
+# stream "400" whatever it is). Matched by prefix, first match wins: the order matters.
+_CODES: list[tuple[str, ErrorType, bool]] = [
+    # quota exhausted: retrying cannot help until someone pays or raises the quota
+    ("insufficient_quota", ErrorType.RATE_LIMIT, False),
+    ("throttling.allocationquota", ErrorType.RATE_LIMIT, False),
+    ("arrearage", ErrorType.RATE_LIMIT, False),
+    ("throttling", ErrorType.RATE_LIMIT, True),
+    ("rate_limit", ErrorType.RATE_LIMIT, True),
+    ("internalerror", ErrorType.UPSTREAM, True),
+    ("internal_error", ErrorType.UPSTREAM, True),
+    ("serviceunavailable", ErrorType.UPSTREAM, True),
+    ("systemerror", ErrorType.UPSTREAM, True),
+    ("requesttimeout", ErrorType.UPSTREAM, True),
+    ("invalidapikey", ErrorType.AUTHENTICATION, False),
+    ("invalid_api_key", ErrorType.AUTHENTICATION, False),
+    ("accessdenied", ErrorType.PERMISSION, False),
+]
 
-def http_error(provider: str, model: str, status: int, message: str, code: str = "") -> ModelError:
-    """A failed call as ModelError, keeping the provider's own message in the text."""
-    kind, retryable = _STATUS.get(status) or (
-        (ErrorType.UPSTREAM, True) if status >= 500 else (ErrorType.INVALID_REQUEST, False)
-    )
-    if "throttl" in code.lower():  # DashScope's throttling codes, whatever the status
-        kind, retryable = ErrorType.RATE_LIMIT, True
+
+def classify(status: int, code: str = "") -> tuple[ErrorType, bool]:
+    """(error type, retryable) of a failure: by the provider's code when it is a known one, else
+    by the HTTP status (other 4xx: invalid request; 5xx: retryable upstream error)."""
+    lowered = code.lower()
+    for prefix, kind, retryable in _CODES:
+        if lowered.startswith(prefix):
+            return kind, retryable
+    return _STATUS.get(status) or ((ErrorType.UPSTREAM, True) if status >= 500 else (ErrorType.INVALID_REQUEST, False))
+
+
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.I | re.S)
+_TAG = re.compile(r"<[^>]+>|&nbsp;")
+SUMMARY_CHARS = 300
+
+
+def summarize(text: str) -> str:
+    """An error body short enough for a message: an HTML page (a gateway's 502 page) by its title,
+    else its text without tags; whitespace collapsed, at most SUMMARY_CHARS characters."""
+    text = text.strip()
+    if text[:200].lower().lstrip().startswith(("<!doctype", "<html")) or "</" in text[:500]:
+        title = _TITLE.search(text)
+        body = title.group(1) if title else _TAG.sub(" ", re.sub(r"(?is)<(script|style).*?</\1>", " ", text))
+        text = f"HTML page: {body}"
+    text = " ".join(text.split())
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "…"
+
+
+def parse_retry_after(headers: Mapping[str, str] | None) -> float | None:
+    """Seconds a server asked to wait: ``retry-after-ms`` (OpenAI), else ``Retry-After`` as seconds
+    or an HTTP date."""
+    if not headers:
+        return None
+    for name, divisor in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            return max(0.0, float(value) / divisor)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value:
+        try:
+            return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def http_error(
+    provider: str,
+    model: str,
+    status: int,
+    message: str,
+    code: str = "",
+    *,
+    request_id: str = "",
+    retry_after: float | None = None,
+) -> ModelError:
+    """A failed call as ModelError, keeping the provider's own message (summarized) in the text."""
+    kind, retryable = classify(status, code)
     label = f"HTTP {status}" + (f" {code}" if code else "")
     return ModelError(
-        f"{provider} model {model!r}: {label}: {message or 'no message'}",
+        f"{provider} model {model!r}: {label}: {summarize(message) or 'no message'}",
         error_type=kind,
         retryable=retryable,
         status=status,
+        code=code,
+        request_id=request_id,
+        retry_after=retry_after,
     )
 
 
-def connection_error(provider: str, model: str, exc: BaseException) -> ModelError:
+def connection_error(provider: str, model: str, exc: BaseException, request_id: str = "") -> ModelError:
     what = str(exc) or type(exc).__name__
     return ModelError(
-        f"{provider} model {model!r}: connection failed: {what}", error_type=ErrorType.CONNECTION, retryable=True
+        f"{provider} model {model!r}: connection failed: {what}",
+        error_type=ErrorType.CONNECTION,
+        retryable=True,
+        request_id=request_id,
+    )
+
+
+def protocol_error(provider: str, model: str, what: str, request_id: str = "") -> ModelError:
+    """The server answered 200 but not with a complete reply (a truncated stream, an HTML page,
+    an empty body): an upstream fault, worth another attempt."""
+    return ModelError(
+        f"{provider} model {model!r}: bad response: {what}",
+        error_type=ErrorType.UPSTREAM,
+        retryable=True,
+        code="bad_response",
+        request_id=request_id,
     )
 
 

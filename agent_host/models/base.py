@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,7 +24,10 @@ from ..data import (
 
 
 class ModelError(Exception):
-    """A model call failed. ``retryable`` errors (throttling, 5xx, connection) may be retried."""
+    """A model call failed. ``retryable`` errors (throttling, 5xx, connection, a bad response) may
+    be retried; ``retry_after`` is the delay the server asked for; ``request_id`` is the
+    provider's id of the request (the message ends with it, so support can find the call).
+    ``partial`` is set when the call failed mid-stream: what had arrived until then."""
 
     def __init__(
         self,
@@ -31,11 +36,18 @@ class ModelError(Exception):
         error_type: ErrorType = ErrorType.UNKNOWN,
         retryable: bool = False,
         status: int | None = None,
+        code: str = "",
+        request_id: str = "",
+        retry_after: float | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message + (f" (request id {request_id})" if request_id else ""))
         self.error_type = error_type
         self.retryable = retryable
         self.status = status
+        self.code = code
+        self.request_id = request_id
+        self.retry_after = retry_after
+        self.partial: ChatResponse | None = None
 
 
 class ChatModel:
@@ -73,22 +85,32 @@ class ChatModel:
         )
 
     async def __call__(
-        self, messages: list[Msg], tools: list[dict[str, Any]] | None = None, tool_choice: ToolChoice | None = None
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parameters: dict[str, Any] | None = None,
     ) -> AsyncIterator[ChatResponse]:
         """Start a call. Errors that happen before the first chunk raise here (so retry and fallback
-        see them); the returned stream yields deltas and ends with one accumulated ``is_last`` chunk."""
+        see them); the returned stream yields deltas and ends with one accumulated ``is_last`` chunk.
+        ``parameters`` override the configured ones for this call only (e.g. ``temperature``,
+        ``max_tokens``, ``response_format``, a thinking budget), as a middleware may ask."""
         started = time.monotonic()
-        deltas = await self._open(messages, tools or [], tool_choice)
+        params = {**self.parameters, **(parameters or {})}
+        deltas = await self._open(messages, tools or [], tool_choice, params)
         return self._accumulate(deltas, started)
 
     async def _open(
-        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any],
     ) -> AsyncIterator[ChatResponse]:
         raise NotImplementedError
 
     async def _accumulate(self, deltas: AsyncIterator[ChatResponse], started: float) -> AsyncIterator[ChatResponse]:
         acc = Accumulator()
-        finished = FinishedReason.COMPLETED
         try:
             async for chunk in deltas:
                 if chunk.is_last:  # the provider sent its own complete chunk
@@ -97,20 +119,17 @@ class ChatModel:
                 acc.add(chunk)
                 if chunk.content:
                     yield chunk
-        except BaseException as exc:
-            import asyncio
-
-            if not isinstance(exc, asyncio.CancelledError):
-                raise
-            finished = FinishedReason.INTERRUPTED
-            final = acc.result(finished, started)
-            yield final
+        except asyncio.CancelledError:
+            yield acc.result(FinishedReason.INTERRUPTED, started)  # with the usage reported so far
+            raise
+        except ModelError as exc:  # mid-stream: the caller keeps what the user already saw
+            exc.partial = acc.result(FinishedReason.ERROR, started)
             raise
         finally:
             close = getattr(deltas, "aclose", None)
             if close is not None:
                 await close()
-        yield acc.result(finished, started)
+        yield acc.result(acc.finished, started)
 
     def count_tokens(self, messages: list[Msg], tools: list[dict[str, Any]] | None = None) -> int:
         """A cheap estimate: UTF-8 bytes / 4 of all text, as AgentScope's default."""
@@ -135,9 +154,15 @@ class Accumulator:
         self.pieces: dict[str, list[str]] = {}  # block id -> its streamed pieces, in order
         self.usage: ChatUsage | None = None
         self.id = ""
+        self.metadata: dict[str, Any] = {}  # e.g. the provider's request id
+        # A delta chunk's finished_reason other than COMPLETED (LENGTH, CONTENT_FILTER) sticks.
+        self.finished = FinishedReason.COMPLETED
 
     def add(self, chunk: ChatResponse) -> None:
         self.id = self.id or chunk.id
+        self.metadata.update(chunk.metadata)
+        if chunk.finished_reason != FinishedReason.COMPLETED:
+            self.finished = chunk.finished_reason
         if chunk.usage is not None:
             self.usage = chunk.usage
         for block in chunk.content:
@@ -166,7 +191,12 @@ class Accumulator:
         usage.time = usage.time or round(time.monotonic() - started, 6)
         kw = {"id": self.id} if self.id else {}
         return ChatResponse(
-            content=list(self.blocks.values()), is_last=True, usage=usage, finished_reason=finished, **kw
+            content=list(self.blocks.values()),
+            is_last=True,
+            usage=usage,
+            finished_reason=finished,
+            metadata=dict(self.metadata),
+            **kw,
         )
 
 
@@ -187,6 +217,4 @@ def _streamed(block: Any) -> str:
 
 
 def _copy_block(block: Any) -> Any:
-    import copy
-
     return copy.deepcopy(block)

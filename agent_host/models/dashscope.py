@@ -19,11 +19,28 @@ import aiohttp
 import dashscope
 
 from ..data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
-from ._format import ToolCallMerger, connection_error, http_error, primed, to_chat_messages, to_tool_choice
+from ._format import (
+    ToolCallMerger,
+    connection_error,
+    finish_reason,
+    history_call_ids,
+    http_error,
+    parse_retry_after,
+    primed,
+    protocol_error,
+    to_chat_messages,
+    to_tool_choice,
+    usage_of,
+)
 from .base import ChatModel, ModelError
 
 # Errors of the transport below the SDK: worth another attempt.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
+_SDK_TIMEOUT = 24 * 3600  # seconds: effectively none (this class enforces ``timeout`` itself)
+
+
+def _lower(headers: Any) -> dict[str, str]:
+    return {str(k).lower(): str(v) for k, v in (headers or {}).items()}
 
 
 class DashScopeChatModel(ChatModel):
@@ -41,7 +58,12 @@ class DashScopeChatModel(ChatModel):
     ) -> None:
         super().__init__(id=id, model_name=model_name, base_url=base_url, **kw)
         self.api_key = api_key
-        self.timeout = timeout  # seconds without a byte from the server (the SDK's sock_read)
+        # Seconds without data from the server, enforced here for streamed and plain calls alike
+        # (the SDK's own timeout is a total for plain calls, and it resends a request whose
+        # answer is late, taking the read timeout for a dropped pooled connection).
+        self.timeout = timeout
+        self._session: aiohttp.ClientSession | None = None  # ours, closed by aclose()
+        self._session_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def ref(self) -> ModelRef:
@@ -51,8 +73,25 @@ class DashScopeChatModel(ChatModel):
     def endpoint(self) -> str:
         return self.base_url or os.environ.get("DASHSCOPE_HTTP_BASE_URL") or dashscope.base_http_api_url
 
+    def _aio(self) -> aiohttp.ClientSession:
+        """One aiohttp session per event loop, owned by the model (the SDK's shared one is never
+        closed: "Unclosed client session" at every shutdown)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session, self._session_loop = aiohttp.ClientSession(trust_env=True), loop
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None and self._session_loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = self._session_loop = None
+
     async def _open(
-        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any],
     ) -> AsyncIterator[ChatResponse]:
         api_key = self.api_key or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
         if not api_key:
@@ -61,13 +100,15 @@ class DashScopeChatModel(ChatModel):
                 error_type=ErrorType.SETUP,
             )
         request: dict[str, Any] = {
-            **self.parameters,
+            **parameters,
             "model": self.model_name,
             "messages": to_chat_messages(messages),
             "api_key": api_key,
             "result_format": "message",
             "base_address": self.endpoint,
-            "request_timeout": self.timeout,
+            # The SDK's timeout stays out of the way (see __init__); ours is per event.
+            "request_timeout": _SDK_TIMEOUT,
+            "session": self._aio(),
         }
         if self.stream:
             request.update(stream=True, incremental_output=True)
@@ -76,22 +117,30 @@ class DashScopeChatModel(ChatModel):
             choice = to_tool_choice(tool_choice, tools, required=False)
             if choice is not None:
                 request["tool_choice"] = choice
-        return await primed(self._deltas(request))
+        return await primed(self._deltas(request, ToolCallMerger(history_call_ids(messages))))
 
-    async def _deltas(self, request: dict[str, Any]) -> AsyncGenerator[ChatResponse, None]:
+    async def _next(self, awaitable: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await awaitable
+        except TimeoutError:
+            raise TimeoutError(f"no data from the server for {self.timeout:g} s") from None
+
+    async def _deltas(self, request: dict[str, Any], merger: ToolCallMerger) -> AsyncGenerator[ChatResponse, None]:
         text_id, thinking_id = new_id(), new_id()
-        merger = ToolCallMerger()
         usage: dict[str, Any] | None = None
         request_id = ""
+        finished: str | None = None
         responses: Any = None
         try:
-            result = await dashscope.AioGeneration.call(**request)
+            result = await self._next(dashscope.AioGeneration.call(**request))
             responses = result if self.stream else _once(result)
-            async for response in responses:
-                self._check(response)
+            while (response := await self._next(anext(responses, None))) is not None:
                 request_id = response.get("request_id") or request_id
+                self._check(response, request_id)
                 usage = response.get("usage") or usage  # cumulative: the last one counts
                 output = response.get("output") or {}
+                meta = {"request_id": request_id} if request_id else {}
                 for choice in output.get("choices") or []:
                     message = choice.get("message") or {}
                     blocks: list[Any] = []
@@ -101,20 +150,47 @@ class DashScopeChatModel(ChatModel):
                     if text:
                         blocks.append(TextBlock(id=text_id, text=text))
                     blocks.extend(merger.add(message.get("tool_calls")))
+                    if choice.get("finish_reason") not in (None, "", "null"):
+                        finished = choice["finish_reason"]
                     if blocks:
-                        yield ChatResponse(content=blocks, is_last=False, id=request_id or new_id())
+                        yield ChatResponse(content=blocks, is_last=False, id=request_id or new_id(), metadata=meta)
+            if finished is None:
+                raise protocol_error(
+                    self.provider, self.model_name, "the stream ended without a finish reason (truncated)", request_id
+                )
+        except aiohttp.ContentTypeError as exc:  # a 200 that is not an event stream (a gateway's page)
+            raise protocol_error(
+                self.provider, self.model_name, f"not an event stream: {exc.message}", request_id
+            ) from exc
         except _TRANSPORT_ERRORS as exc:
-            raise connection_error(self.provider, self.model_name, exc) from exc
+            raise connection_error(self.provider, self.model_name, exc, request_id) from exc
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:  # the SDK choked on the body
+            raise protocol_error(
+                self.provider, self.model_name, f"unreadable answer ({type(exc).__name__}: {exc})", request_id
+            ) from exc
         finally:
             if responses is not None:  # release the HTTP response now if the reader stopped early
                 await responses.aclose()
-        yield ChatResponse(content=merger.finish(), is_last=False, id=request_id or new_id(), usage=_usage(usage))
+        yield ChatResponse(
+            content=merger.finish(),
+            is_last=False,
+            id=request_id or new_id(),
+            usage=_usage(usage),
+            finished_reason=finish_reason(finished),
+            metadata={"request_id": request_id} if request_id else {},
+        )
 
-    def _check(self, response: Any) -> None:
+    def _check(self, response: Any, request_id: str) -> None:
         status = int(response.get("status_code") or 200)
         if status != 200:
             raise http_error(
-                self.provider, self.model_name, status, response.get("message") or "", response.get("code") or ""
+                self.provider,
+                self.model_name,
+                status,
+                response.get("message") or "",
+                response.get("code") or "",
+                request_id=request_id,
+                retry_after=parse_retry_after(_lower(response.get("headers"))),
             )
 
 
@@ -134,12 +210,11 @@ def _usage(usage: dict[str, Any] | None) -> ChatUsage | None:
         return None
     details = usage.get("prompt_tokens_details") or {}
     output_details = usage.get("output_tokens_details") or {}
-    metadata = {"reasoning_tokens": output_details["reasoning_tokens"]} if "reasoning_tokens" in output_details else {}
-    return ChatUsage(
-        input_tokens=int(usage.get("input_tokens") or 0),
-        output_tokens=int(usage.get("output_tokens") or 0),
-        cache_input_tokens=int(details.get("cached_tokens") or 0),
-        metadata=metadata,
+    return usage_of(
+        usage.get("input_tokens"),
+        usage.get("output_tokens"),
+        details.get("cached_tokens"),
+        output_details.get("reasoning_tokens"),
     )
 
 

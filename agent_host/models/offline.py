@@ -20,8 +20,10 @@ It is the embedded default of the demo and the tests. Per call it takes, in orde
 
 Rule patterns are case-insensitive regexes searched in the latest user message. Templates (tool
 inputs, ``text`` rules) take the regex groups as ``{0}``, ``{1}``, ... and ``{name}``; text
-templates (``text`` rules, ``reply_template``) also take ``{text}``, the user message, and
-``{system}``, the system prompt. A rule needs exactly one of ``tool``, ``text``, ``error``.
+templates (``text`` rules, ``reply_template``) also take ``{text}``, the user message,
+``{system}``, the system prompt, and ``{hints}``, the hint blocks that follow the user message
+(e.g. a memory middleware's recalled facts), one per line. A rule needs exactly one of ``tool``,
+``text``, ``error``.
 
 Text streams word by word; tool-call input streams in two fragments; usage is counted as
 input ≈ UTF-8 bytes / 4 of the prompt and output = streamed words.
@@ -39,6 +41,7 @@ from ..data import (
     ChatResponse,
     ChatUsage,
     ErrorType,
+    HintBlock,
     Msg,
     Role,
     TextBlock,
@@ -78,7 +81,11 @@ class OfflineRuleModel(ChatModel):
         self.calls = 0
 
     async def _open(
-        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any] | None = None,
     ) -> AsyncIterator[ChatResponse]:
         self.calls += 1
         if messages and "<compress-context>" in messages[-1].text:  # the agent asks for a summary
@@ -119,6 +126,9 @@ class OfflineRuleModel(ChatModel):
             lines = [f"{r.name} returned {block_text(r.output).strip()}" for r in results]
             return {"text": "Done: " + "; ".join(lines) + "."}
         system = messages[0].text if messages and messages[0].role == Role.SYSTEM else ""
+        hints = "\n".join(
+            block_text(b.hint) for m in messages[user_idx + 1 :] for b in m.content if isinstance(b, HintBlock)
+        )
         for rule in self.rules:
             if "tool" in rule or not (match := rule["regex"].search(user_text)):
                 continue
@@ -126,8 +136,10 @@ class OfflineRuleModel(ChatModel):
                 return {"error": rule["error"]}
             groups = [g or "" for g in match.groups()]
             named = {k: v or "" for k, v in match.groupdict().items()}
-            return {"text": rule["text"].format(*groups, **{"text": user_text, "system": system, **named})}
-        return {"text": self.reply_template.format(text=user_text, system=system)}
+            return {
+                "text": rule["text"].format(*groups, **{"text": user_text, "system": system, "hints": hints, **named})
+            }
+        return {"text": self.reply_template.format(text=user_text, system=system, hints=hints)}
 
     @staticmethod
     def _summary(messages: list[Msg]) -> str:

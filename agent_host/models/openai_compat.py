@@ -1,9 +1,15 @@
 """OpenAICompatibleModel: any chat-completions endpoint (OpenAI, vLLM, Ollama, llama.cpp, LM Studio).
 
-Talks HTTP with ``httpx`` directly (no SDK): ``POST {base_url}/chat/completions`` with
-``stream: true`` and ``stream_options.include_usage``, read as server-sent events until
-``[DONE]``. ``base_url`` is the config's, else ``OPENAI_BASE_URL``, else OpenAI's; the API key is
-the config's ``api_key``, else ``OPENAI_API_KEY``, else none (local servers usually need none).
+Built on the official ``openai`` SDK (``AsyncOpenAI``): it sends ``{base_url}/chat/completions``
+with ``stream: true`` and ``stream_options.include_usage`` and parses the server-sent events.
+The SDK's own retries are off (``max_retries=0``): the host's retry policy (``retry.py``) runs
+every attempt through the on_model_call chain, honours Retry-After, skips quota exhaustion, and
+reports each failure. ``base_url`` is the config's, else ``OPENAI_BASE_URL``, else OpenAI's; the
+API key is the config's ``api_key``, else ``OPENAI_API_KEY``, else none (local servers usually
+need none: no ``Authorization`` header is sent then).
+
+What the SDK accepts silently and this class does not: a stream that ends without a finish
+reason (truncated), and a 200 answer that is not an event stream (a gateway's HTML page).
 """
 
 from __future__ import annotations
@@ -15,10 +21,23 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-import httpx
+import openai
+from openai import AsyncOpenAI
 
-from ..data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
-from ._format import ToolCallMerger, connection_error, http_error, primed, to_chat_messages, to_tool_choice
+from ..data import ChatResponse, ChatUsage, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+from ._format import (
+    ToolCallMerger,
+    connection_error,
+    finish_reason,
+    history_call_ids,
+    http_error,
+    parse_retry_after,
+    primed,
+    protocol_error,
+    to_chat_messages,
+    to_tool_choice,
+    usage_of,
+)
 from .base import ChatModel, ModelError
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
@@ -47,7 +66,7 @@ class OpenAICompatibleModel(ChatModel):
         # Some older local servers reject ``stream_options``; they can turn it off.
         self.include_usage = include_usage
         self.image_parts = image_parts  # send image DataBlocks as image_url parts (vision models)
-        self._client: httpx.AsyncClient | None = None
+        self._client: AsyncOpenAI | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -58,24 +77,37 @@ class OpenAICompatibleModel(ChatModel):
     def endpoint(self) -> str:
         return (self.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
 
-    def _http(self) -> httpx.AsyncClient:
-        """One pooled client per event loop (an httpx client cannot move between loops)."""
+    def _sdk(self) -> AsyncOpenAI:
+        """One client per event loop (its httpx pool cannot move between loops)."""
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client.is_closed or self._client_loop is not loop:
-            timeout = httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0))
-            self._client, self._client_loop = httpx.AsyncClient(timeout=timeout), loop
+        if self._client is None or self._client_loop is not loop:
+            self._client = AsyncOpenAI(
+                api_key=self._api_key() or "unused",  # the SDK insists on one; see _open
+                base_url=self.endpoint,
+                default_headers=self.headers,
+                timeout=openai.Timeout(self.timeout, connect=min(self.timeout, 10.0)),
+                max_retries=0,
+            )
+            self._client_loop = loop
         return self._client
+
+    def _api_key(self) -> str | None:
+        return self.api_key or os.environ.get("OPENAI_API_KEY")
 
     async def aclose(self) -> None:
         if self._client is not None and self._client_loop is asyncio.get_running_loop():
-            await self._client.aclose()
+            await self._client.close()
         self._client = self._client_loop = None
 
     async def _open(
-        self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any],
     ) -> AsyncIterator[ChatResponse]:
         body: dict[str, Any] = {
-            **self.parameters,
+            **parameters,
             "model": self.model_name,
             "messages": to_chat_messages(messages, image_parts=self.image_parts),
             "stream": self.stream,
@@ -87,111 +119,118 @@ class OpenAICompatibleModel(ChatModel):
             choice = to_tool_choice(tool_choice, tools)
             if choice is not None:
                 body["tool_choice"] = choice
-        headers = {**self.headers, "Accept": "text/event-stream" if self.stream else "application/json"}
-        api_key = self.api_key or os.environ.get("OPENAI_API_KEY")
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        return await primed(self._deltas(body, headers))
+        if not self._api_key():  # local servers need no key: send no Authorization header at all
+            body["extra_headers"] = {"Authorization": openai.omit}
+        return await primed(self._deltas(body, ToolCallMerger(history_call_ids(messages))))
 
-    async def _deltas(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncGenerator[ChatResponse, None]:
+    def _error(self, exc: Exception, request_id: str = "") -> ModelError:
+        """The SDK's exception as a classified ModelError."""
+        if isinstance(exc, openai.APIStatusError):
+            response = exc.response
+            return http_error(
+                self.provider,
+                self.model_name,
+                response.status_code,
+                *_error_text(response.text),
+                request_id=exc.request_id or request_id,
+                retry_after=parse_retry_after(response.headers),
+            )
+        if isinstance(exc, openai.APIConnectionError):  # APITimeoutError included
+            cause = exc.__cause__ or exc
+            return connection_error(self.provider, self.model_name, cause, request_id)
+        if isinstance(exc, openai.APIError):  # an error event inside the stream: its body is the error
+            error = exc.body if isinstance(exc.body, dict) else {}
+            code = error.get("code")
+            return http_error(
+                self.provider,
+                self.model_name,
+                code if isinstance(code, int) else 500,
+                exc.message,
+                str(error.get("type") or (code if isinstance(code, str) else "")),
+                request_id=request_id,
+            )
+        raise exc
+
+    async def _deltas(self, body: dict[str, Any], merger: ToolCallMerger) -> AsyncGenerator[ChatResponse, None]:
         text_id, thinking_id = new_id(), new_id()
-        merger = ToolCallMerger()
         usage: ChatUsage | None = None
-        response_id = ""
+        response_id = request_id = ""
+        finished: str | None = None
         try:
-            async with self._http().stream(
-                "POST", f"{self.endpoint}/chat/completions", json=body, headers=headers
-            ) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    raise http_error(self.provider, self.model_name, response.status_code, *_error_text(response.text))
-                events = _sse_events(response) if self.stream else _json_body(response)
-                async for event in events:
-                    if event.get("error"):  # some servers report failures inside the stream
-                        error = event["error"]
-                        status = error.get("code") if isinstance(error, dict) else None
-                        raise http_error(
-                            self.provider,
-                            self.model_name,
-                            status if isinstance(status, int) else 500,
-                            *_error_text(json.dumps(event)),
-                        )
-                    response_id = event.get("id") or response_id
-                    if event.get("usage"):
-                        usage = _usage(event["usage"])
-                    for choice in event.get("choices") or []:
-                        # Streams carry ``delta``s; a non-streamed answer one complete ``message``.
-                        part = choice.get("delta") or choice.get("message") or {}
-                        blocks: list[Any] = []
-                        reasoning = part.get("reasoning_content") or part.get("reasoning")
-                        if reasoning:
-                            blocks.append(ThinkingBlock(id=thinking_id, thinking=reasoning))
-                        if part.get("content"):
-                            blocks.append(TextBlock(id=text_id, text=part["content"]))
-                        blocks.extend(merger.add(part.get("tool_calls")))
-                        if blocks:
-                            yield ChatResponse(content=blocks, is_last=False, id=response_id or new_id())
-        except httpx.TransportError as exc:
-            raise connection_error(self.provider, self.model_name, exc) from exc
-        except json.JSONDecodeError as exc:
-            raise ModelError(
-                f"{self.provider} model {self.model_name!r}: malformed stream event: {exc}",
-                error_type=ErrorType.UPSTREAM,
-                retryable=True,
-            ) from exc
-        yield ChatResponse(content=merger.finish(), is_last=False, id=response_id or new_id(), usage=usage)
-
-
-async def _sse_events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of a server-sent event stream, up to ``[DONE]``."""
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-            continue
-        if line or not data:  # comments, event:/id: fields, or a blank line with nothing pending
-            continue
-        payload, data = "\n".join(data), []
-        if payload.strip() == "[DONE]":
-            return
-        yield json.loads(payload)
-    if data and "\n".join(data).strip() != "[DONE]":  # a last event without its blank line
-        yield json.loads("\n".join(data))
-
-
-async def _json_body(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    await response.aread()
-    yield response.json()
+            raw = await self._sdk().chat.completions.with_raw_response.create(**body)
+            request_id = raw.headers.get("x-request-id", "")
+            meta = {"request_id": request_id} if request_id else {}
+            content_type = raw.headers.get("content-type", "")
+            expected = "text/event-stream" if self.stream else "json"
+            if expected not in content_type:  # e.g. a gateway's HTML page with status 200
+                text = (await raw.http_response.aread()).decode(errors="replace")
+                what = f"expected {expected}, got {content_type or 'no content type'}: {text or 'empty body'}"
+                raise protocol_error(self.provider, self.model_name, what, request_id)
+            parsed = raw.parse()
+            events = parsed if self.stream else _once(parsed)
+            async for event in events:
+                event = event.model_dump(exclude_none=True) if hasattr(event, "model_dump") else event
+                response_id = event.get("id") or response_id
+                if event.get("usage"):
+                    usage = _usage(event["usage"])
+                for choice in event.get("choices") or []:
+                    # Streams carry ``delta``s; a non-streamed answer one complete ``message``.
+                    part = choice.get("delta") or choice.get("message") or {}
+                    blocks: list[Any] = []
+                    reasoning = part.get("reasoning_content") or part.get("reasoning")
+                    if reasoning:
+                        blocks.append(ThinkingBlock(id=thinking_id, thinking=reasoning))
+                    if part.get("content"):
+                        blocks.append(TextBlock(id=text_id, text=part["content"]))
+                    blocks.extend(merger.add(part.get("tool_calls")))
+                    finished = choice.get("finish_reason") or finished
+                    if blocks:
+                        yield ChatResponse(content=blocks, is_last=False, id=response_id or new_id(), metadata=meta)
+            if finished is None:
+                raise protocol_error(
+                    self.provider, self.model_name, "the stream ended without a finish reason (truncated)", request_id
+                )
+        except openai.OpenAIError as exc:
+            raise self._error(exc, request_id) from exc
+        except ValueError as exc:  # a malformed event (JSON)
+            raise protocol_error(self.provider, self.model_name, f"malformed event: {exc}", request_id) from exc
+        yield ChatResponse(
+            content=merger.finish(),
+            is_last=False,
+            id=response_id or new_id(),
+            usage=usage,
+            finished_reason=finish_reason(finished),
+            metadata=meta,
+        )
 
 
 def _error_text(raw: str) -> tuple[str, str]:
     """(message, code) from the error bodies servers send: OpenAI/vLLM ``{"error": {...}}`` or
-    ``{"message": ...}``, Ollama ``{"error": "..."}``, FastAPI ``{"detail": ...}``, or plain text."""
+    ``{"message": ...}``, Ollama ``{"error": "..."}``, FastAPI ``{"detail": ...}``, or plain text
+    (an HTML page included: ``http_error`` summarizes it)."""
     try:
         body = json.loads(raw)
     except ValueError:
-        return raw.strip()[:2000], ""
-    if not isinstance(body, dict):
-        return raw.strip()[:2000], ""
-    error = body.get("error", body)
-    if isinstance(error, str):
-        return error, ""
+        return raw, ""
+    error = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(error, dict):
         message = error.get("message") or error.get("detail") or json.dumps(error)
-        code = error.get("code") or error.get("type") or ""
-        return str(message), str(code)
-    return raw.strip()[:2000], ""
+        return str(message), str(error.get("code") or error.get("type") or "")
+    return str(error), ""
+
+
+async def _once(answer: Any) -> AsyncIterator[Any]:
+    yield answer
 
 
 def _usage(usage: dict[str, Any]) -> ChatUsage:
     prompt_details = usage.get("prompt_tokens_details") or {}
     completion_details = usage.get("completion_tokens_details") or {}
-    reasoning = completion_details.get("reasoning_tokens")
-    return ChatUsage(
-        input_tokens=int(usage.get("prompt_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens") or 0),
-        cache_input_tokens=int(prompt_details.get("cached_tokens") or 0),
-        metadata={"reasoning_tokens": reasoning} if reasoning else {},
+    return usage_of(
+        usage.get("prompt_tokens"),
+        usage.get("completion_tokens"),
+        prompt_details.get("cached_tokens"),
+        completion_details.get("reasoning_tokens"),
     )
 
 

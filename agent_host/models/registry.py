@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import ChatModel
+from .retry import RetryPolicy
 
 
 class UnknownModelError(KeyError):
@@ -19,6 +20,7 @@ class ModelEntry:
     model: ChatModel
     max_retries: int = 0
     fallback: list[str] = field(default_factory=list)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 def _offline(**config: Any) -> ChatModel:
@@ -53,8 +55,15 @@ class ModelRegistry:
         self.entries: dict[str, ModelEntry] = {}
         self.default = default
 
-    def add(self, model: ChatModel, *, max_retries: int = 0, fallback: list[str] | None = None) -> ChatModel:
-        self.entries[model.id] = ModelEntry(model, max_retries, list(fallback or []))
+    def add(
+        self,
+        model: ChatModel,
+        *,
+        max_retries: int = 0,
+        fallback: list[str] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> ChatModel:
+        self.entries[model.id] = ModelEntry(model, max_retries, list(fallback or []), retry or RetryPolicy())
         if self.default is None:
             self.default = model.id
         return model
@@ -69,6 +78,18 @@ class ModelRegistry:
         self.get(model_id)
         return self.entries[model_id]
 
+    def candidates(self, model_id: str) -> list[tuple[str, int, RetryPolicy]]:
+        """The model and its fallbacks, each with its retry budget, in the order to try them."""
+        ids = [model_id, *self.entry(model_id).fallback]
+        return [(i, self.entry(i).max_retries, self.entry(i).retry) for i in ids]
+
+    async def aclose(self) -> None:
+        """Close every model's connections (the host calls it at shutdown)."""
+        for entry in self.entries.values():
+            close = getattr(entry.model, "aclose", None)
+            if close is not None:
+                await close()
+
     def resolve(self, model: ChatModel | str | Any) -> ChatModel:
         """A model object, or a registered id, or anything with an ``id`` (a ModelRef)."""
         if isinstance(model, ChatModel):
@@ -77,7 +98,8 @@ class ModelRegistry:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelRegistry:
-        """``{"default": id, "models": {id: {"provider": ..., "max_retries": n, "fallback": [...], ...}}}``
+        """``{"default": id, "models": {id: {"provider": ..., "max_retries": n, "fallback": [...],
+        "retry": {"initial_delay": s, "max_delay": s, "deadline": s}, ...}}}``
 
         The remaining keys of a model go to its constructor: ``model_name``, ``base_url``, ``api_key``,
         ``parameters`` (sent with every request, e.g. ``temperature``), ``stream``, ``timeout``, ...
@@ -90,7 +112,11 @@ class ModelRegistry:
                 raise ValueError(f"model {model_id!r}: unknown provider {provider!r} (known: {sorted(PROVIDERS)})")
             retries = int(spec.pop("max_retries", 0))
             fallback = list(spec.pop("fallback", []) or [])
-            registry.add(PROVIDERS[provider](id=model_id, **spec), max_retries=retries, fallback=fallback)
+            try:
+                retry = RetryPolicy.from_config(spec.pop("retry", None))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"model {model_id!r}: {exc}") from None
+            registry.add(PROVIDERS[provider](id=model_id, **spec), max_retries=retries, fallback=fallback, retry=retry)
         for model_id, entry in registry.entries.items():
             for fb in entry.fallback:
                 if fb not in registry.entries:

@@ -16,6 +16,7 @@ import random
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import grpc
@@ -24,8 +25,10 @@ import jsonschema
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..codec import CodecError, codec, json_to_value
+from ..config import Permissions
 from ..data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec, Kind
+from ..security import TlsFiles, bearer_metadata, channel
 from ..subscriptions import SubscriptionTable
 from ..tools import Tool
 
@@ -85,6 +88,29 @@ class Policy:
                 raise ValueError(f"{name} must be a whole number above 0, got {value!r}")
 
 
+@dataclass
+class Access:
+    """How the host reaches a middleware and what it lets it do (docs/security.md): TLS, the
+    token it presents on every call, the key Describe must report ("" = any), its permissions."""
+
+    tls: TlsFiles | None = None
+    token: str = dataclass_field(default="", repr=False)  # a secret: never in a repr, a log or an error
+    key: str = ""
+    permissions: Permissions = dataclass_field(default_factory=Permissions)
+
+
+# Which permission each Mutation op needs (set_slot, the middleware's own slot, needs none).
+MUTATION_PERMISSION = {
+    "append_message": "mutate_context",
+    "append_blocks": "mutate_context",
+    "append_blocks_to_tail": "mutate_context",
+    "remove_block": "mutate_context",
+    "set_cur_iter": "mutate_context",
+    "set_max_iters": "mutate_context",
+    "set_model": "set_model",
+}
+
+
 class MiddlewareFailure(RuntimeError):
     """The middleware could not be used: unreachable, broken stream, timeout, protocol violation."""
 
@@ -121,11 +147,15 @@ class RemoteMiddlewareError(RuntimeError):
 
 
 class RemoteMiddleware:
-    def __init__(self, address: str, *, name: str | None = None, policy: Policy | None = None) -> None:
+    def __init__(
+        self, address: str, *, name: str | None = None, policy: Policy | None = None, access: Access | None = None
+    ) -> None:
         self.address = address
         self.policy = policy or Policy()
+        self.access = access or Access()
         self.configured_name = name
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = channel(address, self.access.tls, options=CHANNEL_OPTIONS)
+        self.metadata = bearer_metadata(self.access.token)  # on every call: the server checks it
         # Streams open with wait_for_ready: on a reconnecting channel (a restarting middleware) the
         # begin waits for the server instead of failing at once; the hook call's watchdog bounds it.
         self.stubs = {
@@ -136,6 +166,7 @@ class RemoteMiddleware:
                     response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
                 ),
                 wait_for_ready=True,
+                metadata=self.metadata,
             )
             for spec in HOOKS.values()
         }
@@ -174,6 +205,7 @@ class RemoteMiddleware:
                 hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION),
                 timeout=self.policy.connect_timeout if timeout is None else timeout,
                 wait_for_ready=True,
+                metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
@@ -194,10 +226,35 @@ class RemoteMiddleware:
                 raise ProtocolError(self.name, "Describe", str(exc)) from None
         if self.key and desc.key != self.key:  # the slot it owns is fixed at attach
             raise ProtocolError(self.name, "Describe", f"key changed from {self.key!r} to {desc.key!r}")
+        self._check_permitted(desc, tables)
         self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
         self.described = True
         self._drop_idle()  # streams of an earlier connection are of no use
         return self
+
+    def _check_permitted(self, desc: hooks_pb2.MiddlewareDescription, tables: dict[str, SubscriptionTable]) -> None:
+        """Least privilege, where Describe is read: the host decides the key, the hooks, the context
+        and the tools a middleware gets; a Describe asking for more is refused (a re-Describe too)."""
+        access, perms = self.access, self.access.permissions
+
+        def refuse(what: str) -> ProtocolError:
+            return ProtocolError(self.name, "Describe", f"{what}, which its configuration does not allow")
+
+        if access.key and desc.key != access.key:
+            raise refuse(f"reports key {desc.key!r} (configured: {access.key!r})")
+        for hook, table in tables.items():
+            if perms.hooks is not None and hook not in perms.hooks:
+                raise refuse(f"serves {hook}")
+            if table.wants_context and not perms.context:
+                raise refuse(f"asks for the context (wants_context) in {hook}")
+        if desc.provides_tools and not perms.tools:
+            raise refuse("provides tools")
+
+    def check_mutation(self, op: str, hook: str) -> None:
+        """Raise ProtocolError when the permissions do not allow this Mutation op (protocol.py)."""
+        needed = MUTATION_PERMISSION.get(op)
+        if needed is not None and not getattr(self.access.permissions, needed):
+            raise ProtocolError(self.name, hook, f"{op} is not allowed by its configuration ({needed}: false)")
 
     def implements(self, hook: str) -> bool:
         return hook in self.tables
@@ -316,7 +373,9 @@ class RemoteMiddleware:
         if not self.provides_tools:
             return []
         try:
-            reply = await self._tools_stub.ListTools(hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout)
+            reply = await self._tools_stub.ListTools(
+                hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout, metadata=self.metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "ListTools", f"{exc.code().name}: {exc.details()}") from None
         return self._checked_tools(reply.tools)
@@ -375,7 +434,8 @@ class RemoteTool(Tool):
             slot = state.middle_context.get(mw.key)
             if slot is not None:
                 json_to_value(slot, request.context.slot)
-        call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=True)  # reads are timed below
+        # Reads are timed below.
+        call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=True, metadata=mw.metadata)
         try:
             while True:
                 try:

@@ -141,7 +141,6 @@ class HookCall:
         if record and self.spec.name in _EVENT_HOOKS and not after_final:
             yield CustomEvent(
                 name="middleware_bypassed",
-                reply_id=self.agent.state.reply_id,
                 value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
             )
         async for item in self._without_middleware():
@@ -478,6 +477,7 @@ class HookCall:
         """Validate and apply one state change; anything not the middleware's own is a violation."""
         agent, state, key = self.agent, self.agent.state, self.mw.key
         op = mutation.WhichOneof("op")
+        self.mw.check_mutation(op, self.spec.name)  # its permissions (security: client.py)
         try:
             if op == "set_slot":
                 value = value_to_json(mutation.set_slot)

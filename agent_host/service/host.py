@@ -32,7 +32,7 @@ import grpc
 import jsonschema
 
 from .. import tracing
-from ..agent import Agent, ReplyError, check_input_messages
+from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..data import (
     ExternalExecutionResultEvent,
@@ -47,7 +47,9 @@ from ..data.state import AgentState
 from ..hooks import HOOKS
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
+from ..remote.client import Access
 from ..runtime_state import RuntimeState
+from ..security import ANONYMOUS_ADMIN, Principal
 from ..store import Journal, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, SessionStore
 from ..tools import Tool, Toolkit, middleware_tools
 
@@ -55,6 +57,9 @@ log = logging.getLogger("agentmw.host")
 
 QUEUE_SIZE = 256  # items a reply may run ahead of a slow client before it waits
 BATCH = 64  # items at most in one ReplyEvent
+# Seconds an interrupted reply may take to wind down (its end flows out through every on_reply
+# middleware) before it is cut off: a middleware that keeps the reply going cannot keep the host busy.
+INTERRUPT_GRACE = 5.0
 
 
 class ReplyRejected(Exception):
@@ -94,19 +99,36 @@ _END = object()
 class ReplyRun:
     """One reply in flight: its task, and the queue its items flow through to the client."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, owner: str = "") -> None:
         self.session_id = session_id
+        self.owner = owner
         self.queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
         self.agent: Agent | None = None
         self.interrupted = False
         self.consumer_gone = False
         self.task: asyncio.Task[None] | None = None
+        self.cut_off = False  # the reply did not wind down within INTERRUPT_GRACE and was cancelled
+        self._grace: asyncio.TimerHandle | None = None
 
-    def interrupt(self) -> None:
-        """The client cancelled: interrupt the reply (it still ends cleanly and is saved)."""
+    def interrupt(self, grace: float = INTERRUPT_GRACE) -> None:
+        """The client cancelled: interrupt the reply (it still ends cleanly and is saved), and cut it
+        off if it has not ended ``grace`` seconds later."""
         self.interrupted = True
         if self.agent is not None:
             self.agent.interrupt()
+        if self._grace is None and self.task is not None and not self.task.done():
+            self._grace = asyncio.get_running_loop().call_later(grace, self._cut_off)
+            self.task.add_done_callback(lambda _t: self._grace.cancel() if self._grace else None)
+
+    def _cut_off(self) -> None:
+        if self.task is not None and not self.task.done():
+            log.warning(
+                "session %s: the interrupted reply did not end within %ss: cancelling it",
+                self.session_id,
+                INTERRUPT_GRACE,
+            )
+            self.cut_off = True
+            self.task.cancel()
 
     def abandon(self) -> None:
         """The client went away: interrupt, and drop whatever is still queued."""
@@ -151,23 +173,48 @@ class Host:
 
     # -- replies ---------------------------------------------------------------------------------
 
-    def start_reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyRun:
+    def start_reply(
+        self,
+        session_id: str,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None = None,
+        *,
+        caller: Principal = ANONYMOUS_ADMIN,
+        may_create: bool = True,
+    ) -> ReplyRun:
         """Run a reply to ``inputs`` (a message, or an event resuming a parked reply); with
-        ``structured_schema`` (a message only) its final Msg carries a ``structured_output``."""
-        run = ReplyRun(session_id)
-        run.task = asyncio.create_task(self._run(run, inputs, structured_schema), name=f"reply {session_id}")
+        ``structured_schema`` (a message only) its final Msg carries a ``structured_output``.
+        ``caller`` must own the session (or be an admin); ``may_create``: an unknown id starts a
+        new session (else it is NOT_FOUND, like another user's)."""
+        run = ReplyRun(session_id, caller.name)
+        work = self._run(run, inputs, structured_schema, caller, may_create)
+        run.task = asyncio.create_task(work, name=f"reply {session_id}")
         self._runs.add(run)
         run.task.add_done_callback(lambda _t: self._runs.discard(run))
         return run
 
-    async def _run(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
+    async def _run(
+        self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, caller: Principal, may_create: bool
+    ) -> None:
         try:
+            await self._check_access(run, inputs, caller, may_create)
             await self._reply(run, inputs, structured_schema)
         except ReplyRejected as exc:
             await run.put(exc)
         except LeaseLostError as exc:  # paused or cut off past the lease: another host has the session
             log.warning("%s: the reply stops here, nothing more of it is stored", exc)
             await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
+        except asyncio.CancelledError:
+            if not run.cut_off:  # the host is shutting down
+                raise
+            asyncio.current_task().uncancel()
+            await run.put(
+                ReplyRejected(
+                    grpc.StatusCode.ABORTED,
+                    f"the reply was interrupted but did not end within {INTERRUPT_GRACE}s (a middleware kept it "
+                    "going), so it was cut off; the session keeps what was done, open tool calls closed",
+                )
+            )
         except Exception:  # a host bug: say so on the stream rather than hang the client
             log.exception("reply of session %s failed", run.session_id)
             await run.put(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
@@ -185,7 +232,7 @@ class Host:
             if journal is None:
                 if not isinstance(inputs, Msg):
                     raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
-                journal = self.store.create(sid, fence=hold.fence)
+                journal = self.store.create(sid, fence=hold.fence, owner=run.owner)
             setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
             for a in setup.middleware:
                 a.users += 1
@@ -202,6 +249,8 @@ class Host:
                         async for item in agent.reply_stream(inputs, structured_schema):
                             await run.put(item)
                 finally:
+                    if run.cut_off:  # cancelled half-way: close the reply as after a host crash
+                        agent.close_interrupted_reply(None, CUT_OFF)
                     # Shielded: a host shutdown that cancels this task must not lose the session.
                     await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
             finally:
@@ -209,6 +258,31 @@ class Host:
                     a.users -= 1
                     if a.detached and a.users == 0:
                         await a.remote.close()
+
+    async def _check_access(self, run: ReplyRun, inputs: Any, caller: Principal, may_create: bool) -> None:
+        """Another user's session answers exactly as a missing one; per-owner limits (with
+        authentication). Before the session lock: waiting on it would tell a session is busy."""
+        sid = run.session_id
+        record = await self.store.record(sid)
+        if (record is None and not may_create) or not self._visible(record, caller):
+            what = f"no session {sid!r}" + ("" if isinstance(inputs, Msg) else " to resume")
+            raise ReplyRejected(grpc.StatusCode.NOT_FOUND, what)
+        if not caller.name:  # no authentication: one anonymous owner, no per-owner limits
+            return
+        limits = self.config.security
+        if sum(1 for r in self._runs if r.owner == caller.name) > limits.replies_per_owner:  # this one included
+            raise ReplyRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limits.replies_per_owner} replies at once per user"
+            )
+        if record is None and len(await self.store.list(0, caller.name)) >= limits.sessions_per_owner:
+            raise ReplyRejected(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"at most {limits.sessions_per_owner} sessions per user: delete some first",
+            )
+
+    @staticmethod
+    def _visible(record: SessionRecord | None, caller: Principal) -> bool:
+        return record is None or caller.admin or record.owner == caller.name
 
     async def _open(self, session_id: str, fence: int | None) -> Journal | None:
         """The session for a reply (the caller holds its lock and lease). A reply found OPEN was running
@@ -273,8 +347,11 @@ class Host:
     def replying(self, session_id: str) -> bool:
         return any(r.session_id == session_id for r in self._runs)
 
-    async def interrupt(self, session_id: str) -> bool:
-        """Interrupt the session's running reply, here or on another host of a shared store."""
+    async def interrupt(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
+        """Interrupt the session's running reply, here or on another host of a shared store (another
+        user's session answers as one with no reply)."""
+        if not self._visible(await self.store.record(session_id), caller):
+            return False
         local = [r for r in self._runs if r.session_id == session_id]
         for run in local:
             run.interrupt()
@@ -282,10 +359,14 @@ class Host:
 
     # -- sessions --------------------------------------------------------------------------------
 
-    async def sessions(self, limit: int = 0) -> list[SessionRecord]:
-        return await self.store.list(limit)
+    async def sessions(self, limit: int = 0, caller: Principal = ANONYMOUS_ADMIN) -> list[SessionRecord]:
+        return await self.store.list(limit, None if caller.admin else caller.name)
 
-    async def session(self, session_id: str) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
+    async def session(
+        self, session_id: str, caller: Principal = ANONYMOUS_ADMIN
+    ) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
+        if not self._visible(await self.store.record(session_id), caller):
+            return None
         loaded = await self.store.load(session_id)
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
             # Left open by a host that stopped: close it; unless another host replies in it now.
@@ -299,7 +380,9 @@ class Host:
         state = loaded[0]
         return record, state, self._agent(state).awaiting_calls()
 
-    async def delete_session(self, session_id: str) -> bool:
+    async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
+        if not self._visible(await self.store.record(session_id), caller):
+            return False
         async with self._session_lock(session_id), self.store.hold(session_id):
             return await self.store.delete(session_id)
 
@@ -325,11 +408,15 @@ class Host:
                 policy=Policy(
                     fail_open=mc.fail_open, timeout=mc.timeout, max_items=mc.max_items, max_bytes=mc.max_bytes
                 ),
+                access=self._access(mc),
             )
             try:
                 await remote.connect()
                 if any(a.name == remote.name for a in self.middleware):
                     raise ValueError(f"a middleware named {remote.name!r} is already attached")
+                owner = next((m for m in self.config.middleware if m.key == remote.key and m is not mc), None)
+                if not mc.key and owner is not None:  # a configured key's slot is that middleware's alone
+                    raise ValueError(f"{mc.address} reports key {remote.key!r}, reserved for {owner.source}")
                 clash = next((a for a in self.middleware if a.remote.key == remote.key), None)
                 if clash is not None:  # one key = one middle_context slot: two would share it
                     raise ValueError(
@@ -354,6 +441,10 @@ class Host:
                 ", ".join(tools) or "none",
             )
             return attached
+
+    def _access(self, mc: MiddlewareConfig) -> Access:
+        sec = self.config.security
+        return Access(tls=sec.middleware_tls, token=sec.middleware_token, key=mc.key, permissions=mc.permissions)
 
     async def detach(self, name: str) -> Attached:
         """Remove it for the next replies; replies using it now finish with it (then it is closed)."""
@@ -399,6 +490,7 @@ class Host:
                 await asyncio.wait(pending, timeout=2.0)
         for a in self.middleware:
             await a.remote.close()
+        await self.models.aclose()  # the model clients' connection pools (else "Unclosed client session")
         await self.store.aclose()
 
 

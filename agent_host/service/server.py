@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import signal
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,8 +22,9 @@ from ..codec import CodecError, codec
 from ..config import ConfigError, HostConfig, MiddlewareConfig
 from ..data import new_id
 from ..hooks import HOOKS
-from ..remote import MiddlewareFailure
+from ..remote import MiddlewareFailure, Policy
 from ..remote.client import check_timeout
+from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, address_allowed
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
@@ -30,6 +33,18 @@ from .host import Attached, Host, ReplyRejected, ReplyRun
 log = logging.getLogger("agentmw.host")
 
 SERVICE = "agentmw.v1.AgentHost"
+
+# The role each AgentHost method needs; a method not listed needs ADMIN (a new RPC is closed by default).
+METHOD_ROLES = {
+    "Reply": USER,
+    "ListSessions": USER,
+    "GetSession": USER,
+    "DeleteSession": USER,
+    "InterruptReply": USER,
+}
+CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("caller", default=ANONYMOUS_ADMIN)
+CONNECT_TIMEOUT = Policy.connect_timeout  # an attach failure is answered no sooner than this
+ATTACH_FAILED = "no usable middleware server answered there (the host's log says why)"
 
 
 class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
@@ -50,7 +65,10 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         session_id = start.get("session_id") or new_id()
         # A JSON object (the codec's struct_to_dict) when set; the host checks it before anything is stored.
         structured_schema = start.get("structured_schema")
-        run = self.host.start_reply(session_id, inputs, structured_schema)
+        # With authentication, new sessions get ids the host mints: an unknown id is NOT_FOUND, as
+        # another user's is (so ids tell nothing about who has which).
+        may_create = not start.get("session_id") or not self.host.config.security.users
+        run = self.host.start_reply(session_id, inputs, structured_schema, caller=CALLER.get(), may_create=may_create)
         watcher = asyncio.create_task(_watch_cancel(request_iterator, run))
         try:
             async for batch in run.batches():
@@ -65,10 +83,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
             run.abandon()  # a no-op when the reply has ended; else the client went away
 
     async def ListSessions(self, request: Any, context: Any) -> host_pb2.SessionList:
-        return host_pb2.SessionList(sessions=[_summary(r) for r in await self.host.sessions(request.limit)])
+        sessions = await self.host.sessions(request.limit, CALLER.get())
+        return host_pb2.SessionList(sessions=[_summary(r) for r in sessions])
 
     async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.Session:
-        found = await self.host.session(request.session_id)
+        found = await self.host.session(request.session_id, CALLER.get())
         if found is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
         record, state, pending = found
@@ -80,10 +99,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         return out
 
     async def DeleteSession(self, request: Any, context: Any) -> host_pb2.DeleteSessionResponse:
-        return host_pb2.DeleteSessionResponse(deleted=await self.host.delete_session(request.session_id))
+        deleted = await self.host.delete_session(request.session_id, CALLER.get())
+        return host_pb2.DeleteSessionResponse(deleted=deleted)
 
     async def InterruptReply(self, request: Any, context: Any) -> host_pb2.InterruptReplyResponse:
-        return host_pb2.InterruptReplyResponse(interrupted=await self.host.interrupt(request.session_id))
+        return host_pb2.InterruptReplyResponse(interrupted=await self.host.interrupt(request.session_id, CALLER.get()))
 
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
         await _per_host_middleware(self.host, context)
@@ -94,20 +114,32 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
                 check_timeout(request.timeout)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        security = self.host.config.security
+        configured = {m.address: m for m in self.host.config.middleware}
+        if not address_allowed(request.address, security.attach_allow, configured):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{request.address} is not an allowed address")
+        known = configured.get(request.address)  # a configured address keeps its key and permissions
         mc = MiddlewareConfig(
             address=request.address,
             name=request.name,
             fail_open=request.fail_open,
             timeout=request.timeout or 10.0,
+            key=known.key if known else "",
+            permissions=known.permissions if known else security.attach_permissions,
             source="AttachMiddleware",
         )
         position = request.position if request.HasField("position") else None
         if position is not None and not 0 <= position <= len(self.host.middleware):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"position {position} is out of range")
+        started = time.monotonic()
         try:
             attached = await self.host.attach(mc, position)
         except MiddlewareFailure as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot attach {request.address}: {exc}")
+            # One answer, at one time, for refused / unreachable / timed out / not a middleware:
+            # AttachMiddleware must not be a port scanner. The details go to the log only.
+            log.warning("AttachMiddleware %s failed: %s", request.address, exc)
+            await asyncio.sleep(max(0.0, started + CONNECT_TIMEOUT - time.monotonic()))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot attach {request.address}: {ATTACH_FAILED}")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         return _info(attached)
@@ -194,6 +226,46 @@ class _DecodeErrors(grpc.aio.ServerInterceptor):
         return handler  # AgentHost has no other kind of method
 
 
+class _Authorize(grpc.aio.ServerInterceptor):
+    """Every AgentHost call is authenticated (token or client certificate) and checked against
+    METHOD_ROLES before its method runs; the caller is then ``CALLER`` for the method. Without
+    configured users every caller is an anonymous admin (today's loopback behaviour)."""
+
+    def __init__(self, auth: Authenticator) -> None:
+        self.auth = auth
+
+    async def _caller(self, method: str, context: grpc.aio.ServicerContext) -> Principal:
+        caller = self.auth.authenticate(context.invocation_metadata(), context.auth_context())
+        if caller is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid token or certificate is required")
+        needed = METHOD_ROLES.get(method.rsplit("/", 1)[-1], ADMIN)
+        if needed == ADMIN and not caller.admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin role")
+        return caller
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or not method.startswith(f"/{SERVICE}/") or not self.auth.enabled:
+            return handler  # health (and reflection, when enabled) stay open, as probes expect
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def authorized_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                CALLER.set(await self._caller(method, context))
+                return await unary(request, context)
+
+            return handler._replace(unary_unary=authorized_unary)
+        stream = handler.stream_stream
+
+        async def authorized_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            CALLER.set(await self._caller(method, context))
+            async for response in stream(requests, context):
+                yield response
+
+        return handler._replace(stream_stream=authorized_stream)
+
+
 def _summary(r: SessionRecord) -> host_pb2.SessionSummary:
     return host_pb2.SessionSummary(
         session_id=r.session_id,
@@ -277,14 +349,24 @@ async def build_host(config: HostConfig) -> Host:
 
 
 async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=[_DecodeErrors()])
+    sec = host.config.security
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", sec.max_message_bytes)]
+    interceptors = [_Authorize(Authenticator(sec.users)), _DecodeErrors()]  # the first is the outermost
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     host_pb2_grpc.add_AgentHostServicer_to_server(AgentHostServicer(host), server)
     health_servicer = HostHealth(host)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.refresh()
-    reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if sec.reflection:
+        reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        port = server.add_insecure_port(listen)
+        if sec.tls.enabled:  # a TLS port only: plaintext clients fail the handshake
+            credentials = sec.tls.server_credentials(require_client_cert=sec.require_client_cert, where="security.tls")
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+    except SecurityError as exc:
+        raise StartupError(str(exc)) from None
     except RuntimeError:
         port = 0
     if port == 0:

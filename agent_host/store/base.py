@@ -42,6 +42,7 @@ class SessionRecord:
     message_count: int
     parked: bool
     status: ReplyStatus = ReplyStatus.IDLE
+    owner: str = ""  # the authenticated user who created it ("" without authentication)
 
 
 class StoreLockedError(OSError):
@@ -124,13 +125,14 @@ class SessionStore(Protocol):
         """The stored session, for a reply (None if there is none). The caller holds the session
         (one reply at a time: the host's per-session lock; with many hosts, the lease of ``fence``)."""
 
-    def create(self, session_id: str, *, fence: int | None = None) -> Journal:
-        """A new, empty session; nothing is stored until its first write."""
+    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> Journal:
+        """A new, empty session of ``owner``; nothing is stored until its first write."""
 
     async def load(self, session_id: str) -> tuple[AgentState, ReplyStatus] | None:
         """A read-only snapshot of what is stored (for GetSession), never shared with a reply."""
 
-    async def list(self, limit: int = 0) -> list[SessionRecord]: ...
+    async def list(self, limit: int = 0, owner: str | None = None) -> list[SessionRecord]:
+        """Most recently updated first; only ``owner``'s when given."""
 
     async def record(self, session_id: str) -> SessionRecord | None: ...
 

@@ -52,6 +52,7 @@ class Row:
 @dataclass(slots=True)
 class Write:
     session_id: str
+    owner: str  # stored when the session's row is created, never changed by a later write
     status: ReplyStatus
     in_flight: list[str]
     fence: int | None
@@ -71,9 +72,10 @@ class RowBackend(Protocol):
 class RowJournal:
     """One session as a reply holds it (see ``Journal``); cached by its store between replies."""
 
-    def __init__(self, store: RowBackend, state: AgentState, *, fence: int | None = None) -> None:
+    def __init__(self, store: RowBackend, state: AgentState, *, fence: int | None = None, owner: str = "") -> None:
         self.store = store
         self.state = state
+        self.owner = owner  # written with the first write only
         self.status = ReplyStatus.IDLE
         self.fence = fence
         self.in_flight: set[str] = set()
@@ -157,6 +159,7 @@ class RowJournal:
         first_user = next((m for m in context if m.role == Role.USER and m.text), None)
         write = Write(
             session_id=self.state.session_id,
+            owner=self.owner,
             status=status,
             in_flight=in_flight,
             fence=self.fence,

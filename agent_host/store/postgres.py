@@ -4,7 +4,8 @@ Tables (created, or migrated, at start under an advisory lock, so hosts may star
 
 * ``agentmw_sessions`` / ``agentmw_messages``: the SQLite layout (a session row with the listing
   columns, the reply status, the calls started without a result and ``meta``; one row per context
-  message), written by the shared ``RowJournal`` (journal.py): each write only what changed.
+  message), written by the shared ``RowJournal`` (journal.py): each write only what changed. The
+  session's ``owner`` (the authenticated user who created it) is written with its first row.
 * ``agentmw_leases``: one row per session that was ever held: ``fence`` (incremented by every
   taker), ``owner`` (NULL once released), ``expires`` (by the database clock) and ``interrupt``
   (the fence whose reply another host asked to interrupt). The row outlives a deleted session,
@@ -44,7 +45,7 @@ from .journal import RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the session's owner (security: the authenticated user who created it)
 _MIGRATION_LOCK = 0x61676D77  # pg_advisory_xact_lock key: one host migrates at a time ("agmw")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS agentmw_schema (version integer NOT NULL);
@@ -57,7 +58,8 @@ CREATE TABLE IF NOT EXISTS agentmw_sessions (
     status        text NOT NULL DEFAULT 'idle',
     in_flight     text[] NOT NULL DEFAULT '{}',
     fence         bigint,
-    meta          bytea NOT NULL
+    meta          bytea NOT NULL,
+    owner         text NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS agentmw_messages (
     session_id text NOT NULL,
@@ -106,8 +108,8 @@ WITH r AS (UPDATE agentmw_leases SET interrupt = fence
 SELECT pg_notify('agentmw_interrupt', session_id || ' ' || fence) FROM r
 """
 _UPSERT_SESSION = """
-INSERT INTO agentmw_sessions (session_id, title, message_count, status, in_flight, fence, meta)
-VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, ''::bytea))
+INSERT INTO agentmw_sessions (session_id, title, message_count, status, in_flight, fence, meta, owner)
+VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, ''::bytea), $8)
 ON CONFLICT (session_id) DO UPDATE SET updated_at = now(), title = excluded.title,
     message_count = excluded.message_count, status = excluded.status, in_flight = excluded.in_flight,
     fence = excluded.fence, meta = coalesce($7, agentmw_sessions.meta)
@@ -116,7 +118,7 @@ _UPSERT_MESSAGE = """
 INSERT INTO agentmw_messages (session_id, idx, msg) VALUES ($1, $2, $3)
 ON CONFLICT (session_id, idx) DO UPDATE SET msg = excluded.msg
 """
-_RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status FROM agentmw_sessions"
+_RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM agentmw_sessions"
 CACHE_SESSIONS = 64
 POLL = 1.0  # a waiter tries again at least this often (a missed notification costs no more)
 
@@ -255,7 +257,15 @@ class PostgresStore:
                     f"session {w.session_id!r}: this host's lease (fence {w.fence}) was taken over by another host"
                 )
             await conn.execute(
-                _UPSERT_SESSION, w.session_id, w.title, w.count, w.status.value, w.in_flight, w.fence, w.meta
+                _UPSERT_SESSION,
+                w.session_id,
+                w.title,
+                w.count,
+                w.status.value,
+                w.in_flight,
+                w.fence,
+                w.meta,
+                w.owner,
             )
             if w.upserts:
                 await conn.executemany(_UPSERT_MESSAGE, [(w.session_id, i, data) for i, data in w.upserts])
@@ -291,8 +301,8 @@ class PostgresStore:
         self._remember(journal)
         return journal
 
-    def create(self, session_id: str, *, fence: int | None = None) -> RowJournal:
-        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence)
+    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
+        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
         self._remember(journal)
         return journal
 
@@ -303,9 +313,10 @@ class PostgresStore:
         row, blobs = found
         return decode_state(row["meta"], blobs), ReplyStatus(row["status"])
 
-    async def list(self, limit: int = 0) -> list[SessionRecord]:
-        sql = _RECORD + " ORDER BY updated_at DESC, session_id" + (f" LIMIT {int(limit)}" if limit > 0 else "")
-        return [_record(r) for r in await self.pool.fetch(sql)]
+    async def list(self, limit: int = 0, owner: str | None = None) -> list[SessionRecord]:
+        where, args = (" WHERE owner = $1", [owner]) if owner is not None else ("", [])
+        sql = _RECORD + where + " ORDER BY updated_at DESC, session_id" + (f" LIMIT {int(limit)}" if limit > 0 else "")
+        return [_record(r) for r in await self.pool.fetch(sql, *args)]
 
     async def record(self, session_id: str) -> SessionRecord | None:
         r = await self.pool.fetchrow(_RECORD + " WHERE session_id = $1", session_id)
@@ -355,18 +366,29 @@ async def _migrate(pool: asyncpg.Pool) -> None:
         await conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         await conn.execute(_SCHEMA)
         version = await conn.fetchval("SELECT max(version) FROM agentmw_schema")
-        if version is None:
+        if version is None:  # a new database: _SCHEMA made the latest layout
             await conn.execute("INSERT INTO agentmw_schema (version) VALUES ($1)", SCHEMA_VERSION)
-        elif version > SCHEMA_VERSION:
+            return
+        if version > SCHEMA_VERSION:
             raise OSError(f"the database has session schema version {version}; this host knows {SCHEMA_VERSION}")
-        # Later versions migrate here, one step per version, in this transaction.
+        # One step per version, in this transaction (older hosts are to be stopped first).
+        if version < 2:  # sessions made before owners: owned by no one ("")
+            await conn.execute("ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''")
+        await conn.execute("UPDATE agentmw_schema SET version = $1", SCHEMA_VERSION)
 
 
 def _record(r: Any) -> SessionRecord:
     status = ReplyStatus(r["status"])
     stamp = [t.isoformat(timespec="seconds") for t in (r["created_at"], r["updated_at"])]
     return SessionRecord(
-        r["session_id"], stamp[0], stamp[1], r["title"], r["message_count"], status == ReplyStatus.PARKED, status
+        r["session_id"],
+        stamp[0],
+        stamp[1],
+        r["title"],
+        r["message_count"],
+        status == ReplyStatus.PARKED,
+        status,
+        r["owner"],
     )
 
 

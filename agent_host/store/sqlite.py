@@ -36,7 +36,7 @@ from ..data.state import AgentState
 from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError
 from .journal import RowJournal, Write, decode_state
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id    TEXT PRIMARY KEY,
@@ -47,7 +47,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     status        TEXT NOT NULL DEFAULT 'idle',
     in_flight     TEXT NOT NULL DEFAULT '[]',
     fence         INTEGER,
-    meta          BLOB NOT NULL
+    meta          BLOB NOT NULL,
+    owner         TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS messages (
     session_id TEXT NOT NULL,
@@ -56,7 +57,7 @@ CREATE TABLE IF NOT EXISTS messages (
     PRIMARY KEY (session_id, idx)
 );
 """
-_RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status FROM sessions"
+_RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM sessions"
 CACHE_SESSIONS = 64  # sessions kept decoded between replies (a reply then loads nothing)
 
 
@@ -102,6 +103,8 @@ class SqliteStore:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
+            if columns and "owner" not in columns and "state" not in columns:  # version 2: no owner yet
+                db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             if "state" in columns:
                 old = db.execute("SELECT state, created_at, parked FROM sessions_v1").fetchall()
                 for blob, created, parked in old:
@@ -128,11 +131,22 @@ class SqliteStore:
         meta = w.meta if w.meta is not None else b""
         db.execute(
             "INSERT INTO sessions (session_id, created_at, updated_at, title, message_count, status, in_flight, "
-            "fence, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
+            "fence, meta, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
             "updated_at = excluded.updated_at, title = excluded.title, message_count = excluded.message_count, "
             "status = excluded.status, in_flight = excluded.in_flight, fence = excluded.fence"
             + (", meta = excluded.meta" if w.meta is not None else ""),
-            (sid, created_at or now, now, w.title, w.count, w.status.value, json.dumps(w.in_flight), w.fence, meta),
+            (
+                sid,
+                created_at or now,
+                now,
+                w.title,
+                w.count,
+                w.status.value,
+                json.dumps(w.in_flight),
+                w.fence,
+                meta,
+                w.owner,
+            ),
         )
         if w.upserts:
             db.executemany(
@@ -158,10 +172,11 @@ class SqliteStore:
             ).fetchall()
         return list(row), [m[0] for m in msgs]
 
-    def _list(self, limit: int) -> list[SessionRecord]:
-        sql = _RECORD + " ORDER BY updated_at DESC, rowid DESC" + (f" LIMIT {int(limit)}" if limit > 0 else "")
+    def _list(self, limit: int, owner: str | None) -> list[SessionRecord]:
+        where, args = (" WHERE owner = ?", (owner,)) if owner is not None else ("", ())
+        sql = _RECORD + where + " ORDER BY updated_at DESC, rowid DESC" + (f" LIMIT {int(limit)}" if limit > 0 else "")
         with self._lock:
-            rows = self._db.execute(sql).fetchall()
+            rows = self._db.execute(sql, args).fetchall()
         return [_record(r) for r in rows]
 
     def _record(self, session_id: str) -> SessionRecord | None:
@@ -191,8 +206,8 @@ class SqliteStore:
         self._remember(journal)
         return journal
 
-    def create(self, session_id: str, *, fence: int | None = None) -> RowJournal:
-        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence)
+    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
+        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
         self._remember(journal)
         return journal
 
@@ -203,8 +218,8 @@ class SqliteStore:
         (status, _in_flight, _fence, meta), blobs = found
         return decode_state(meta, blobs), ReplyStatus(status)
 
-    async def list(self, limit: int = 0) -> list[SessionRecord]:
-        return await asyncio.to_thread(self._list, limit)
+    async def list(self, limit: int = 0, owner: str | None = None) -> list[SessionRecord]:
+        return await asyncio.to_thread(self._list, limit, owner)
 
     async def record(self, session_id: str) -> SessionRecord | None:
         return await asyncio.to_thread(self._record, session_id)
@@ -272,7 +287,7 @@ def _lock(db: Path) -> IO[str]:
 
 def _record(r: Any) -> SessionRecord:
     status = ReplyStatus(r[5])
-    return SessionRecord(r[0], r[1], r[2], r[3], r[4], status == ReplyStatus.PARKED, status)
+    return SessionRecord(r[0], r[1], r[2], r[3], r[4], status == ReplyStatus.PARKED, status, r[6])
 
 
 __all__ = ["SqliteJournal", "SqliteStore"]

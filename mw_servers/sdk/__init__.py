@@ -13,7 +13,7 @@ from agent_host.data import *  # noqa: F403 - the data model, for authors
 from agent_host.middleware import MiddlewareBase, Mode, Subscription, subscribe
 from agent_host.tools import FunctionTool, Tool, tool
 
-from .server import describe, serve, serve_async, start
+from .server import ServeSecurity, describe, serve, serve_async, start
 from .session import InnerPipelineError
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "InnerPipelineError",
     "MiddlewareBase",
     "Mode",
+    "ServeSecurity",
     "Subscription",
     "Tool",
     "describe",

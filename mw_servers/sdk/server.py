@@ -1,15 +1,25 @@
 """serve(): run a MiddlewareBase as a gRPC middleware server.
 
 Registers one service per implemented hook (all sharing HookSession), Describe, ToolSource,
-grpc.health.v1 and server reflection; stops gracefully on SIGTERM / SIGINT.
+grpc.health.v1 and (when enabled) server reflection; stops gracefully on SIGTERM / SIGINT.
+
+Security (``ServeSecurity``, docs/security.md), from the environment when serve() is not given it,
+so every server built on serve() has it: AGENTMW_MW_TLS_CERT / AGENTMW_MW_TLS_KEY (a TLS port
+only), AGENTMW_MW_TLS_CLIENT_CA (then the host must present a certificate signed by it),
+AGENTMW_MW_TOKEN or AGENTMW_MW_TOKEN_FILE (then every call but health checks must carry it:
+the server accepts only its host), AGENTMW_MW_REFLECTION=1 (server reflection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import os
 import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -17,11 +27,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from agent_host import tracing
-from agent_host.codec import codec
+from agent_host.codec import codec, value_to_json
 from agent_host.data import ToolCallBlock
 from agent_host.hooks import HOOKS
 from agent_host.middleware import MiddlewareBase
 from agent_host.remote.client import PROTOCOL_VERSION
+from agent_host.security import TlsFiles, presented_token, read_secret, token_digest, token_matches
 from agent_host.subscriptions import to_proto
 from agent_host.tools import Tool, Toolkit
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
@@ -39,9 +50,20 @@ class _Describe(hooks_pb2_grpc.DescribeServicer):
         return self.description
 
 
+@dataclasses.dataclass
+class ToolState:
+    """What a tool's ``call(tool_input, state)`` gets in a server: the calling session's ids and
+    this middleware's slot (``middle_context[key]``, read-only here), as the host sent them."""
+
+    session_id: str
+    reply_id: str
+    middle_context: dict[str, Any]
+
+
 class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
-    def __init__(self, middleware: MiddlewareBase) -> None:
+    def __init__(self, middleware: MiddlewareBase, key: str) -> None:
         self.middleware = middleware
+        self.key = key
         self.tools: dict[str, Tool] = {}
 
     async def _refresh(self) -> None:
@@ -63,7 +85,10 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
         tool_input = codec.decode_record(request)["tool_input"] if request.HasField("tool_input") else {}
         call = ToolCallBlock(id=request.tool_call.id or "call", name=name, input=json.dumps(tool_input))
-        async for item in Toolkit([tool]).call_tool(call):
+        ctx = request.context
+        slot = value_to_json(ctx.slot) if ctx.HasField("slot") else None
+        state = ToolState(ctx.session_id, ctx.reply_id, {} if slot is None else {self.key: slot})
+        async for item in Toolkit([tool]).call_tool(call, state):
             yield codec.encode_item(item)
 
 
@@ -98,9 +123,55 @@ async def describe(middleware: MiddlewareBase) -> hooks_pb2.MiddlewareDescriptio
     return desc
 
 
-async def start(middleware: MiddlewareBase, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+@dataclass
+class ServeSecurity:
+    """TLS (``tls.cert``/``key``; ``tls.ca`` = the CA the host's client certificate must be
+    signed by), the host's token (only its SHA-256 is kept) and whether reflection is on."""
+
+    tls: TlsFiles = field(default_factory=TlsFiles)
+    token_sha256: str = ""
+    reflection: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServeSecurity:
+        env = os.environ if environ is None else environ
+        tls = TlsFiles(
+            cert=env.get("AGENTMW_MW_TLS_CERT", ""),
+            key=env.get("AGENTMW_MW_TLS_KEY", ""),
+            ca=env.get("AGENTMW_MW_TLS_CLIENT_CA", ""),
+        )
+        token = env.get("AGENTMW_MW_TOKEN", "") or read_secret(file=env.get("AGENTMW_MW_TOKEN_FILE", ""), where="serve")
+        reflection = env.get("AGENTMW_MW_REFLECTION", "").lower() in ("1", "true", "yes", "on")
+        return cls(tls, token_digest(token) if token else "", reflection)
+
+
+class _HostToken(grpc.aio.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call without the host's token, except health checks."""
+
+    def __init__(self, digest: str) -> None:
+        self.digest = digest
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith("/grpc.health.v1."):
+            return handler
+        if token_matches(presented_token(details.invocation_metadata), [self.digest]):
+            return handler
+
+        async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host")
+
+        kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
+        return handler._replace(**{kind: refuse})
+
+
+async def start(
+    middleware: MiddlewareBase, address: str = "127.0.0.1:0", security: ServeSecurity | None = None
+) -> tuple[grpc.aio.Server, int]:
     """Start serving in the running event loop; returns the server and the bound port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    security = security or ServeSecurity()
+    interceptors = [_HostToken(security.token_sha256)] if security.token_sha256 else []
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     description = await describe(middleware)
     services = []
     for hook in description.hooks:
@@ -114,22 +185,28 @@ async def start(middleware: MiddlewareBase, address: str = "127.0.0.1:0") -> tup
     hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(description), server)
     services.append("agentmw.v1.Describe")
     if description.provides_tools:
-        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware), server)
+        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware, description.key), server)
         services.append("agentmw.v1.ToolSource")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ["", *services]:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(address)
+    if security.reflection:
+        reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if security.tls.enabled:  # a TLS port only: plaintext callers fail the handshake
+        port = server.add_secure_port(address, security.tls.server_credentials(where="serve"))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
     return server, port
 
 
-async def serve_async(middleware: MiddlewareBase, address: str, *, grace: float = 5.0) -> None:
-    server, port = await start(middleware, address)
+async def serve_async(
+    middleware: MiddlewareBase, address: str, *, grace: float = 5.0, security: ServeSecurity | None = None
+) -> None:
+    server, port = await start(middleware, address, security or ServeSecurity.from_env())
     host = address.rsplit(":", 1)[0]
     # Tests and launchers read this line to learn the port when the address asked for port 0.
     print(f"agentmw middleware {type(middleware).__name__} listening on {host}:{port}", flush=True)
@@ -141,10 +218,17 @@ async def serve_async(middleware: MiddlewareBase, address: str, *, grace: float 
     await server.stop(grace)  # in-flight hook calls get ``grace`` seconds to finish
 
 
-def serve(middleware: MiddlewareBase, address: str = "127.0.0.1:50061", *, grace: float = 5.0) -> None:
-    """Run ``middleware`` as a gRPC server at ``address`` until SIGTERM/SIGINT."""
+def serve(
+    middleware: MiddlewareBase,
+    address: str = "127.0.0.1:50061",
+    *,
+    grace: float = 5.0,
+    security: ServeSecurity | None = None,
+) -> None:
+    """Run ``middleware`` as a gRPC server at ``address`` until SIGTERM/SIGINT; ``security``
+    defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve_async(middleware, address, grace=grace))
+    asyncio.run(serve_async(middleware, address, grace=grace, security=security))
 
 
-__all__ = ["describe", "serve", "serve_async", "start"]
+__all__ = ["ServeSecurity", "describe", "serve", "serve_async", "start"]

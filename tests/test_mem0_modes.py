@@ -1,0 +1,48 @@
+"""What the mem0 server declares in each mode (Describe, ListTools), served by the SDK launcher
+with a stand-in memory, so it needs no mem0 venv. The memory itself is tested in test_mem0.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent_host.data import Msg, ReplyStartEvent
+from agent_host.remote import RemoteMiddleware
+from agent_host.subscriptions import Mode
+from clients.launch import middleware_server, start_all
+from mw_servers.mem0 import ADD_SCHEMA, SEARCH_SCHEMA, Mem0Middleware
+
+
+class Served(Mem0Middleware):
+    """Mem0Middleware with no memory (Describe and ListTools never touch it)."""
+
+    def __new__(cls, **kw: Any) -> Served:  # the SDK launcher passes keyword arguments only
+        return super().__new__(cls, None, **kw)
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(None, **kw)
+
+
+async def test_each_mode_declares_only_the_hooks_and_tools_it_uses() -> None:
+    modes = ("static", "agent", "both")
+    servers = start_all([middleware_server("tests.test_mem0_modes:Served", mode=mode) for mode in modes])
+    try:
+        static, agent, both = [await RemoteMiddleware(s.address).connect() for s in servers]
+        # static: no prompt hook (it would cost round trips on every model call) and no tools
+        assert set(static.tables) == {"on_reply"} and not static.provides_tools
+        assert set(agent.tables) == set(both.tables) == {"on_reply", "on_system_prompt"}
+        # agent: on_reply only notes whose memory it is, holding nothing; both: the start (the
+        # hint goes in before reasoning) and the final message (written before the client has it)
+        assert agent.tables["on_reply"].by_class == {}
+        assert both.tables["on_reply"].by_class == {ReplyStartEvent: Mode.INTERCEPT, Msg: Mode.INTERCEPT}
+        for mw in (agent, both):
+            assert mw.key == "mem0"
+            tools = {t.name: t.descriptor for t in await mw.list_tools()}
+            assert tools["search_memory"].input_schema == SEARCH_SCHEMA
+            assert tools["add_memory"].input_schema == ADD_SCHEMA
+            assert tools["search_memory"].is_read_only and not tools["add_memory"].is_read_only
+            assert not any(t.needs_confirmation for t in tools.values())  # memory tools are always allowed
+        for mw in (static, agent, both):
+            await mw.close()
+    finally:
+        for s in servers:
+            s.stop()

@@ -1,0 +1,393 @@
+"""Security (docs/security.md), on real processes with certificates made here (tests/certs.py):
+mutual TLS on the host and on middleware servers, token / certificate authentication with user
+and admin roles, session owners, middleware keys and permissions, the attach allow-list, limits,
+and secrets kept out of the log and the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from agent_host.codec import codec
+from agent_host.data import Msg, ReplyEndEvent
+from agent_host.security import TlsFiles, client_channel
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
+from clients.chat import UserMsg
+from clients.launch import ServerProcess
+from tests.certs import Pki, pki
+from tests.host_util import run_cli, stub
+from tests.model_servers import ScriptedServer, openai_chunk, openai_stream
+
+TOKENS = {"alice": "alice-token-7f3a9c", "bob": "bob-token-2d8e41", "ops": "ops-token-91bc55"}
+MW_TOKEN = "middleware-token-5ae0d2"
+API_KEY = "sk-test-apikey-c0ffee1234"
+RECORDER = "tests.host_util:RecorderMiddleware"
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return pki(tmp_path_factory.mktemp("pki"))
+
+
+class Procs:
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[ServerProcess] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ServerProcess:
+        proc = ServerProcess(argv, name=name, env=env, log_dir=self.log_dir, startup=20, new_session=True)
+        self.procs.append(proc)
+        return proc.start()
+
+    def middleware(self, target: str, name: str, env: dict[str, str] | None = None, *args: str) -> ServerProcess:
+        return self.start(name, ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0", *args], env)
+
+    def host(self, tmp: Path, config: str, env: dict[str, str] | None = None, name: str = "host") -> ServerProcess:
+        path = tmp / f"{name}.yaml"
+        path.write_text(config)
+        argv = ["-m", "agent_host", "--config", str(path), "--listen", "127.0.0.1:0", "--db", str(tmp / f"{name}.db")]
+        return self.start(name, [*argv, "--log-level", "debug"], env)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        for proc in reversed(p.procs):
+            proc.stop()
+
+
+def host_tls(c: Pki, client: str | None = None, *, rogue: bool = False) -> TlsFiles:
+    pair = c.rogue if rogue else c.clients[client] if client else None
+    return TlsFiles(ca=c.ca, cert=pair.cert if pair else "", key=pair.key if pair else "")
+
+
+async def call(channel: grpc.aio.Channel, method: str, request: Any, timeout: float = 8) -> Any:
+    return await getattr(stub(channel), method)(request, timeout=timeout)
+
+
+async def code_of(
+    channel: grpc.aio.Channel, method: str, request: Any, timeout: float = 8
+) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(channel, method, request, timeout)
+    return err.value.code(), err.value.details() or ""
+
+
+async def reply(channel: grpc.aio.Channel, text: str, session_id: str = "") -> tuple[str, list[Any]]:
+    """One reply; the session id (the host's, for a new one) and the items."""
+    start = host_pb2.StartReply(session_id=session_id)
+    codec.encode(UserMsg(text), start.message)
+    items, sid = [], session_id
+    async for event in stub(channel).Reply(iter([host_pb2.ReplyRequest(start=start)]), timeout=20):
+        sid = event.session_id
+        items += [codec.decode_item(i) for i in event.items]
+    return sid, items
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_mtls_host_refuses_plaintext_and_foreign_certificates(certs: Pki, procs: Procs, tmp_path: Path) -> None:
+    host = procs.host(
+        tmp_path,
+        f"""
+security:
+  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}
+  users:
+    - {{name: ops, role: admin, cert_cn: ops}}
+    - {{name: alice, role: user, cert_cn: alice}}
+""",
+    )
+    listing = host_pb2.ListSessionsRequest()
+    async with client_channel(host.address, host_tls(certs, "ops")) as ops:
+        await call(ops, "ListMiddleware", host_pb2.ListMiddlewareRequest())  # the admin's certificate
+    async with client_channel(host.address, host_tls(certs, "alice")) as alice:
+        await call(alice, "ListSessions", listing)  # a user may list (her own) sessions ...
+        code, _ = await code_of(alice, "ListMiddleware", host_pb2.ListMiddlewareRequest())
+        assert code == grpc.StatusCode.PERMISSION_DENIED  # ... but not what only an admin may
+    refused = [
+        client_channel(host.address, host_tls(certs)),  # TLS, no client certificate
+        client_channel(host.address, host_tls(certs, rogue=True)),  # "ops", signed by another CA
+        grpc.aio.insecure_channel(host.address),  # plaintext
+    ]
+    for channel in refused:
+        async with channel:
+            code, details = await code_of(channel, "ListSessions", listing)
+            assert code == grpc.StatusCode.UNAVAILABLE, details  # the handshake fails: nothing is served
+
+
+async def test_middleware_server_accepts_only_its_host(certs: Pki, procs: Procs, tmp_path: Path) -> None:
+    served = {
+        "AGENTMW_MW_TLS_CERT": certs.server.cert,
+        "AGENTMW_MW_TLS_KEY": certs.server.key,
+        "AGENTMW_MW_TLS_CLIENT_CA": certs.ca,
+        "AGENTMW_MW_TOKEN": MW_TOKEN,
+    }
+    recorder = procs.middleware(RECORDER, "recorder", served)
+    describe = hooks_pb2.DescribeRequest(protocol_version="v1")
+    token = (("authorization", f"Bearer {MW_TOKEN}"),)
+
+    async def describe_with(channel: grpc.aio.Channel, metadata: Any = ()) -> grpc.StatusCode:
+        async with channel:
+            try:
+                await hooks_pb2_grpc.DescribeStub(channel).Describe(describe, timeout=8, metadata=metadata)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+    assert await describe_with(client_channel(recorder.address, host_tls(certs, "host")), token) == grpc.StatusCode.OK
+    assert await describe_with(grpc.aio.insecure_channel(recorder.address), token) == grpc.StatusCode.UNAVAILABLE
+    rogue = client_channel(recorder.address, host_tls(certs, rogue=True))
+    assert await describe_with(rogue, token) == grpc.StatusCode.UNAVAILABLE
+    no_token = client_channel(recorder.address, host_tls(certs, "host"))
+    assert await describe_with(no_token) == grpc.StatusCode.UNAUTHENTICATED
+    wrong = (("authorization", "Bearer not-the-token"),)
+    assert await describe_with(client_channel(recorder.address, host_tls(certs, "host")), wrong) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+
+    # The host with its certificate and the token: the recorder is attached and takes part.
+    host_side = f"""
+middleware: [{{name: rec, address: "{recorder.address}", key: recorder}}]
+security:
+  middleware_tls: {{ca: {certs.ca}, cert: {certs.clients["host"].cert}, key: {certs.clients["host"].key}}}
+"""
+    env = {"AGENTMW_MIDDLEWARE_TOKEN": MW_TOKEN}
+    host = procs.host(tmp_path, host_side, env)
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        sid, items = await reply(channel, "hello")
+        assert isinstance(items[-1], Msg)
+        session = await call(channel, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
+        assert json.loads(session.middle_context_json)["recorder"]["starts"] == 1
+    # Without the token the same host cannot use it (and says so at startup).
+    (tmp_path / "bad.yaml").write_text(host_side)
+    out = run_cli("agent_host", "--config", str(tmp_path / "bad.yaml"), "--listen", "127.0.0.1:0", "--db", ":memory:")
+    assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr, out.stderr
+
+
+async def test_users_own_their_sessions_and_admins_attach(procs: Procs, tmp_path: Path) -> None:
+    """Tokens map to users; a user sees, reads, deletes and replies to her own sessions only, and
+    another user's session answers exactly as a missing one; only an admin attaches. Limits hold.
+    Neither the tokens nor the model's API key end up in the host's log or its database."""
+    recorder = procs.middleware(RECORDER, "recorder")
+    with ScriptedServer() as model:
+        model.replies += [openai_stream([openai_chunk("Hello there.", finish="stop")]) for _ in range(6)]
+        config = f"""
+models:
+  default: remote
+  models:
+    remote: {{provider: openai, model_name: m, base_url: "{model.url}/v1", max_retries: 0}}
+security:
+  users:
+    - {{name: alice, role: user, token_env: ALICE_TOKEN}}
+    - {{name: bob, role: user, token_env: BOB_TOKEN}}
+    - {{name: ops, role: admin, token_env: OPS_TOKEN}}
+limits: {{sessions_per_owner: 1, max_message_bytes: 65536}}
+"""
+        env = {f"{n.upper()}_TOKEN": t for n, t in TOKENS.items()} | {"OPENAI_API_KEY": API_KEY}
+        host = procs.host(tmp_path, config, env)
+        channels = {n: client_channel(host.address, token=t) for n, t in TOKENS.items()}
+        alice, bob, ops = channels["alice"], channels["bob"], channels["ops"]
+        try:
+            sid, items = await reply(alice, "my secret plans")
+            assert isinstance(items[-1], Msg) and "Hello there." in items[-1].text
+            assert any(API_KEY in r.headers.get("authorization", "") for r in model.requests)  # the key was used
+
+            # Unauthenticated or unknown callers get nothing.
+            async with grpc.aio.insecure_channel(host.address) as anonymous:
+                code, _ = await code_of(anonymous, "ListSessions", host_pb2.ListSessionsRequest())
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+            async with client_channel(host.address, token="guessed") as guess:
+                code, _ = await code_of(guess, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+
+            # bob: alice's session is invisible, and answers exactly as a missing one.
+            listed = await call(bob, "ListSessions", host_pb2.ListSessionsRequest())
+            assert [s.session_id for s in listed.sessions] == []
+            missing = "0" * len(sid)
+            for method, request in (
+                ("GetSession", host_pb2.GetSessionRequest),
+                ("DeleteSession", host_pb2.DeleteSessionRequest),
+            ):
+                theirs = await _outcome(bob, method, request(session_id=sid))
+                nobody = await _outcome(bob, method, request(session_id=missing))
+                assert theirs == tuple(str(x).replace(missing, sid) for x in nobody), (theirs, nobody)
+            with pytest.raises(grpc.aio.AioRpcError) as theirs_reply:
+                await reply(bob, "let me in", sid)
+            with pytest.raises(grpc.aio.AioRpcError) as nobody_reply:
+                await reply(bob, "let me in", missing)
+            assert theirs_reply.value.code() == nobody_reply.value.code() == grpc.StatusCode.NOT_FOUND
+            assert theirs_reply.value.details() == nobody_reply.value.details().replace(missing, sid)
+
+            # alice still has her session; the admin sees it too.
+            mine = await call(alice, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
+            assert mine.summary.title == "my secret plans"
+            listed = await call(ops, "ListSessions", host_pb2.ListSessionsRequest())
+            assert [s.session_id for s in listed.sessions] == [sid]
+
+            # Only an admin attaches, detaches or lists middleware.
+            attach = host_pb2.AttachMiddlewareRequest(address=recorder.address, name="rec")
+            for user in (alice, bob):
+                code, _ = await code_of(user, "AttachMiddleware", attach)
+                assert code == grpc.StatusCode.PERMISSION_DENIED
+                code, _ = await code_of(user, "DetachMiddleware", host_pb2.DetachMiddlewareRequest(name="rec"))
+                assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert (await call(ops, "AttachMiddleware", attach)).key == "recorder"
+
+            # Limits: one session per user here; messages up to 64 KiB.
+            with pytest.raises(grpc.aio.AioRpcError) as second:
+                await reply(alice, "another conversation")
+            assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError) as big:
+                await reply(bob, "x" * 100_000)
+            assert big.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            # A user deletes her own session.
+            assert (await call(alice, "DeleteSession", host_pb2.DeleteSessionRequest(session_id=sid))).deleted
+        finally:
+            for channel in channels.values():
+                await channel.close()
+    assert host.stop() == 0
+    # Secrets: not in the host's log, not in the store (the database and its WAL).
+    stored = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("host.db"))
+    logged = (tmp_path / "host.log").read_bytes()
+    for secret in [*TOKENS.values(), API_KEY]:
+        assert secret.encode() not in stored, secret
+        assert secret.encode() not in logged, secret
+
+
+async def _outcome(channel: grpc.aio.Channel, method: str, request: Any) -> tuple[str, ...]:
+    try:
+        response = await call(channel, method, request)
+    except grpc.aio.AioRpcError as exc:
+        return (exc.code().name, exc.details() or "")
+    return ("OK", str(response))
+
+
+async def test_middleware_identity_and_permissions(procs: Procs, tmp_path: Path) -> None:
+    """The host decides a middleware's key, hooks, context and mutations."""
+    recorder = procs.middleware(RECORDER, "recorder")
+    spy = procs.middleware(RECORDER, "spy")  # another server reporting the same key, "recorder"
+    reader = procs.middleware("tests.security_mw:ContextReader", "reader")
+    set_model = procs.start("raw", ["-m", "tests.raw_mw", "unknown_model", "--address", "127.0.0.1:0"])
+    host = procs.host(
+        tmp_path,
+        f"""
+middleware:
+  - {{name: rec, address: "{recorder.address}", key: recorder}}
+  - {{name: raw, address: "{set_model.address}", permissions: {{set_model: false}}}}
+security:
+  attach_permissions: {{context: false}}
+""",
+    )
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        # A mutation the middleware may not make fails its hook (not the model lookup it asked for).
+        sid, items = await reply(channel, "hello")
+        end = next(i for i in items if isinstance(i, ReplyEndEvent))
+        assert end.finished_reason.value == "error"
+        assert "set_model is not allowed by its configuration" in items[-1].text, items[-1].text
+        await call(channel, "DetachMiddleware", host_pb2.DetachMiddlewareRequest(name="raw"))
+        sid, _ = await reply(channel, "hello again", sid)
+        session = await call(channel, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
+        assert json.loads(session.middle_context_json)["recorder"]["starts"] >= 1
+
+        # A middleware claiming the configured key of another never gets its slot, even while
+        # the owner is detached.
+        await call(channel, "DetachMiddleware", host_pb2.DetachMiddlewareRequest(name="rec"))
+        code, details = await code_of(
+            channel, "AttachMiddleware", host_pb2.AttachMiddlewareRequest(address=spy.address, name="spy")
+        )
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "reserved" in details, details
+        # The owner itself comes back under its configured key.
+        info = await call(channel, "AttachMiddleware", host_pb2.AttachMiddlewareRequest(address=recorder.address))
+        assert info.key == "recorder"
+
+        # Attached middleware may not have the context here: one asking for it is refused, and
+        # so never receives it.
+        code, _ = await code_of(channel, "AttachMiddleware", host_pb2.AttachMiddlewareRequest(address=reader.address))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        sid, _ = await reply(channel, "a third message", sid)
+        session = await call(channel, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
+        assert "context_reader" not in json.loads(session.middle_context_json)
+    assert host.stop() == 0
+    assert "asks for the context (wants_context) in on_reply" in (tmp_path / "host.log").read_text()
+
+    # A configured key that Describe does not report refuses to start (here: the spy's is "recorder").
+    (tmp_path / "claim.yaml").write_text(f'middleware: [{{name: b, address: "{spy.address}", key: budget}}]\n')
+    out = run_cli("agent_host", "--config", str(tmp_path / "claim.yaml"), "--listen", "127.0.0.1:0", "--db", ":memory:")
+    assert out.returncode == 1 and "reports key 'recorder' (configured: 'budget')" in out.stderr, out.stderr
+    # Control: with the context allowed, the same reader does receive it.
+    (tmp_path / "ctx.yaml").write_text(f'middleware: [{{name: r, address: "{reader.address}"}}]\n')
+    host = procs.host(tmp_path, (tmp_path / "ctx.yaml").read_text(), name="host2")
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        sid, _ = await reply(channel, "hello")
+        session = await call(channel, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
+        assert json.loads(session.middle_context_json)["context_reader"]["messages_seen"] >= 1
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """An open TCP port that accepts connections and never speaks (not a gRPC server)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+async def test_attach_allow_list_gives_no_port_signal(procs: Procs, tmp_path: Path, silent_port: int) -> None:
+    recorder = procs.middleware(RECORDER, "recorder")
+    closed, other_closed = closed_port(), closed_port()
+    allowed = [f"127.0.0.1:{closed}", f"127.0.0.1:{silent_port}"]
+    host = procs.host(tmp_path, f"security: {{attach_allow: {json.dumps(allowed)}}}\n")
+    async with grpc.aio.insecure_channel(host.address) as channel:
+
+        async def attach(address: str) -> tuple[grpc.StatusCode, str]:
+            request = host_pb2.AttachMiddlewareRequest(address=address)
+            code, details = await code_of(channel, "AttachMiddleware", request, timeout=30)  # attaches queue
+            return code, details.replace(address, "<address>")
+
+        # Not on the list: refused before any connection, whatever is (or is not) listening there.
+        outside = [recorder.address, f"127.0.0.1:{other_closed}", "10.255.255.1:50061"]
+        refusals = {await attach(a) for a in outside}
+        assert len(refusals) == 1 and next(iter(refusals))[0] == grpc.StatusCode.PERMISSION_DENIED, refusals
+        # On the list: a closed port and an open one that is no middleware answer alike.
+        failures = set(await asyncio.gather(*(attach(a) for a in allowed)))
+        assert len(failures) == 1, failures
+        code, details = next(iter(failures))
+        assert code == grpc.StatusCode.UNAVAILABLE and "log" in details, details
+        listed = await call(channel, "ListMiddleware", host_pb2.ListMiddlewareRequest())
+        assert list(listed.middleware) == []

@@ -206,8 +206,11 @@ class Codec:
             decoder(msg, kwargs)
         try:
             return cls(**kwargs)
-        except TypeError as exc:
-            raise CodecError(f"{msg.DESCRIPTOR.name}: {exc}") from exc
+        except TypeError as exc:  # said in the proto's terms, without Python's constructor wording
+            text = re.sub(r"^\w+\.__init__\(\) ", "", str(exc))
+            missing = r"missing \d+ required (?:keyword-only |positional )?arguments?:"
+            text = re.sub(missing, "missing required field", text)
+            raise CodecError(f"{msg.DESCRIPTOR.name}: {text}") from exc
 
     def encode_record(self, values: dict[str, Any], out: Message) -> Message:
         """A dict of kwargs into a record message (fields named like the keys); None = unset."""

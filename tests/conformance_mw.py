@@ -501,3 +501,151 @@ class OrderedCustomEvent(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (ActingAfterLoop, RaisingTool, OrderedCustomEvent)})
+
+
+# -- fidelity, SDK side (in-place edits, lock-step after yield, errors, shared slots, credits) ---
+
+
+class InPlaceToolChoice(MiddlewareBase):
+    """AgentScope style: edits input_kwargs in place, then calls a bare next_handler()."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        input_kwargs["tool_choice"] = ToolChoice(mode="none")
+        async for item in next_handler():
+            yield item
+
+
+class InPlaceContextHint(MiddlewareBase):
+    """AgentScope's budget move: appends a hint block to ``agent.state.context[-1]`` in place when
+    the tail is this agent's assistant message (after a tool round)."""
+
+    subscriptions = {"on_reasoning": subscribe(wants_context=True)}
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        tail = agent.state.context[-1]
+        if tail.role == "assistant" and tail.name == agent.name:
+            tail.content.append(HintBlock(hint="Over budget: answer now."))
+        async for item in next_handler():
+            yield item
+
+
+class InPlaceUserEdit(MiddlewareBase):
+    """Edits the user's message in place: a remote view cannot carry that (ContextEditError)."""
+
+    subscriptions = {"on_reasoning": subscribe(wants_context=True)}
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        agent.state.context[0].content.append(TextBlock(text="edited"))
+        async for item in next_handler():
+            yield item
+
+
+class MaxItersAtStart(MiddlewareBase):
+    """Outer layer: lowers max_iters when it receives ReplyStartEvent."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.max_iters = 7
+            yield item
+
+
+class AfterYieldReads(MiddlewareBase):
+    """Inner layer: after yielding ReplyStartEvent, records what max_iters is then. In-process that
+    code runs when the consumer asks for the next item, so it sees what outer layers did."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[await self.get_middleware_key()] = {"max_iters": agent.max_iters}
+
+
+class CatchModelError(MiddlewareBase):
+    """Catches the inner pipeline's ModelError by class (and keeps what it saw of it), then falls
+    back to another model."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        from agent_host.models.base import ModelError
+
+        try:
+            return await next_handler()
+        except ModelError as exc:
+            seen = {"message": str(exc), "retryable": exc.retryable, "runtime": isinstance(exc, RuntimeError)}
+            agent.state.middle_context[await self.get_middleware_key()] = seen
+            return await next_handler(current_model="backup")
+
+
+class SharedCounter(MiddlewareBase):
+    """Counts intercepted text deltas in a slot shared by every instance (one key)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockDeltaEvent])}
+
+    async def get_middleware_key(self) -> str:
+        return "Shared"
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, TextBlockDeltaEvent):
+                slot = agent.state.middle_context.get("Shared") or {"n": 0}
+                agent.state.middle_context["Shared"] = {"n": slot["n"] + 1}
+            yield item
+
+
+class SlotFromTwoHooks(MiddlewareBase):
+    """on_reply writes its slot at ReplyStartEvent and again at ReplyEndEvent; on_reasoning of the
+    same reply writes it in between. In-process all three see one dict."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent, ReplyEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[key] = {"start": 1, "reasoning": 0}
+            elif isinstance(item, ReplyEndEvent):
+                agent.state.middle_context[key] = {**agent.state.middle_context[key], "end": 1}
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        slot = agent.state.middle_context[key]
+        agent.state.middle_context[key] = {**slot, "reasoning": slot["reasoning"] + 1}
+        async for item in next_handler():
+            yield item
+
+
+class ObserveDeltasInterceptEnd(MiddlewareBase):
+    """The TTS server's shape: observes text deltas, intercepts the block end, counts both."""
+
+    subscriptions = {"on_reply": subscribe(observe=[TextBlockDeltaEvent], intercept=[TextBlockEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        seen = {"deltas": 0, "ends": 0}
+        async for item in next_handler():
+            if isinstance(item, (TextBlockDeltaEvent, TextBlockEndEvent)):  # what it subscribed to
+                seen["deltas" if isinstance(item, TextBlockDeltaEvent) else "ends"] += 1
+            yield item
+        agent.state.middle_context[await self.get_middleware_key()] = seen
+
+
+MIDDLEWARE.update(
+    {
+        cls.__name__: cls
+        for cls in (
+            InPlaceToolChoice,
+            InPlaceContextHint,
+            InPlaceUserEdit,
+            MaxItersAtStart,
+            AfterYieldReads,
+            CatchModelError,
+            SharedCounter,
+            SlotFromTwoHooks,
+            ObserveDeltasInterceptEnd,
+        )
+    }
+)

@@ -4,7 +4,10 @@ a server in another language would be). ``python -m tests.raw_mw MODE --address 
 Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before call_next),
 bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
 unknown_model (asks for a model id the host does not have), early_eof (ends the stream at once),
-steal_id (appends a block under the id of the user's own text block).
+steal_id (appends a block under the id of the user's own text block), unserved (declares
+on_reasoning in Describe without serving it), forward_twice (forwards the item it holds twice),
+reply_result (finishes on_reply with a result), seqs (observes every item but the final Msg, and
+finishes only if the items were numbered 1, 2, ...; else fails saying what it got).
 """
 
 from __future__ import annotations
@@ -14,15 +17,22 @@ import asyncio
 
 import grpc
 
-from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
 from tests.raw_server import serve_raw
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
+    def __init__(self, mode: str) -> None:
+        self.hooks = [hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
+        if mode == "unserved":
+            self.hooks.append(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REASONING))
+        if mode == "seqs":
+            self.hooks[0].default_mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE
+            msg = self.hooks[0].subscriptions.add(item_type=events_pb2.ITEM_TYPE_MSG)
+            msg.mode = hooks_pb2.SUBSCRIPTION_MODE_INTERCEPT
+
     async def Describe(self, request, context):
-        return hooks_pb2.MiddlewareDescription(
-            key="Raw", protocol_version="v1", hooks=[hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
-        )
+        return hooks_pb2.MiddlewareDescription(key="Raw", protocol_version="v1", hooks=self.hooks)
 
 
 def on_reply(mode: str):
@@ -61,6 +71,28 @@ def on_reply(mode: str):
             block = msg.actions.add().mutate.append_blocks.blocks.add()
             block.text.id, block.text.text = stolen, "mine now"
             await context.write(out(msg))
+        elif mode == "forward_twice":
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            seq = hooks_pb2.HostMessage.FromString(await context.read()).item.seq
+            msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=seq))
+            msg.actions.add().emit.forward_seq = seq
+            msg.actions.add().emit.forward_seq = seq
+            await context.write(out(msg))
+        elif mode == "reply_result":
+            await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish(result={"prompt": "x"}))))
+        elif mode == "seqs":
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext(credits=1000))))
+            seqs = []
+            while (msg := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
+                seqs.append(msg.item.seq)
+                if not msg.item.observed:  # the final Msg: forward it
+                    answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=msg.item.seq))
+                    answer.actions.add().emit.forward_seq = msg.item.seq
+                    await context.write(out(answer))
+            if seqs == list(range(1, len(seqs) + 1)):
+                await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
+            else:
+                await context.write(out(hooks_pb2.MiddlewareMessage(fail=hooks_pb2.Fail(message=f"seqs {seqs}"))))
         elif mode == "early_eof":
             return
         await asyncio.sleep(30)  # the host must give up on its own
@@ -74,7 +106,7 @@ async def main() -> None:
     parser.add_argument("--address", default="127.0.0.1:0")
     args = parser.parse_args()
     handlers = {"agentmw.v1.OnReply": on_reply(args.mode)}
-    await serve_raw(f"raw middleware {args.mode}", args.address, Describe(), handlers)
+    await serve_raw(f"raw middleware {args.mode}", args.address, Describe(args.mode), handlers)
 
 
 if __name__ == "__main__":

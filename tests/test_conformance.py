@@ -400,3 +400,182 @@ async def test_fidelity_same_in_process_and_remote(scenario: Scenario, check: Ch
     check(local_events, local_state)
     check(remote_events, remote_state)  # each placement on its own: key order is not seen by ==
     assert remote_events == local_events and remote_state == local_state
+
+
+# -- fidelity, SDK side: each scenario fails remotely without the fix it names -------------------
+
+WORDS_25 = " ".join(f"w{i}" for i in range(25))  # with the reply's other events: 32 items, one grant
+WORDS_64 = " ".join(f"w{i}" for i in range(64))  # 64 deltas: the grant runs out right before the end
+
+
+def _in_place_tool_choice(events, state):
+    """input_kwargs edited in place, then a bare next_handler(): the edit is an override."""
+    assert "ToolCallStartEvent" not in kinds(events)
+    assert final_text(events) == "You said: call add a=1 b=2"
+
+
+def _in_place_context_hint(events, state):
+    """A block appended in place to the agent's last message reaches the host's context."""
+    hints = [b["hint"] for m in state["context"] for b in m["content"] if b["class"] == "HintBlock"]
+    assert hints == ["Over budget: answer now."]
+
+
+def _after_yield_sees_outer(events, state):
+    """Code after ``yield`` runs once the outer layer has handled the item (it lowered max_iters)."""
+    assert state["middle_context"]["AfterYieldReads"] == {"max_iters": 7}
+
+
+def _catch_model_error(events, state):
+    """The inner pipeline's ModelError is caught by class, with its message and retryability."""
+    assert state["middle_context"]["CatchModelError"] == {
+        "message": "main is throttled",
+        "retryable": True,
+        "runtime": False,
+    }
+    assert final_text(events).startswith("backup answered")
+
+
+def _slot_from_two_hooks(events, state):
+    """on_reply's late write keeps on_reasoning's (two reasoning steps)."""
+    assert state["middle_context"]["SlotFromTwoHooks"] == {"start": 1, "reasoning": 2, "end": 1}
+
+
+def _observe_last_uses_grant(events, state):
+    """The last observed item uses up the grant: the refill crosses inner_done harmlessly."""
+    assert len(events) == 32 and sum(state["middle_context"]["ObserveCounter"].values()) == 32
+
+
+def _observe_deltas_intercept_end(events, state):
+    """A refill pull sent as the grant runs out does not answer the intercepted end."""
+    assert state["middle_context"]["ObserveDeltasInterceptEnd"] == {"deltas": 64, "ends": 1}
+    assert kinds(events).count("TextBlockEndEvent") == 1 and kinds(events)[-1] == "Msg"
+
+
+SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
+    (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
+    (
+        Scenario("in_place_context_hint", [Layer("InPlaceContextHint")], message="call add a=1 b=2"),
+        _in_place_context_hint,
+    ),
+    (
+        Scenario("after_yield_sees_outer", [Layer("MaxItersAtStart"), Layer("AfterYieldReads")]),
+        _after_yield_sees_outer,
+    ),
+    (
+        Scenario(
+            "catch_model_error_by_class",
+            [Layer("CatchModelError")],
+            models={
+                "main": {"script": [{"error": {"type": "rate_limit", "message": "main is throttled"}}]},
+                "backup": {"reply_template": "backup answered: {text}"},
+            },
+        ),
+        _catch_model_error,
+    ),
+    (Scenario("slot_from_two_hooks", [Layer("SlotFromTwoHooks")], message="call add a=1 b=2"), _slot_from_two_hooks),
+    (
+        Scenario("observe_last_uses_grant", [Layer("ObserveCounter")], models={"main": {"reply_template": WORDS_25}}),
+        _observe_last_uses_grant,
+    ),
+    (
+        Scenario(
+            "observe_deltas_intercept_end",
+            [Layer("ObserveDeltasInterceptEnd")],
+            models={"main": {"reply_template": WORDS_64}},
+        ),
+        _observe_deltas_intercept_end,
+    ),
+]
+SHARED_SLOT = Scenario(
+    "shared_slot", [Layer("SharedCounter"), Layer("SharedCounter")], models={"main": {"reply_template": WORDS_25}}
+)
+
+
+@pytest.fixture(scope="module")
+def sdk_fidelity_servers():
+    started = Servers(
+        [
+            *(scenario for scenario, _ in SDK_FIDELITY_CASES),
+            SHARED_SLOT,
+            Scenario("edit", [Layer("InPlaceUserEdit")]),
+            Scenario("raises", [Layer("Raises")]),
+        ]
+    )
+    yield started
+    started.stop()
+
+
+@pytest.mark.parametrize(("scenario", "check"), SDK_FIDELITY_CASES, ids=[s.id for s, _ in SDK_FIDELITY_CASES])
+async def test_sdk_fidelity_same_in_process_and_remote(
+    scenario: Scenario, check: Check, sdk_fidelity_servers: Servers
+) -> None:
+    local_events, local_state = await run(scenario, ["local"] * len(scenario.layers), None)
+    remote_events, remote_state = await run(scenario, ["remote"] * len(scenario.layers), sdk_fidelity_servers)
+    check(local_events, local_state)
+    check(remote_events, remote_state)
+    assert remote_events == local_events and remote_state == local_state
+
+
+async def test_a_slot_shared_by_an_in_process_and_a_remote_layer(sdk_fidelity_servers: Servers) -> None:
+    """Two instances with one key, one in the host's process: the remote one sees the other's
+    in-place writes (25 deltas, counted by both)."""
+    local_events, local_state = await run(SHARED_SLOT, ["local", "local"], None)
+    for placement in (["local", "remote"], ["remote", "local"]):
+        events, state = await run(SHARED_SLOT, placement, sdk_fidelity_servers)
+        assert state["middle_context"]["Shared"] == local_state["middle_context"]["Shared"] == {"n": 50}, placement
+        assert events == local_events
+
+
+async def test_an_in_place_edit_a_remote_view_cannot_carry_fails_loudly(sdk_fidelity_servers: Servers) -> None:
+    """Editing the user's message in place works in-process; remotely it is refused with an error
+    that says what the view supports (not silently lost)."""
+    events, _ = await run(Scenario("edit", [Layer("InPlaceUserEdit")]), ["remote"], sdk_fidelity_servers)
+    end = events[-2]
+    assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
+    assert "ContextEditError" in end["error"]["message"]
+    assert "agent.state.context[0] was edited in place" in end["error"]["message"]
+
+
+async def test_a_hook_declared_but_not_served_fails_at_attach() -> None:
+    """Describe names on_reasoning, the server has no OnReasoning service: caught at attach."""
+    from agent_host.remote import RemoteMiddleware
+    from clients.launch import ServerProcess
+
+    proc = ServerProcess(["-m", "tests.raw_mw", "unserved", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = RemoteMiddleware(proc.address)
+        with pytest.raises(Exception, match="declares on_reasoning but does not serve it"):
+            await remote.connect()
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_remote_exception_keeps_its_traceback(sdk_fidelity_servers: Servers, caplog) -> None:
+    """The SDK sends the traceback in Fail; the host logs it with the middleware's name."""
+    import logging
+
+    with caplog.at_level(logging.ERROR, logger="agentmw.remote"):
+        await run(Scenario("raises", [Layer("Raises")]), ["remote"], sdk_fidelity_servers)
+    (record,) = [r for r in caplog.records if "middleware 'Raises' raised in on_reasoning" in r.getMessage()]
+    assert 'raise ValueError("budget service says no")' in record.getMessage()
+    assert "ValueError: budget service says no" in record.getMessage()
+
+
+async def test_every_delivered_item_is_numbered() -> None:
+    """Observed copies carry their own seq (1, 2, ... with the intercepted ones), not 0."""
+    from agent_host.agent import Agent
+    from agent_host.data import UserMsg
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import RemoteMiddleware
+    from clients.launch import ServerProcess
+
+    proc = ServerProcess(["-m", "tests.raw_mw", "seqs", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
+        events = [e async for e in agent.reply_stream(UserMsg("hello"))]
+        assert events[-2].finished_reason == "completed", events[-2].error
+        await remote.close()
+    finally:
+        proc.stop()

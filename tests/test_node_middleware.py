@@ -24,6 +24,7 @@ from agent_host.data import (
     ReplyFinishedReason,
     ReplyStartEvent,
     RequireUserConfirmEvent,
+    TextBlockDeltaEvent,
     UserConfirmResultEvent,
     UserMsg,
 )
@@ -102,11 +103,14 @@ async def test_node_middleware_two_replies(node_server: ServerProcess) -> None:
     remote = await connect(node_server.address)
     assert remote.key == "NodeTagger"
     agent = Agent(model=OfflineRuleModel(reply_template="{system}"), middlewares=[remote])
+    deltas = 0
     try:
         for n in (1, 2):  # the second reply reuses the hook streams (STREAMS ARE REUSED)
-            text = check_reply(await reply(agent, f"hello {n}"))
+            items = await reply(agent, f"hello {n}")
+            text = check_reply(items)
             assert text.endswith(TAG), text
-            assert agent.state.middle_context["NodeTagger"] == {"replies": n}
+            deltas += sum(isinstance(i, TextBlockDeltaEvent) for i in items)
+            assert agent.state.middle_context["NodeTagger"] == {"replies": n, "deltas": deltas}
         assert remote.bypasses == 0
     finally:
         await remote.close()
@@ -137,7 +141,7 @@ async def test_node_and_python_middleware_mixed(node_server: ServerProcess) -> N
         for n in (1, 2):
             text = check_reply(await reply(agent, f"hi {n}"))
             assert text.startswith("[py] ") and text.endswith(TAG), text
-            assert agent.state.middle_context["NodeTagger"] == {"replies": n}
+            assert agent.state.middle_context["NodeTagger"]["replies"] == n
         assert py.customs == ["node_hello", "node_hello"]  # the outer Python layer saw Node's event
         assert remote.bypasses == 0
     finally:
@@ -163,7 +167,23 @@ async def test_parked_reply_counts_once(node_server: ServerProcess) -> None:
         (end,) = [i for i in resumed if isinstance(i, ReplyEndEvent)]
         assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
         assert not any(isinstance(i, CustomEvent) for i in resumed)
-        assert agent.state.middle_context["NodeTagger"] == {"replies": 1}
+        assert agent.state.middle_context["NodeTagger"]["replies"] == 1
+        assert remote.bypasses == 0
+    finally:
+        await remote.close()
+
+
+async def test_node_refills_credits_as_its_last_observed_item_uses_the_grant(node_server: ServerProcess) -> None:
+    """NodeTagger pulls for more credits when an observed delta uses up its grant. With exactly 32
+    (and 64) deltas that refill reaches the host after inner_done: harmless (hooks.proto, pull)."""
+    remote = await connect(node_server.address)
+    try:
+        for words in (32, 64, 40):
+            template = " ".join(f"w{i}" for i in range(words))
+            agent = Agent(model=OfflineRuleModel(reply_template=template), middlewares=[remote])
+            items = await reply(agent, "hello")
+            assert check_reply(items).split() == template.split()
+            assert agent.state.middle_context["NodeTagger"] == {"replies": 1, "deltas": words}
         assert remote.bypasses == 0
     finally:
         await remote.close()

@@ -200,13 +200,24 @@ class RemoteMiddleware:
         Waits for the server to come up (a restarted one is still reconnecting), for up to
         ``timeout``: ``connect_timeout`` on attach, the hook timeout when a hook call re-describes.
         """
+        attach = not self.key
+        request = hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION)
+        limit = self.policy.connect_timeout if timeout is None else timeout
         try:
-            desc = await self._describe_stub.Describe(
-                hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION),
-                timeout=self.policy.connect_timeout if timeout is None else timeout,
-                wait_for_ready=True,
-                metadata=self.metadata,
-            )
+            desc = None
+            if attach:  # once without waiting: a dead address is reported at once, not at the deadline
+                try:
+                    desc = await self._describe_stub.Describe(
+                        request, timeout=limit, wait_for_ready=False, metadata=self.metadata
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if "connection refused" in (exc.details() or "").lower():
+                        what = f"cannot connect to {self.address}: connection refused"
+                        raise MiddlewareFailure(self.name, "Describe", what) from None
+            if desc is None:
+                desc = await self._describe_stub.Describe(
+                    request, timeout=limit, wait_for_ready=True, metadata=self.metadata
+                )
         except grpc.aio.AioRpcError as exc:
             raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
@@ -227,6 +238,10 @@ class RemoteMiddleware:
         if self.key and desc.key != self.key:  # the slot it owns is fixed at attach
             raise ProtocolError(self.name, "Describe", f"key changed from {self.key!r} to {desc.key!r}")
         self._check_permitted(desc, tables)
+        if attach:
+            missing = [hook for hook in tables if not await self._serves(hook, limit)]
+            if missing:
+                raise ProtocolError(self.name, "Describe", f"declares {', '.join(missing)} but does not serve it")
         self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
         self.described = True
         self._drop_idle()  # streams of an earlier connection are of no use
@@ -255,6 +270,24 @@ class RemoteMiddleware:
         needed = MUTATION_PERMISSION.get(op)
         if needed is not None and not getattr(self.access.permissions, needed):
             raise ProtocolError(self.name, hook, f"{op} is not allowed by its configuration ({needed}: false)")
+
+    async def _serves(self, hook: str, limit: float) -> bool:
+        """Probe a declared hook at attach: open its stream and half-close it at once. A server
+        without the service answers UNIMPLEMENTED; one that has it ends the stream (or anything
+        else: only UNIMPLEMENTED counts against it)."""
+        call = self.stubs[hook]()
+        try:
+            async with asyncio.timeout(limit):
+                await call.done_writing()
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+        except grpc.aio.AioRpcError as exc:
+            return exc.code() != grpc.StatusCode.UNIMPLEMENTED
+        except (TimeoutError, asyncio.InvalidStateError):
+            pass
+        finally:
+            call.cancel()
+        return True
 
     def implements(self, hook: str) -> bool:
         return hook in self.tables

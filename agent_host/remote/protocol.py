@@ -7,6 +7,7 @@ The same class serves all seven hooks. ``items()`` is the onion face of STREAM h
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from agentmw.v1 import hooks_pb2
 from .. import tracing
 from ..chain import prepend
 from ..codec import CodecError, codec, json_to_value, value_to_json
-from ..data import ChatResponse, CustomEvent, new_id, now
+from ..data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
 from ..hooks import HookSpec, Kind
 from ..subscriptions import Mode, SubscriptionTable
 from ..wire import (
@@ -59,12 +60,15 @@ class HookCall:
         self.inner_done = False
         self.inner_result: Any = None
         self.inner_exc: BaseException | None = None
-        self.pending: Any = None  # the intercepted item the middleware holds now
-        self.seq = 0
+        self.pending: Any = None  # the intercepted item the middleware holds now (until emitted)
+        self.seq = 0  # items delivered (intercepted and observed) in this invocation
+        self.held_seq = 0  # the intercepted item the host waits on the middleware's answer for
         self.generation = 0  # which inner pipeline (call_next count)
         self.credits = 0
         self.result: Any = None
         self.sent_fingerprint: tuple[int, int] | None = None
+        self.sent_slot: Any = None  # the slot as last sent (in-process layers may edit it in place)
+        self.applied = 0  # this invocation's middleware messages read (HookContext.applied)
         self.clean = False  # the invocation ended with finish / fail on a sound stream
         self.held_begin: hooks_pb2.HostMessage | None = None  # an eager value hook's begin, sent with its outcome
         self.in_hand: Any = None  # an observed item taken from the inner pipeline, not yet forwarded
@@ -74,6 +78,7 @@ class HookCall:
         self.waiting_since: float | None = None  # loop time since when the host waits on the stream
         self.waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
         self.timed_out = False
+        self.started_reply = False  # a ReplyStartEvent went outward (on_reply)
         self.span: Any = None  # this invocation's span, when the host traces
         self.invocation = 0  # this invocation's id on the wire (hooks.proto, INVOCATION IDS)
         self.reused = False  # the stream carried earlier invocations (their late messages may follow)
@@ -110,6 +115,7 @@ class HookCall:
             try:
                 async with aclosing(self._run()) as run:
                     async for item in run:
+                        self.started_reply = self.started_reply or isinstance(item, ReplyStartEvent)
                         yield item
             except MiddlewareFailure as exc:
                 self.mw.failed()
@@ -138,13 +144,22 @@ class HookCall:
             and self.pending is None
             and self.in_hand is None
         )
-        if record and self.spec.name in _EVENT_HOOKS and not after_final:
-            yield CustomEvent(
-                name="middleware_bypassed",
-                value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
-            )
+        record = record and self.spec.name in _EVENT_HOOKS and not after_final
+        # A reply's events start with ReplyStartEvent: before it, the record waits for it.
+        before_start = self.spec.name == "on_reply" and not self.started_reply
+        if record and not before_start:
+            yield self._bypass_event(exc)
         async for item in self._without_middleware():
             yield item
+            if record and before_start and isinstance(item, ReplyStartEvent):
+                yield self._bypass_event(exc)
+
+    def _bypass_event(self, exc: MiddlewareFailure) -> CustomEvent:
+        return CustomEvent(
+            name="middleware_bypassed",
+            reply_id=self.agent.state.reply_id,
+            value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
+        )
 
     async def _without_middleware(self) -> AsyncIterator[Any]:
         """The rest of the hook as if the middleware were not there: whatever the host already
@@ -227,10 +242,24 @@ class HookCall:
                 async for item in self._advance(msg.call_next.credits):
                     yield item
             elif command == "pull":
+                pull = msg.pull
                 if self.inner is None:
-                    raise self._violation("pull before call_next" if not self.inner_done else "pull after inner_done")
-                async for item in self._advance(msg.pull.credits):
+                    if self.inner_done:  # a credit refill that crossed inner_done: harmless
+                        continue
+                    raise self._violation("pull before call_next")
+                if self.held_seq and pull.HasField("answers_seq") and pull.answers_seq != self.held_seq:
+                    self.credits += max(pull.credits, 1)  # a credit grant, not the answer to the held item
+                    continue
+                self.held_seq = 0
+                async for item in self._advance(pull.credits):
                     yield item
+            elif command == "suspend":
+                if not spec.has_items:
+                    raise self._violation(f"suspend in {spec.name}, which has no items")
+                resume = hooks_pb2.HostMessage(invocation=self.invocation)
+                resume.resume.SetInParent()
+                self._context(resume.resume.context)
+                await self._write(resume)
             elif command == "finish":
                 self.result = self._finish(msg.finish)
                 self.clean = True
@@ -238,6 +267,8 @@ class HookCall:
             elif command == "fail":
                 self.clean = True
                 fail = msg.fail
+                if fail.traceback:
+                    log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, fail.traceback[:8192])
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
@@ -298,7 +329,7 @@ class HookCall:
             if value is None:
                 raise self._violation("on_check_permission must finish with a permission_decision")
         elif value is not None:
-            raise self._violation(f"{spec.name} finishes without a result")
+            raise self._violation(f"{spec.name} must finish without a result (it sent {type(value).__name__})")
         return value
 
     async def _start_inner(self, call_next: hooks_pb2.CallNext) -> None:
@@ -316,6 +347,7 @@ class HookCall:
         if "current_model" in overrides and overrides["current_model"] is not None:
             overrides["current_model"] = model_override(overrides["current_model"])
         self.pending = None
+        self.held_seq = 0
         self.inner_done = False
         self.inner_exc = None
         self.generation += 1
@@ -376,12 +408,13 @@ class HookCall:
                         yield item  # observed items are the host's to forward
                         return
                 self.credits -= 1
+                self.seq += 1
                 await self._write(self._item_message(item, observed=True))
                 self.in_hand = None
                 yield item
                 continue
             self.seq += 1
-            self.pending = item
+            self.pending, self.held_seq = item, self.seq
             self.credits = 0
             await self._write(self._item_message(item, observed=False))
             return
@@ -418,8 +451,11 @@ class HookCall:
             raise self._violation(f"emit in {self.spec.name}, which has no items")
         which = emit.WhichOneof("what")
         if which == "forward_seq":
-            if self.pending is None or emit.forward_seq != self.seq:
-                raise self._violation(f"forward_seq {emit.forward_seq} is not the item it holds (seq {self.seq})")
+            if self.pending is None:
+                held = f"seq {self.held_seq} was emitted already" if self.held_seq else "none is held"
+                raise self._violation(f"forward_seq {emit.forward_seq} names no held intercepted item ({held})")
+            if emit.forward_seq != self.held_seq:
+                raise self._violation(f"forward_seq {emit.forward_seq} is not the held item's seq ({self.held_seq})")
             item, self.pending = self.pending, None
             return item
         if which == "item":
@@ -447,9 +483,12 @@ class HookCall:
         """Fill the hook context when host state moved since the last one sent on this stream."""
         agent, state = self.agent, self.agent.state
         fingerprint = (state.version, len(state.context))
-        if not force and fingerprint == self.sent_fingerprint:
+        slot = state.middle_context.get(self.mw.key)
+        # In-process layers sharing this key may edit the slot in place (no version bump).
+        if not force and fingerprint == self.sent_fingerprint and slot == self.sent_slot:
             return
-        self.sent_fingerprint = fingerprint
+        self.sent_fingerprint, self.sent_slot = fingerprint, copy.deepcopy(slot)
+        ctx.applied = self.applied
         ctx.agent_name = agent.name
         ctx.agent_description = agent.description
         ctx.session_id = state.session_id
@@ -458,7 +497,6 @@ class HookCall:
         ctx.max_iters = agent.max_iters
         ctx.middleware_key = self.mw.key
         ctx.state_version = state.version
-        slot = state.middle_context.get(self.mw.key)
         if slot is not None:
             json_to_value(slot, ctx.slot)
         else:
@@ -609,6 +647,7 @@ class HookCall:
                 )
             invocation = msg.invocation
             if invocation == self.invocation:
+                self.applied += 1  # its actions are applied before the host sends anything else
                 return msg
             # On a reused stream, an unlabelled or older message may be a late one of an earlier
             # invocation: dropped, so it never fails this one. On a new stream it can only be ours.

@@ -9,18 +9,41 @@ class Hello(MiddlewareBase):
 serve(Hello(), "127.0.0.1:50061")
 """
 
-from agent_host.data import *  # noqa: F403 - the data model, for authors
-from agent_host.middleware import MiddlewareBase, Mode, Subscription, subscribe
+from agent_host import data as _data
+from agent_host.data import *  # noqa: F403 - the data model, for authors (exported below)
+from agent_host.middleware import (
+    ActingKwargs,
+    CheckPermissionKwargs,
+    CompressContextKwargs,
+    MiddlewareBase,
+    Mode,
+    ModelCallKwargs,
+    ReasoningKwargs,
+    ReplyKwargs,
+    Subscription,
+    subscribe,
+)
+from agent_host.models.base import ModelError
 from agent_host.tools import FunctionTool, Tool, tool
 
 from .server import ServeSecurity, describe, serve, serve_async, start
-from .session import InnerPipelineError
+from .session import KNOWN_ERRORS, InnerPipelineError
+from .view import ContextEditError
 
 __all__ = [
+    "KNOWN_ERRORS",
+    "ActingKwargs",
+    "CheckPermissionKwargs",
+    "CompressContextKwargs",
+    "ContextEditError",
     "FunctionTool",
     "InnerPipelineError",
     "MiddlewareBase",
     "Mode",
+    "ModelCallKwargs",
+    "ModelError",
+    "ReasoningKwargs",
+    "ReplyKwargs",
     "ServeSecurity",
     "Subscription",
     "Tool",
@@ -31,3 +54,4 @@ __all__ = [
     "subscribe",
     "tool",
 ]
+__all__ += _data.__all__

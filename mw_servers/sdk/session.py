@@ -4,20 +4,36 @@ It runs the author's hook method with an ``agent`` view and a ``next_handler`` t
 protocol: iterating the inner pipeline sends call_next / pull, yielding sends emit, state changes
 send mutations. Actions are batched into the next command; if the author's code awaits something
 else first, they are flushed at the end of the current event-loop turn (so nothing waits).
+
+Fidelity with an in-process run: a ``yield`` suspends the author's generator until the host's
+consumer asks for the next item (suspend / resume; after an observed copy, until the host's next
+message); ``input_kwargs`` edited in place count as overrides (``changed_kwargs``); the inner
+pipeline's exceptions are raised as the host's classes (``inner_error``). Credits are refilled
+as the grant runs out, with ``answers_seq`` so a refill never answers an intercepted item.
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
+import contextlib
+import logging
+import traceback
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from agent_host.chain import prepend
-from agent_host.codec import codec, json_to_value
+from agent_host.codec import CodecError, codec, json_to_value
+from agent_host.config import ConfigError
 from agent_host.data import ChatResponse
 from agent_host.hooks import HookSpec, Kind
+from agent_host.models.base import ModelError
+from agent_host.models.registry import UnknownModelError
+from agent_host.reply_grammar import ReplyGrammarError
+from agent_host.tools import ToolInputError
 from agent_host.wire import (
     DEFAULT_CREDITS,
     decode_kwargs,
@@ -30,15 +46,56 @@ from agentmw.v1 import hooks_pb2
 
 from .view import AgentView
 
+log = logging.getLogger("agentmw.sdk")
+
 WINDOW = DEFAULT_CREDITS  # credits granted per pull for observed items
+TRACEBACK_LIMIT = 8192  # bytes of a traceback sent in Fail (its tail: where it was raised)
 
 
 class InnerPipelineError(Exception):
-    """The host's inner pipeline raised; ``type_name`` is its exception class name."""
+    """The host's inner pipeline raised. ``type_name`` is its exception class name; ``str()`` its
+    message, as in-process. The SDK raises a subclass named after the type that is also the host's
+    own class when it knows the name (see ``KNOWN_ERRORS``), so ``except RuntimeError`` or ``except
+    ModelError`` match as they would in-process."""
 
     def __init__(self, type_name: str, message: str, retryable: bool) -> None:
-        super().__init__(f"{type_name}: {message}")
+        super().__init__(message)
         self.type_name, self.retryable = type_name, retryable
+
+
+# Exception classes raised in the author's code by name: builtins and the host's own errors.
+KNOWN_ERRORS: dict[str, type[BaseException]] = {
+    name: obj
+    for name, obj in vars(builtins).items()
+    if isinstance(obj, type) and issubclass(obj, Exception) and not name.startswith("_")
+}
+KNOWN_ERRORS.update(
+    {
+        cls.__name__: cls
+        for cls in (ModelError, UnknownModelError, CodecError, ConfigError, ToolInputError, ReplyGrammarError)
+    }
+)
+_error_classes: dict[str, type[InnerPipelineError]] = {}
+
+
+def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineError:
+    """The inner pipeline's exception as the author's code would see it in-process (as near as
+    the SDK can tell from its name)."""
+    cls = _error_classes.get(type_name)
+    known = KNOWN_ERRORS.get(type_name)
+    if cls is None:
+        name = type_name if type_name.isidentifier() else "InnerError"
+        try:
+            cls = type(name, (InnerPipelineError, known) if known else (InnerPipelineError,), {"__module__": __name__})
+        except TypeError:  # an incompatible instance layout (e.g. OSError): the name is kept
+            cls = type(name, (InnerPipelineError,), {"__module__": __name__})
+        _error_classes[type_name] = cls
+    exc = cls.__new__(cls)
+    if known is not None and issubclass(cls, known):
+        with contextlib.suppress(Exception):  # the class's own attributes (ModelError.error_type, ...)
+            exc.__dict__.update(vars(known(message)))
+    InnerPipelineError.__init__(exc, type_name, message, retryable)
+    return exc
 
 
 class HostGone(Exception):
@@ -56,39 +113,48 @@ class HookSession:
         self.flush_scheduled = False
         self.flush_task: asyncio.Future[None] | None = None
         self.write_lock = asyncio.Lock()
+        self.sent = 0  # messages written in this invocation (compared with HookContext.applied)
+        self.inbox: deque[hooks_pb2.HostMessage] = deque()  # host messages read ahead, in order
         self.generation = 0  # inner pipelines started
-        self.granted = 0  # credits the host still holds
-        self.host_waiting = False  # after an intercepted item the host waits for a command
+        self.inner_open = False  # the current inner pipeline may still deliver items
+        self.granted = 0  # credits the host still holds (a lower bound)
+        self.host_holding = False  # the host delivered an intercepted item and waits for its answer
+        self.unanswered = 0  # seq of the intercepted item handed to the author, not answered yet
+        self.answered = 0  # seq of the last intercepted item answered (Pull.answers_seq of a refill)
+        self.suspended = False  # sent suspend, waiting for resume
+        self.read_lock = asyncio.Lock()
         self.current: tuple[Any, Any, int] | None = None  # (item, its proto, seq) held now
         self.observed: dict[int, Any] = {}
         self.last_inner_error: InnerPipelineError | None = None
         subscription = middleware.subscription(spec.name)
         self.detached = subscription.detached
         self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
+        self.begin_kwargs: hooks_pb2.Kwargs | None = None
+        self.kwargs: dict[str, Any] = {}  # the author's input_kwargs (edited in place, as in-process)
+        self.inner_streams: list[Any] = []  # on_model_call: the streams next_handler() returned
 
     # -- running the author's code ---------------------------------------------------------------
 
     async def run(self, message: hooks_pb2.HostMessage) -> None:
         self.invocation = message.invocation
         begin = message.begin
+        self.begin_kwargs = begin.input_kwargs
         self.view.refresh(begin.context)
-        kwargs = decode_kwargs(self.spec, begin.input_kwargs, complete=True)
+        self.kwargs = kwargs = decode_kwargs(self.spec, begin.input_kwargs, complete=True)
         method = getattr(self.mw, self.spec.name)
         kind = self.spec.kind
         try:
             result: Any = None
             if kind is Kind.STREAM:
-                async for out in method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler):
-                    self.emit(out)
+                await self._drive(method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler))
             elif kind is Kind.CALL:
                 result = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
             elif kind is Kind.MODEL:
                 value = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
                 if isinstance(value, ChatResponse):
                     self.emit(value)
-                else:
-                    async for chunk in value:
-                        self.emit(chunk)
+                else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
+                    await self._drive(value, lockstep=value not in self.inner_streams)
             else:
                 result = await method(self.view, kwargs["prompt"])
             finish = hooks_pb2.MiddlewareMessage()
@@ -102,7 +168,30 @@ class HookSession:
             fail.fail.type = type(exc).__name__
             fail.fail.message = str(exc)
             fail.fail.from_inner = exc is self.last_inner_error
-            await self.send(fail)
+            if not fail.fail.from_inner:
+                log.exception("%s raised in %s", type(self.mw).__name__, self.spec.name)
+                text = "".join(traceback.format_exception(exc))
+                fail.fail.traceback = text.encode()[-TRACEBACK_LIMIT:].decode(errors="ignore")
+            await self.send(fail, check=False)
+
+    async def _drive(self, items: Any, *, lockstep: bool = True) -> None:
+        """Emit what the author's generator yields. As in-process, its code after a ``yield`` runs
+        only once the consumer asks for the next item: after an emit the SDK suspends and waits for
+        the host's resume; after an observed copy (which the host did not wait for) it waits for the
+        host's next message. ``lockstep=False``: no author code runs between items (the stream of
+        next_handler() itself), so nothing waits."""
+        async for out in items:
+            emitted = self.emit(out)
+            if not lockstep:
+                continue
+            if emitted:
+                msg = hooks_pb2.MiddlewareMessage()
+                msg.suspend.SetInParent()
+                self.suspended = True
+                await self.send(msg)
+                await self.fetch(lambda: not self.suspended)
+            else:
+                await self.fetch(lambda: bool(self.inbox) or not self.inner_open)
 
     def next_handler(self, **overrides: Any) -> Any:
         unknown = overrides.keys() - self.spec.params
@@ -123,14 +212,26 @@ class HookSession:
             first = await inner.__anext__()  # call-time errors raise here, as in-process
         except StopAsyncIteration:
             first = None
-        return prepend(first, inner)
+        stream = prepend(first, inner)
+        self.inner_streams.append(stream)
+        return stream
+
+    def changed_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """What the inner pipeline gets that differs from the begin's kwargs: the explicit overrides
+        merged over ``input_kwargs`` as it is now (in-place edits count, as in-process; a deleted
+        key is None). Compared with a fresh decode of the begin's kwargs."""
+        assert self.begin_kwargs is not None
+        merged = {**self.kwargs, **overrides}
+        original = decode_kwargs(self.spec, self.begin_kwargs, complete=True)
+        return {p: merged.get(p) for p in self.spec.params if merged.get(p) != original[p]}
 
     # -- outgoing --------------------------------------------------------------------------------
 
-    def emit(self, out: Any) -> None:
-        self.sync_slot()
+    def emit(self, out: Any) -> bool:
+        """Queue ``out`` as an emit; False when it is an observed copy (the host already forwarded it)."""
+        self.sync_state()
         if self.observed.pop(id(out), None) is out:
-            return  # the host already forwarded it
+            return False
         self._refuse_if_detached(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
         codec.encode_item(out, action.emit.item)
@@ -140,21 +241,29 @@ class HookSession:
                 action.emit.forward_seq = current[2]
             self.current = None
         self._queue(action)
+        return True
 
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
         self._refuse_if_detached("change the agent's state")
-        self.sync_slot()
+        self.sync_state()
         action = hooks_pb2.Action()
         action.mutate.CopyFrom(mutation)
         self._queue(action)
 
+    def sync_state(self) -> None:
+        """Turn in-place changes of the view (context edits, the slot) into mutations, in order."""
+        self.view.state.context.sync()
+        self.sync_slot()
+
     def sync_slot(self) -> None:
-        changed, value = self.view.state.middle_context.changed()
+        slot = self.view.state.middle_context
+        changed, value = slot.changed()
         if changed:
             self._refuse_if_detached("change its slot")
             action = hooks_pb2.Action()
             json_to_value(value, action.mutate.set_slot)
             self.actions.append(action)
+            slot.pending_message = self.sent + 1  # the next message written carries it
 
     def _refuse_if_detached(self, what: str) -> None:
         if self.detached:
@@ -169,11 +278,15 @@ class HookSession:
     def _flush_soon(self) -> None:
         self.flush_scheduled = False
         if self.actions:
-            self.flush_task = asyncio.ensure_future(self.send(hooks_pb2.MiddlewareMessage()))
+            self.flush_task = asyncio.ensure_future(self.send(hooks_pb2.MiddlewareMessage(), check=False))
 
-    async def send(self, msg: hooks_pb2.MiddlewareMessage) -> None:
-        """Send pending actions (in order) together with ``msg``'s command."""
-        self.sync_slot()
+    async def send(self, msg: hooks_pb2.MiddlewareMessage, *, check: bool = True) -> None:
+        """Send pending actions (in order) together with ``msg``'s command. ``check``: first turn
+        in-place view changes into mutations (raises in the author's code if one cannot be carried)."""
+        if check:
+            self.sync_state()
+        else:
+            self.sync_slot()
         msg.invocation = self.invocation
         async with self.write_lock:
             if self.actions:
@@ -181,19 +294,58 @@ class HookSession:
                 self.actions.clear()
             elif msg.WhichOneof("command") is None:
                 return
+            self.sent += 1
             try:
                 await self.ctx.write(msg)
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
                 raise HostGone(str(exc)) from None
 
+    async def pull(self, answers: int) -> None:
+        """Ask for more: answers the intercepted item ``answers`` (0: a credit grant only)."""
+        msg = hooks_pb2.MiddlewareMessage()
+        msg.pull.credits = WINDOW
+        msg.pull.answers_seq = answers or self.answered
+        if answers:
+            self.answered, self.unanswered, self.host_holding, self.current = answers, 0, False, None
+        self.granted += WINDOW
+        await self.send(msg)
+
     # -- incoming --------------------------------------------------------------------------------
 
+    async def fetch(self, ready: Callable[[], bool]) -> None:
+        """Read the host's messages of this invocation into the inbox (a resume ends a suspend
+        instead) until ``ready()``. One reader at a time (the author's code may wait on the inner
+        pipeline in another task while suspended). Grants credits when the host may wait for them."""
+        async with self.read_lock:
+            while not ready():
+                if self.inner_open and not (self.detached or self.suspended or self.host_holding) and self.granted <= 0:
+                    await self.pull(0)
+                msg = await self.reader.read()
+                if msg is None:
+                    raise HostGone("the host closed the stream")
+                if msg.invocation != self.invocation:
+                    continue  # sent for an earlier invocation
+                which = msg.WhichOneof("message")
+                if which == "resume":
+                    self.suspended = False
+                    if msg.resume.HasField("context"):
+                        self.view.refresh(msg.resume.context)
+                    continue
+                body = getattr(msg, which)
+                if getattr(body, "inner", self.generation) == self.generation:  # else stale: ignored later
+                    if which == "item":
+                        if body.observed:
+                            self.granted -= 1
+                        else:
+                            self.granted, self.host_holding = 0, True
+                    else:
+                        self.inner_open = False
+                self.inbox.append(msg)
+
     async def read(self) -> hooks_pb2.HostMessage:
-        """The host's next message of this invocation (copies sent for an earlier one are skipped)."""
-        while (msg := await self.reader.read()) is not None:
-            if msg.invocation == self.invocation:
-                return msg
-        raise HostGone("the host closed the stream")
+        """The host's next message of this invocation (read ahead or from the stream)."""
+        await self.fetch(lambda: bool(self.inbox))
+        return self.inbox.popleft()
 
 
 class HostReader:
@@ -231,7 +383,7 @@ class InnerStream:
 
     def __init__(self, session: HookSession, overrides: dict[str, Any]) -> None:
         self.session = session
-        self.overrides = overrides
+        self.changed = session.changed_kwargs(overrides)  # at call time, as in-process
         self.started = False
         self.done = False
         self.generation = 0
@@ -246,31 +398,29 @@ class InnerStream:
             raise StopAsyncIteration
         if not self.started:
             self.started = True
+            changed = self.changed
             s.generation += 1
             self.generation = s.generation
+            s.granted, s.host_holding, s.unanswered, s.current, s.inner_open = WINDOW, False, 0, None, True
             if s.eager and s.generation == 1:  # the host started this pipeline at begin
-                if self.overrides:
-                    raise TypeError(f"{s.spec.name} is declared eager_next: its first next_handler() takes no kwargs")
-                s.granted, s.host_waiting, s.current = WINDOW, False, None
+                if changed:
+                    raise TypeError(
+                        f"{s.spec.name} is declared eager_next: its first next_handler() runs with the "
+                        f"kwargs unchanged (it changes {sorted(changed)})"
+                    )
                 return await self._receive()
             msg = hooks_pb2.MiddlewareMessage()
             call_next = msg.call_next
             call_next.credits = WINDOW
-            overrides = dict(self.overrides)
-            if overrides.get("current_model") is not None:
-                overrides["current_model"] = model_override(overrides["current_model"])
-            cleared = [k for k, v in overrides.items() if v is None]
-            encode_kwargs(s.spec, {k: v for k, v in overrides.items() if v is not None}, call_next.overrides)
-            call_next.cleared.extend(cleared)
-            s.granted, s.host_waiting, s.current = WINDOW, False, None
+            if changed.get("current_model") is not None:
+                changed["current_model"] = model_override(changed["current_model"])
+            call_next.cleared.extend(k for k, v in changed.items() if v is None)
+            encode_kwargs(s.spec, {k: v for k, v in changed.items() if v is not None}, call_next.overrides)
             await s.send(msg)
         elif self.generation != s.generation:
             raise RuntimeError("this inner pipeline was replaced by a later next_handler() call")
-        elif (s.host_waiting or s.granted <= 0) and not s.detached:  # a detached hook is never waited for
-            msg = hooks_pb2.MiddlewareMessage()
-            msg.pull.credits = WINDOW
-            s.granted, s.host_waiting, s.current = WINDOW, False, None
-            await s.send(msg)
+        elif s.unanswered and not s.detached:  # done with the held item: answer it
+            await s.pull(s.unanswered)
         return await self._receive()
 
     async def _receive(self) -> Any:
@@ -286,20 +436,18 @@ class InnerStream:
             if which == "item":
                 item = codec.decode_item(body.item)
                 if body.observed:
-                    s.granted -= 1
                     if len(s.observed) > 1024:
                         s.observed.clear()
                     s.observed[id(item)] = item
                 else:
-                    s.granted, s.host_waiting = 0, True
                     s.current = (item, body.item, body.seq)
+                    s.unanswered = body.seq
                 return item
             self.done = True
-            s.host_waiting = True  # after inner_done / inner_error the host waits for a command
             if which == "inner_done":
                 self.result = decode_result(body.result)
                 raise StopAsyncIteration
             if which == "inner_error":
-                s.last_inner_error = InnerPipelineError(body.type, body.message, body.retryable)
+                s.last_inner_error = inner_error(body.type, body.message, body.retryable)
                 raise s.last_inner_error
             raise RuntimeError(f"unexpected {which} from the host")

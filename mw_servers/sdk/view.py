@@ -6,15 +6,24 @@ It offers the same names as the host's Agent, so middleware code runs unchanged 
 ``wants_context``; ``append`` always works), ``agent.state.append_context(name, blocks)``,
 ``agent.state.append_to_last_assistant(name, blocks)``, ``agent.state.remove_block(id)``,
 ``agent.set_model(id)``, ``agent.max_iters = n``.
+
+In-place edits of ``agent.state.context`` that the view carries to the host (checked whenever the
+SDK sends a message, so before the next ``yield``, ``next_handler`` or return):
+``context.append(msg)`` / ``extend`` (append_message), and blocks appended to the content of the
+last message when it is an assistant message by this agent (append_blocks_to_tail, as AgentScope's
+budget middleware does). Any other edit (changing, removing or inserting messages or blocks)
+raises ``ContextEditError`` in the middleware's code: use the methods above instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from agent_host.codec import codec, json_to_value, value_to_json
-from agent_host.data import ContentBlock, ModelRef, Msg
+from agent_host.data import ContentBlock, ModelRef, Msg, Role
 from agent_host.data.state import ReplyFields
 from agentmw.v1 import hooks_pb2
 
@@ -30,15 +39,16 @@ class SlotDict(dict):
         self.key = key
         self.touched = False
         self.synced = "null"
-        self.pending: str | None = None  # a value sent as set_slot that the host has not shown back yet
+        self.pending_message = 0  # the message that carries our latest set_slot (0: none pending)
 
-    def load(self, value: Any) -> None:
-        """Take the host's value, unless it predates a set_slot still on its way (then ours stands)."""
+    def load(self, value: Any, applied: int) -> None:
+        """Take the host's value, unless it predates our latest set_slot (the host had not read the
+        message carrying it: ``applied``, hooks.proto HookContext.applied); then ours stands. Once
+        the host has it, the host's value is the truth, whoever else wrote the slot meanwhile."""
+        if applied < self.pending_message:
+            return
+        self.pending_message = 0
         text = json.dumps(value, sort_keys=True)
-        if self.pending is not None:
-            if text != self.pending:
-                return
-            self.pending = None
         dict.clear(self)
         if value is not None:
             dict.__setitem__(self, self.key, value)
@@ -75,31 +85,84 @@ class SlotDict(dict):
         return dict.pop(self, key, *default)
 
     def changed(self) -> tuple[bool, Any]:
-        """(changed since the last sync, current value); resets the mark."""
-        if not self.touched:
+        """(changed since the last sync, current value); resets the mark. A dict or list value is
+        always compared: the author may keep a reference to it and edit it later."""
+        value = dict.get(self, self.key)
+        if not self.touched and not isinstance(value, (dict, list)):
             return False, None
         self.touched = False
-        value = dict.get(self, self.key)
         text = json.dumps(value, sort_keys=True)
         if text == self.synced:
             return False, None
-        self.synced = self.pending = text
+        self.synced = text
         return True, value
 
 
+class ContextEditError(RuntimeError):
+    """An in-place edit of ``agent.state.context`` that a remote middleware cannot carry to the host."""
+
+
+SUPPORTED_EDITS = (
+    "a remote middleware carries only context.append(msg) / extend(msgs) and blocks appended to the "
+    "last message when it is this agent's assistant message; use agent.state.append_context, "
+    "append_to_last_assistant or remove_block for other changes"
+)
+
+
 class ContextView(list):
-    """``agent.state.context``; appending a message becomes an ``append_message`` mutation."""
+    """``agent.state.context``; appending a message becomes an ``append_message`` mutation, and
+    blocks appended in place to this agent's last assistant message ``append_blocks_to_tail``
+    (``sync``). ``shown`` holds pristine copies of what the host sent, to tell edits apart."""
 
     def __init__(self, session: HookSession) -> None:
         super().__init__()
         self.session = session
         self.visible = False
+        self.shown: list[Msg] = []
+
+    def load(self, messages: Any) -> None:
+        list.clear(self)
+        list.extend(self, (codec.decode(m) for m in messages))
+        self.shown = [codec.decode(m) for m in messages]  # a second decode: copies never shared
+        self.visible = True
 
     def append(self, msg: Msg) -> None:
+        self.sync()
         super().append(msg)
         mutation = hooks_pb2.Mutation()
         codec.encode(msg, mutation.append_message)
+        self.shown.append(codec.decode(mutation.append_message))
         self.session.mutate(mutation)
+
+    def extend(self, msgs: Any) -> None:
+        for msg in msgs:
+            self.append(msg)
+
+    def sync(self) -> None:
+        """Carry in-place edits made since the last sync to the host, or raise ContextEditError."""
+        if not self.visible or list.__eq__(self, self.shown):
+            return
+        last = len(self.shown) - 1
+        for i, (now, shown) in enumerate(zip_longest(list.__iter__(self), self.shown)):
+            if now == shown:
+                continue
+            if now is None or shown is None:
+                raise ContextEditError(f"agent.state.context changed length in place: {SUPPORTED_EDITS}")
+            n = len(shown.content)
+            appended_to_tail = (
+                i == last
+                and shown.role == Role.ASSISTANT
+                and shown.name == self.session.view.name
+                and now.content[:n] == shown.content
+                and len(now.content) > n
+                and dataclasses.replace(now, content=[]) == dataclasses.replace(shown, content=[])
+            )
+            if not appended_to_tail:
+                raise ContextEditError(f"agent.state.context[{i}] was edited in place: {SUPPORTED_EDITS}")
+            mutation = hooks_pb2.Mutation()
+            _blocks(now.content[n:], mutation.append_blocks_to_tail)
+            self.session.actions.append(hooks_pb2.Action(mutate=mutation))
+            self.shown[i] = codec.decode(codec.encode(now))
 
     def _require(self) -> None:
         if not self.visible:
@@ -193,13 +256,11 @@ class AgentView:
         state.reply_context.reply_id = ctx.reply_id
         state.reply_context.cur_iter = ctx.cur_iter
         state.reply_context.structured_output_pending = ctx.structured_output_pending
-        self._session.sync_slot()  # local changes first: they must not be overwritten by older host state
-        state.middle_context.load(value_to_json(ctx.slot) if ctx.HasField("slot") else None)
+        self._session.sync_state()  # local changes first: they must not be overwritten by older host state
+        state.middle_context.load(value_to_json(ctx.slot) if ctx.HasField("slot") else None, ctx.applied)
         if ctx.HasField("context"):
-            list.clear(state.context)
-            list.extend(state.context, (codec.decode(m) for m in ctx.context.messages))
-            state.context.visible = True
+            state.context.load(ctx.context.messages)
             state.summary = ctx.summary
 
 
-__all__ = ["AgentView", "json_to_value"]
+__all__ = ["AgentView", "ContextEditError", "json_to_value"]

@@ -64,11 +64,13 @@ class TTSMiddleware(MiddlewareBase):
     def __init__(self, engine: Engine | None = None, *, realtime: bool | None = None) -> None:
         self.engine = engine if engine is not None else EspeakEngine()
         self.realtime = self.engine.realtime if realtime is None else realtime
-        # Text-block events only, intercepted: the block end must wait for the audio (so it goes
-        # out before the reply moves on), realtime audio goes out between the deltas. Deltas are
-        # intercepted in standard mode too: observing them beside an intercepted end loses that end
-        # when the credit window runs out exactly before it (see docs/tts.md, "Known issue").
-        sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True)
+        # Text-block events only. The block end is intercepted: it must wait for the audio (so it
+        # goes out before the reply moves on). Realtime audio goes out between the deltas, so
+        # realtime mode intercepts them too; standard mode only reads them (observed copies).
+        if self.realtime:
+            sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True)
+        else:
+            sub = subscribe(observe=[TextBlockDeltaEvent], intercept=[TextBlockEndEvent], eager_next=True)
         self.subscriptions = {"on_reply": sub}
 
     async def get_middleware_key(self) -> str:

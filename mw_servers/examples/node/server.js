@@ -2,9 +2,10 @@
 // NodeTagger: an agentmw v1 middleware written in Node.js from protos/agentmw/v1/*.proto alone.
 //
 //   on_system_prompt : appends "\n[tagged by node]" to the prompt.
-//   on_reply         : intercepts only ReplyStartEvent (everything else BYPASS), re-emits it
-//                      followed by CustomEvent "node_hello" {"lang": "node"}, and counts the
-//                      session's replies in its own slot: {"replies": n}.
+//   on_reply         : intercepts only ReplyStartEvent, re-emits it followed by CustomEvent
+//                      "node_hello" {"lang": "node"}; observes text deltas (copies, never waited
+//                      for); everything else BYPASS. Counts the session's replies and the text
+//                      deltas it saw in its own slot: {"replies": n, "deltas": m}.
 //
 // Usage: node server.js [HOST:PORT | --address HOST:PORT]   (port 0 = any free port)
 'use strict';
@@ -187,28 +188,43 @@ const onReply = {
   begin(inv, begin) {
     // Our slot (agent.state.middle_context["NodeTagger"]) as of this call; null when unset. Only
     // this middleware writes it, so the begin's value is still current at ReplyStartEvent.
-    const slot = fromValue(begin.context && begin.context.slot);
-    inv.previousReplies = slot && typeof slot.replies === 'number' ? slot.replies : 0;
+    const slot = fromValue(begin.context && begin.context.slot) || {};
+    inv.slot = { replies: Number(slot.replies) || 0, deltas: Number(slot.deltas) || 0 };
+    inv.credits = CREDITS; // observed copies the host may still send before it waits for a pull
+    inv.answered = 0; // seq of the last intercepted item we answered (Pull.answers_seq)
     return { call_next: { credits: CREDITS } }; // no overrides: the kwargs unchanged
   },
   item(inv, delivery) {
-    // Observed copies were already forwarded by the host and need no answer. This middleware
-    // subscribes to none; one that does must count its credits and pull again when they run out.
-    if (delivery.observed) return null;
+    if (delivery.observed) {
+      // A copy, already forwarded by the host: no answer. Each uses one credit; refill as the
+      // grant runs out. That pull may cross an intercepted item or inner_done on the wire:
+      // answers_seq (the last item we answered, not the one the host may hold now) makes it a
+      // credit grant only, and a pull after inner_done is ignored (hooks.proto, pull).
+      if (delivery.item && delivery.item.item === 'text_block_delta') inv.slot.deltas += 1;
+      inv.credits -= 1;
+      if (inv.credits > 0) return null;
+      inv.credits += CREDITS;
+      return { pull: { credits: CREDITS, answers_seq: inv.answered } };
+    }
     // Intercepted (lock-step): the item is dropped unless we emit it; forward_seq re-emits it
-    // without resending, and must name the latest intercepted seq. Actions apply in order.
+    // without resending, and must name its seq. Actions apply in order.
     const actions = [{ emit: { forward_seq: delivery.seq } }];
     if (delivery.item && delivery.item.item === 'reply_start') {
       actions.push({ emit: { item: customEvent('node_hello', { lang: 'node' }) } });
       // Count at ReplyStartEvent, not at begin: a parked reply resumed later (after a user
       // confirmation) calls on_reply again but emits no new ReplyStartEvent. The host applies the
       // mutation before it resumes the inner pipeline.
-      actions.push({ mutate: { set_slot: toValue({ replies: inv.previousReplies + 1 }) } });
+      inv.slot.replies += 1;
+      actions.push({ mutate: { set_slot: toValue(inv.slot) } });
     }
-    return { actions, pull: { credits: CREDITS } };
+    // The answer to this item: answers_seq names it. Delivering it ended the current grant.
+    inv.answered = delivery.seq;
+    inv.credits = CREDITS;
+    return { actions, pull: { credits: CREDITS, answers_seq: delivery.seq } };
   },
-  innerDone() {
-    return { finish: {} }; // on_reply's output was emitted: no result
+  innerDone(inv) {
+    // on_reply's output was emitted: no result. The deltas counted go with the finish.
+    return { actions: [{ mutate: { set_slot: toValue(inv.slot) } }], finish: {} };
   },
   innerError(inv, err) {
     // Let the inner pipeline's exception escape unchanged.
@@ -226,7 +242,10 @@ const DESCRIPTION = {
     {
       hook: 'HOOK_ON_REPLY',
       default_mode: 'SUBSCRIPTION_MODE_BYPASS', // UNSPECIFIED would mean INTERCEPT
-      subscriptions: [{ item_type: 'ITEM_TYPE_REPLY_START', mode: 'SUBSCRIPTION_MODE_INTERCEPT' }],
+      subscriptions: [
+        { item_type: 'ITEM_TYPE_REPLY_START', mode: 'SUBSCRIPTION_MODE_INTERCEPT' },
+        { item_type: 'ITEM_TYPE_TEXT_BLOCK_DELTA', mode: 'SUBSCRIPTION_MODE_OBSERVE' },
+      ],
     },
   ],
   provides_tools: false,

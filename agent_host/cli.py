@@ -27,7 +27,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--config", metavar="PATH", help="YAML configuration file (env AGENTMW_CONFIG)")
     parser.add_argument("--listen", metavar="HOST:PORT", help="where to serve AgentHost (default 127.0.0.1:50070)")
-    parser.add_argument("--db", metavar="PATH", help='SQLite session store (default agentmw.db; ":memory:")')
+    parser.add_argument(
+        "--db",
+        metavar="PATH|DSN",
+        help='SQLite session store (default agentmw.db; ":memory:"), or a postgresql:// DSN shared by many hosts',
+    )
+    parser.add_argument("--lease", metavar="SECONDS", help="shared store: how long a host holds a session unrenewed")
+    parser.add_argument("--drain-grace", metavar="SECONDS", help="on SIGTERM: time the replies in flight get (30)")
     parser.add_argument(
         "--middleware",
         action="append",
@@ -59,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "log_level": args.log_level,
         "metrics_port": args.metrics_port,
+        "lease": args.lease,
+        "drain_grace": args.drain_grace,
         **{key: getattr(args, key.replace(".", "_")) for key in _TLS_SETTINGS},
     }
     try:

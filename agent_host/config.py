@@ -5,7 +5,11 @@ wrong and where (file and key, variable, or flag), so the CLI can print it as on
 YAML (every key optional)::
 
     listen: 127.0.0.1:50070        # host:port of the AgentHost gRPC service (port 0 = any free port)
-    db: agentmw.db                 # SQLite session store (":memory:" keeps nothing)
+    db: agentmw.db                 # SQLite session store (":memory:" keeps nothing), or a
+                                   # postgresql:// DSN: a store many hosts share
+    store: {dsn: postgresql://..., lease: 10}   # the same as db: DSN; lease: seconds a host holds
+                                   # a session without renewing (a paused host loses it after)
+    drain_grace: 30                # on SIGTERM, seconds the replies in flight get to finish
     log_level: info
     metrics_port: 9464             # Prometheus /metrics on the listen host (absent: none; 0 = any free port)
     agent: {name: assistant, system_prompt: "...", max_iters: 10,
@@ -36,11 +40,13 @@ YAML (every key optional)::
     limits: {max_message_bytes: 4194304, sessions_per_owner: 1000, replies_per_owner: 8}
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
-AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port"), AGENTMW_METRICS_PORT.
+AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port"),
+AGENTMW_METRICS_PORT, AGENTMW_LEASE, AGENTMW_DRAIN_GRACE.
 AGENTMW_TLS_CERT / _KEY / _CLIENT_CA, AGENTMW_MIDDLEWARE_TLS_CA / _CERT / _KEY (file paths),
 AGENTMW_MIDDLEWARE_TOKEN (the token itself).
-Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable), --metrics-port,
---tls-cert, --tls-key, --tls-client-ca, --middleware-tls-ca, --middleware-tls-cert, --middleware-tls-key.
+Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:port (repeatable),
+--metrics-port, --lease, --drain-grace, --tls-cert, --tls-key, --tls-client-ca, --middleware-tls-ca,
+--middleware-tls-cert, --middleware-tls-key.
 
 Middleware from the environment or flags overlay the YAML list by name: a name given again gets
 the new address and keeps its YAML policy (fail_open, timeout); new names are appended in order.
@@ -63,6 +69,8 @@ from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_d
 DEFAULT_LISTEN = "127.0.0.1:50070"
 DEFAULT_DB = "agentmw.db"
 DEFAULT_TIMEOUT = 10.0
+DEFAULT_LEASE = 10.0
+DEFAULT_DRAIN_GRACE = 30.0
 
 # The embedded default model: offline and deterministic, with rules that reach every demo tool
 # from plain sentences ("What's the weather in Paris?", "email bob@example.com saying hi").
@@ -140,7 +148,9 @@ class SecurityConfig:
 @dataclass
 class HostConfig:
     listen: str = DEFAULT_LISTEN
-    db: str = DEFAULT_DB
+    db: str = DEFAULT_DB  # a SQLite path, or a postgresql:// DSN
+    lease: float = DEFAULT_LEASE  # seconds (shared store): a host that stops renewing loses a session after
+    drain_grace: float = DEFAULT_DRAIN_GRACE  # seconds the replies in flight get to finish on SIGTERM
     log_level: str = "info"
     metrics_port: int | None = None  # Prometheus /metrics (agent_host/metrics.py); None: not served
     agent_name: str = "assistant"
@@ -197,6 +207,8 @@ def load_config(
                 "model": "AGENTMW_MODEL",
                 "middleware": "AGENTMW_MIDDLEWARE",
                 "metrics_port": "AGENTMW_METRICS_PORT",
+                "lease": "AGENTMW_LEASE",
+                "drain_grace": "AGENTMW_DRAIN_GRACE",
                 **{key: "AGENTMW_" + key.replace(".", "_").upper() for key in _TLS_SETTINGS},
                 "middleware_token": "AGENTMW_MIDDLEWARE_TOKEN",
             },
@@ -210,6 +222,8 @@ def load_config(
                 "model": "--model",
                 "middleware": "--middleware",
                 "metrics_port": "--metrics-port",
+                "lease": "--lease",
+                "drain_grace": "--drain-grace",
                 **{key: "--" + key.replace(".", "-").replace("_", "-") for key in _TLS_SETTINGS},
             },
         ),
@@ -230,6 +244,8 @@ def load_config(
                 if not isinstance(cfg.models, dict):
                     cfg.models = {}
                 cfg.models["default"] = str(raw)
+            elif key in _SECONDS:
+                setattr(cfg, key, _seconds(raw, where))
             elif key == "middleware_token":
                 cfg.security.middleware_token = str(raw)
             elif key in _TLS_SETTINGS:
@@ -311,6 +327,8 @@ def _check_listen(address: str, where: str) -> None:
 _TOP_KEYS = {
     "listen",
     "db",
+    "store",
+    "drain_grace",
     "log_level",
     "metrics_port",
     "agent",
@@ -321,6 +339,20 @@ _TOP_KEYS = {
     "security",
     "limits",
 }
+_SECONDS = {"lease", "drain_grace"}
+
+
+def _seconds(raw: Any, where: str) -> float:
+    """A duration setting: a finite number of seconds above 0."""
+    try:
+        value = float(raw) if not isinstance(raw, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{where}: expected a number of seconds above 0, got {raw!r}")
+    return value
+
+
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
 _MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes", "key", "permissions"}
 _PERMISSION_KEYS = {"hooks": list, "context": bool, "mutate_context": bool, "set_model": bool, "tools": bool}
@@ -365,6 +397,18 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         cfg.metrics_port = _port(
             str(_expect(data["metrics_port"], int, f"{src}: metrics_port")), f"{src}: metrics_port"
         )
+    store = data.get("store") or {}
+    if not isinstance(store, Mapping):
+        raise ConfigError(f"{src}: store: expected a mapping, got {_kind(store)}")
+    for key, value in store.items():
+        if key == "dsn":
+            cfg.db = _expect(value, str, f"{src}: store.dsn")
+        elif key == "lease":
+            cfg.lease = _seconds(value, f"{src}: store.lease")
+        else:
+            raise ConfigError(f"{src}: store: unknown key {key!r} (known: dsn, lease)")
+    if "drain_grace" in data:
+        cfg.drain_grace = _seconds(data["drain_grace"], f"{src}: drain_grace")
     agent = data.get("agent") or {}
     if not isinstance(agent, Mapping):
         raise ConfigError(f"{src}: agent: expected a mapping, got {_kind(agent)}")

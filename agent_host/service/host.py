@@ -10,11 +10,17 @@
   ``Journal`` (the user turn, each tool start and result, the park or the end), so a restarted
   host continues any session; a reply its host stopped during is closed when the session is
   next loaded (``_open``), and a tool whose result is recorded, or that was started, never runs again.
+* With a shared store (PostgreSQL, many hosts), a reply also holds the session's lease
+  (``store.hold``) for its whole run: a reply to a session held by another host waits for it, an
+  interrupt request from another host or a lease found taken over interrupts the reply, and a
+  reply whose lease was taken over ends with ABORTED (its writes, tool starts included, fail).
+* ``drain`` (SIGTERM): new replies are refused with UNAVAILABLE while those in flight finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
@@ -31,6 +37,8 @@ from ..config import HostConfig, MiddlewareConfig
 from ..data import (
     ExternalExecutionResultEvent,
     Msg,
+    ReplyFinishedReason,
+    Role,
     ToolCallBlock,
     UserConfirmResultEvent,
     UserInterruptEvent,
@@ -42,7 +50,7 @@ from ..remote import Policy, RemoteMiddleware
 from ..remote.client import Access
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
-from ..store import Journal, ReplyStatus, SessionRecord, SessionStore
+from ..store import Journal, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, SessionStore
 from ..tools import Tool, Toolkit, middleware_tools
 
 log = logging.getLogger("agentmw.host")
@@ -161,6 +169,7 @@ class Host:
         self._setup_lock = asyncio.Lock()
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._runs: set[ReplyRun] = set()
+        self.draining = False  # shutting down: new replies are refused (UNAVAILABLE)
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -192,6 +201,9 @@ class Host:
             await self._reply(run, inputs, structured_schema)
         except ReplyRejected as exc:
             await run.put(exc)
+        except LeaseLostError as exc:  # paused or cut off past the lease: another host has the session
+            log.warning("%s: the reply stops here, nothing more of it is stored", exc)
+            await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
         except asyncio.CancelledError:
             if not run.cut_off:  # the host is shutting down
                 raise
@@ -212,18 +224,23 @@ class Host:
     async def _reply(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
         sid = run.session_id
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
-        async with self._session_lock(sid):
-            journal = await self._open(sid)
+        if self.draining:
+            raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")
+        # The local lock first: one waiter per session and host polls the shared store's lease.
+        async with self._session_lock(sid), self.store.hold(sid, on_stop=run.interrupt) as hold:
+            journal = await self._open(sid, hold.fence)
             if journal is None:
                 if not isinstance(inputs, Msg):
                     raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
-                journal = self.store.create(sid, owner=run.owner)
+                journal = self.store.create(sid, fence=hold.fence, owner=run.owner)
             setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
             for a in setup.middleware:
                 a.users += 1
             try:
                 agent = self._agent(journal.state, setup, journal)
                 self._check_inputs(agent, inputs)
+                if _is_retry(journal.state, inputs):  # the client retries a reply its host stopped during
+                    inputs = None  # continue the stored turn: its message is not stored twice
                 run.agent = agent
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
@@ -268,10 +285,11 @@ class Host:
     def _visible(record: SessionRecord | None, caller: Principal) -> bool:
         return record is None or caller.admin or record.owner == caller.name
 
-    async def _open(self, session_id: str) -> Journal | None:
-        """The session for a reply (the caller holds its lock). A reply found OPEN was running when
-        its host stopped: it is closed now, its recorded results kept, before anything else happens."""
-        journal = await self.store.open(session_id)
+    async def _open(self, session_id: str, fence: int | None) -> Journal | None:
+        """The session for a reply (the caller holds its lock and lease). A reply found OPEN was running
+        when its host stopped (or lost the lease): it is closed now, its recorded results kept, before
+        anything else happens."""
+        journal = await self.store.open(session_id, fence=fence)
         if journal is not None and journal.status == ReplyStatus.OPEN:
             log.warning("session %s: closing the reply its host stopped during", session_id)
             self._agent(journal.state).close_interrupted_reply(journal.in_doubt)
@@ -330,6 +348,16 @@ class Host:
     def replying(self, session_id: str) -> bool:
         return any(r.session_id == session_id for r in self._runs)
 
+    async def interrupt(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
+        """Interrupt the session's running reply, here or on another host of a shared store (another
+        user's session answers as one with no reply)."""
+        if not self._visible(await self.store.record(session_id), caller):
+            return False
+        local = [r for r in self._runs if r.session_id == session_id]
+        for run in local:
+            run.interrupt()
+        return await self.store.interrupt(session_id) or bool(local)
+
     # -- sessions --------------------------------------------------------------------------------
 
     async def sessions(self, limit: int = 0, caller: Principal = ANONYMOUS_ADMIN) -> list[SessionRecord]:
@@ -342,8 +370,10 @@ class Host:
             return None
         loaded = await self.store.load(session_id)
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
-            async with self._session_lock(session_id):  # left open by a host that stopped: close it
-                await self._open(session_id)
+            # Left open by a host that stopped: close it; unless another host replies in it now.
+            with contextlib.suppress(SessionBusyError):
+                async with self._session_lock(session_id), self.store.hold(session_id, wait=False) as hold:
+                    await self._open(session_id, hold.fence)
             loaded = await self.store.load(session_id)
         record = await self.store.record(session_id)
         if loaded is None or record is None:
@@ -354,7 +384,7 @@ class Host:
     async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
         if not self._visible(await self.store.record(session_id), caller):
             return False
-        async with self._session_lock(session_id):
+        async with self._session_lock(session_id), self.store.hold(session_id):
             return await self.store.delete(session_id)
 
     @staticmethod
@@ -439,9 +469,17 @@ class Host:
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
+    async def drain(self, grace: float) -> None:
+        """Refuse new replies (UNAVAILABLE) and give the replies in flight ``grace`` seconds to end."""
+        self.draining = True
+        tasks = [r.task for r in self._runs if r.task is not None]
+        log.info("draining: %d replies in flight, %.3gs to finish", len(tasks), grace)
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
+
     async def close(self, timeout: float = 10.0) -> None:
         """Interrupt the replies in flight (their clients still get the INTERRUPTED end), wait for them
-        to end and be saved, then let go."""
+        to end and be saved, then let go (of the store, and of its leases)."""
         tasks = [r.task for r in self._runs if r.task is not None]
         for run in self._runs:
             run.interrupt()
@@ -454,7 +492,23 @@ class Host:
         for a in self.middleware:
             await a.remote.close()
         await self.models.aclose()  # the model clients' connection pools (else "Unclosed client session")
-        self.store.close()
+        await self.store.aclose()
+
+
+def _is_retry(state: AgentState, inputs: Any) -> bool:
+    """``inputs`` is the latest stored user message again (same id). Its reply was interrupted (its
+    host stopped, or the client went away): the retry continues it. Any other end is final: refused."""
+    if not isinstance(inputs, Msg):
+        return False
+    latest = next((m for m in reversed(state.context) if m.role == Role.USER), None)
+    if latest is None or latest.id != inputs.id:
+        return False
+    if state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED:
+        raise ReplyRejected(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"message {inputs.id} was already answered in session {state.session_id!r}: see GetSession",
+        )
+    return True
 
 
 def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:

@@ -27,6 +27,7 @@ from ..remote import MiddlewareFailure, Policy
 from ..remote.client import check_timeout
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, address_allowed
 from ..store import SessionRecord, open_store
+from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
 from .host import Attached, Host, ReplyRejected, ReplyRun
 
@@ -35,7 +36,13 @@ log = logging.getLogger("agentmw.host")
 SERVICE = "agentmw.v1.AgentHost"
 
 # The role each AgentHost method needs; a method not listed needs ADMIN (a new RPC is closed by default).
-METHOD_ROLES = {"Reply": USER, "ListSessions": USER, "GetSession": USER, "DeleteSession": USER}
+METHOD_ROLES = {
+    "Reply": USER,
+    "ListSessions": USER,
+    "GetSession": USER,
+    "DeleteSession": USER,
+    "InterruptReply": USER,
+}
 CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("caller", default=ANONYMOUS_ADMIN)
 CONNECT_TIMEOUT = Policy.connect_timeout  # an attach failure is answered no sooner than this
 ATTACH_FAILED = "no usable middleware server answered there (the host's log says why)"
@@ -96,7 +103,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         deleted = await self.host.delete_session(request.session_id, CALLER.get())
         return host_pb2.DeleteSessionResponse(deleted=deleted)
 
+    async def InterruptReply(self, request: Any, context: Any) -> host_pb2.InterruptReplyResponse:
+        return host_pb2.InterruptReplyResponse(interrupted=await self.host.interrupt(request.session_id, CALLER.get()))
+
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
+        await _per_host_middleware(self.host, context)
         if not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
         if request.timeout != 0:  # 0 = the default
@@ -135,6 +146,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         return _info(attached)
 
     async def DetachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
+        await _per_host_middleware(self.host, context)
         try:
             return _info(await self.host.detach(request.name))
         except KeyError:
@@ -142,6 +154,16 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
 
     async def ListMiddleware(self, request: Any, context: Any) -> host_pb2.MiddlewareList:
         return host_pb2.MiddlewareList(middleware=[_info(a) for a in self.host.middleware])
+
+
+async def _per_host_middleware(host: Host, context: grpc.aio.ServicerContext) -> None:
+    """Hosts sharing a store must run the same middleware: a change to one host alone is refused."""
+    if host.store.shared:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this host shares its session store with other hosts: attach and detach would change one host only; "
+            "change the middleware in every host's configuration and restart them one by one (they drain)",
+        )
 
 
 async def _watch_cancel(request_iterator: Any, run: ReplyRun) -> None:
@@ -284,7 +306,7 @@ class HostHealth(health.aio.HealthServicer):
 
     async def refresh(self) -> None:
         reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
-        if False in reachable:
+        if self.host.draining or False in reachable:  # draining: load balancers stop sending replies
             self.serving = False
         elif None not in reachable:  # None: still connecting, keep the last answer
             self.serving = True
@@ -306,9 +328,9 @@ async def build_host(config: HostConfig) -> Host:
     StartupError naming what failed and where it was configured."""
     models = config.build_models()
     try:
-        store = open_store(config.db)
+        store = await open_store(config.db, lease=config.lease)
     except (OSError, sqlite3.Error) as exc:
-        raise StartupError(f"db: cannot open the session store {config.db!r}: {exc}") from None
+        raise StartupError(f"db: cannot open the session store {redact(config.db)!r}: {exc}") from None
     host = Host(config, store, models, [BUILTIN_TOOLS[name] for name in config.tools])
     try:
         for mc in config.middleware:
@@ -356,7 +378,9 @@ async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
 
 
 async def run_host(config: HostConfig, *, ready: Any = None) -> None:
-    """Run until SIGTERM / SIGINT; then interrupt and save the replies in flight and stop."""
+    """Run until SIGTERM / SIGINT. SIGTERM drains: NOT_SERVING and new replies refused at once, the
+    replies in flight get ``config.drain_grace`` seconds to finish; then (at once on SIGINT, Ctrl-C)
+    the rest are interrupted and saved."""
     host = await build_host(config)
     try:
         server, port = await start_server(host, config.listen)
@@ -368,11 +392,19 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     print(f"agentmw host listening on {address}", flush=True)
     if ready is not None:
         ready(address)
-    stop = asyncio.Event()
+    stop, now = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, lambda: (stop.set(), now.set()))  # Ctrl-C: no grace
     await stop.wait()
+    loop.add_signal_handler(signal.SIGTERM, now.set)  # a second SIGTERM cuts the grace short
+    drain, cut = (
+        asyncio.create_task(host.drain(0 if now.is_set() else config.drain_grace)),
+        asyncio.create_task(now.wait()),
+    )
+    await asyncio.wait([drain, cut], return_when=asyncio.FIRST_COMPLETED)
+    drain.cancel()
+    cut.cancel()
     log.info("stopping: interrupting %d replies in flight", len(host._runs))
     closing = asyncio.create_task(host.close())
     await server.stop(5.0)

@@ -1,26 +1,47 @@
 """Session store: every session's state, persisted step by step as its replies progress.
 
-``SessionStore`` / ``Journal`` (base.py) are the interface; ``SqliteStore`` (sqlite.py) is the
-embedded implementation. ``open_store`` picks the backend for the configured ``db``.
+``SessionStore`` / ``Journal`` (base.py) are the interface; ``RowJournal`` (journal.py) the
+incremental writes both backends share; ``SqliteStore`` (sqlite.py) the embedded store, one host
+per file; ``PostgresStore`` (postgres.py) the shared one, many hosts with a lease per session.
+``open_store`` picks the backend for the configured ``db``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .base import Journal, ReplyStatus, SessionRecord, SessionStore, StoreLockedError
+from .base import (
+    Hold,
+    Journal,
+    LeaseLostError,
+    ReplyStatus,
+    SessionBusyError,
+    SessionRecord,
+    SessionStore,
+    StoreLockedError,
+)
+from .journal import RowJournal
+from .postgres import PostgresStore, is_dsn
 from .sqlite import SqliteJournal, SqliteStore
 
 
-def open_store(db: str | Path) -> SessionStore:
-    """The store for ``db``: a SQLite file path, or ":memory:". Raises StoreLockedError when another
-    host holds it, OSError / sqlite3.Error when it cannot be opened."""
+async def open_store(db: str | Path, *, lease: float = 10.0) -> SessionStore:
+    """The store for ``db``: a ``postgresql://`` DSN (many hosts; ``lease``: seconds a host holds a
+    session without renewing), else a SQLite file path or ":memory:". Raises StoreLockedError when
+    another host holds the SQLite file, OSError / sqlite3.Error when the store cannot be opened."""
+    if is_dsn(str(db)):
+        return await PostgresStore.connect(str(db), lease=lease)
     return SqliteStore(db)
 
 
 __all__ = [
+    "Hold",
     "Journal",
+    "LeaseLostError",
+    "PostgresStore",
     "ReplyStatus",
+    "RowJournal",
+    "SessionBusyError",
     "SessionRecord",
     "SessionStore",
     "SqliteJournal",

@@ -9,14 +9,18 @@ it), so a host killed at any point leaves a session that the next load can conti
 * ``park`` / ``end_reply`` when the reply waits for the client or is over.
 
 Every write stores only what changed since the previous one (never the whole session), so the
-cost of a reply does not grow with the session's length. A backend with many hosts gives each
-reply a lease on its session: the ``fence`` a journal is opened with goes with each of its writes,
-and a write with a stale fence must fail. (SQLite has one host per file: the fence is kept only.)
+cost of a reply does not grow with the session's length. A backend with many hosts (``shared``:
+PostgreSQL) gives each reply a lease on its session (``hold``): the lease's ``fence`` goes with
+each write of the journal opened with it, and a write with a stale fence fails (LeaseLostError),
+so a host that lost the lease can neither save nor start a tool. (SQLite has one host per file:
+the host's per-session lock is the lease, and the fence is kept only.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
@@ -43,6 +47,35 @@ class SessionRecord:
 
 class StoreLockedError(OSError):
     """Another process holds the store (SQLite: one host per database file)."""
+
+
+class SessionBusyError(Exception):
+    """Another host replies in the session (``hold(wait=False)``)."""
+
+
+class LeaseLostError(Exception):
+    """This host's lease on the session was taken over (it was paused or cut off past its expiry):
+    nothing more of the reply is stored, and no tool of it starts."""
+
+
+@dataclass(eq=False)
+class Hold:
+    """This host's right to reply in a session: ``fence`` (None: no lease, one host) goes to
+    ``open`` / ``create``. ``on_stop`` is called (once) when another host asks for the reply to be
+    interrupted, or when the lease is found taken over."""
+
+    session_id: str
+    fence: int | None
+    on_stop: Callable[[], None] | None = None
+    lost: bool = False
+    interrupted: bool = field(default=False)
+
+    def signal(self, *, lost: bool = False) -> None:
+        self.lost = self.lost or lost
+        if not self.interrupted:
+            self.interrupted = True
+            if self.on_stop is not None:
+                self.on_stop()
 
 
 class Journal(Protocol):
@@ -77,6 +110,17 @@ class Journal(Protocol):
 
 
 class SessionStore(Protocol):
+    shared: bool  # many hosts on one store (attach / detach are then refused: see docs/host.md)
+
+    def hold(
+        self, session_id: str, *, wait: bool = True, on_stop: Callable[[], None] | None = None
+    ) -> AbstractAsyncContextManager[Hold]:
+        """Hold the session for one reply (or a recovery, a delete): waits while another host holds
+        it (``wait=False``: raises SessionBusyError), renews the lease while held, releases it at the end."""
+
+    async def interrupt(self, session_id: str) -> bool:
+        """Ask whichever other host replies in the session to interrupt the reply; False if none does."""
+
     async def open(self, session_id: str, *, fence: int | None = None) -> Journal | None:
         """The stored session, for a reply (None if there is none). The caller holds the session
         (one reply at a time: the host's per-session lock; with many hosts, the lease of ``fence``)."""
@@ -96,5 +140,17 @@ class SessionStore(Protocol):
 
     def close(self) -> None: ...
 
+    async def aclose(self) -> None:
+        """Close, releasing whatever leases are still held."""
 
-__all__ = ["Journal", "ReplyStatus", "SessionRecord", "SessionStore", "StoreLockedError"]
+
+__all__ = [
+    "Hold",
+    "Journal",
+    "LeaseLostError",
+    "ReplyStatus",
+    "SessionBusyError",
+    "SessionRecord",
+    "SessionStore",
+    "StoreLockedError",
+]

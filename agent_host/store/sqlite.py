@@ -7,10 +7,7 @@ context message, keyed by its index). A write upserts the messages that changed,
 past the context's end (compression shortens it) and updates the session's row, in one
 transaction; every value is proto bytes from the one codec.
 
-Which messages changed is found without re-encoding the whole context: a message is re-encoded
-when it is new, when it is not the object stored at its index (compression replaces the list),
-when it lost blocks (``remove_block``), or when it was the stored tail (the reply's message grows
-in place). Older messages change in no other way.
+Which messages changed is found by the shared ``RowJournal`` (journal.py).
 
 One host per database file: an exclusive ``flock`` on ``<db>.lock`` is held while the store is
 open. ``synchronous=NORMAL``: a commit survives the host process being killed (the tested case),
@@ -21,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import sqlite3
 import threading
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
@@ -35,9 +32,9 @@ from typing import IO, Any
 from agentmw.v1 import types_pb2
 
 from ..codec import codec
-from ..data import Msg, Role
 from ..data.state import AgentState
-from .base import ReplyStatus, SessionRecord, StoreLockedError
+from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError
+from .journal import RowJournal, Write, decode_state
 
 SCHEMA_VERSION = 3
 _SCHEMA = """
@@ -64,127 +61,18 @@ _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, stat
 CACHE_SESSIONS = 64  # sessions kept decoded between replies (a reply then loads nothing)
 
 
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
-
-
-def _meta(state: AgentState) -> bytes:
-    return codec.encode(replace(state, context=[])).SerializeToString()
-
-
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-@dataclass(slots=True)
-class _Row:
-    """What is stored at one context index: the message object, its block count, its bytes' digest."""
-
-    msg: Msg
-    blocks: int
-    digest: bytes
-
-
-@dataclass(slots=True)
-class _Write:
-    session_id: str
-    owner: str
-    status: ReplyStatus
-    in_flight: list[str]
-    fence: int | None
-    title: str
-    count: int
-    meta: bytes | None  # None: unchanged
-    upserts: list[tuple[int, bytes]]
-    truncate: int | None  # delete rows from this index on
-
-
-class SqliteJournal:
-    """One session as a reply holds it (see ``Journal``); cached by the store between replies."""
-
-    def __init__(self, store: SqliteStore, state: AgentState, *, fence: int | None = None, owner: str = "") -> None:
-        self.store = store
-        self.state = state
-        self.owner = owner  # written with the first write only
-        self.status = ReplyStatus.IDLE
-        self.fence = fence
-        self.in_flight: set[str] = set()
-        self.in_doubt: frozenset[str] = frozenset()
-        self.rows: list[_Row] = []
-        self.meta_digest = b""
-        self.lock = asyncio.Lock()  # concurrent tool calls of one reply write in order
-
-    async def begin_reply(self) -> None:
-        await self._commit(ReplyStatus.OPEN)
-
-    async def record_step(self) -> None:
-        await self._commit(ReplyStatus.OPEN)
-
-    async def record_tool_started(self, call_id: str) -> None:
-        await self._commit(ReplyStatus.OPEN, started=call_id)
-
-    async def record_tool_result(self, call_id: str) -> None:
-        await self._commit(ReplyStatus.OPEN, finished=call_id)
-
-    async def park(self) -> None:
-        await self._commit(ReplyStatus.PARKED, clear=True)
-
-    async def end_reply(self) -> None:
-        await self._commit(ReplyStatus.IDLE, clear=True)
-
-    async def _commit(self, status: ReplyStatus, started: str = "", finished: str = "", clear: bool = False) -> None:
-        # Shielded: a cancelled caller must not leave a write half-known (the DB has it, we don't).
-        await asyncio.shield(self._commit_in_order(status, started, finished, clear))
-
-    async def _commit_in_order(self, status: ReplyStatus, started: str, finished: str, clear: bool) -> None:
-        async with self.lock:
-            in_flight = set() if clear else (self.in_flight | {started}) - {finished, ""}
-            write, rows, meta_digest = self._diff(status, sorted(in_flight))
-            try:
-                await asyncio.to_thread(self.store._write, write)
-            except BaseException:
-                self.store._forget(self)  # what is stored is unknown now: the next reply reloads
-                raise
-            self.rows, self.meta_digest = rows, meta_digest or self.meta_digest
-            self.status, self.in_flight = status, in_flight
-
-    def _diff(self, status: ReplyStatus, in_flight: list[str]) -> tuple[_Write, list[_Row], bytes | None]:
-        """What to write (encoded here, on the event loop, so it is one consistent snapshot)."""
-        context, old = self.state.context, self.rows
-        hot = len(old) - 1  # the stored tail: the reply's message grows in place
-        rows: list[_Row] = []
-        upserts: list[tuple[int, bytes]] = []
-        for i, msg in enumerate(context):
-            row = old[i] if i < len(old) else None
-            if row is not None and i < hot and row.msg is msg and row.blocks == len(msg.content):
-                rows.append(row)
-                continue
-            data = codec.encode(msg).SerializeToString()
-            digest = _digest(data)
-            if row is None or row.digest != digest:
-                upserts.append((i, data))
-            rows.append(_Row(msg, len(msg.content), digest))
-        meta = _meta(self.state)
-        meta_digest = _digest(meta)
-        first_user = next((m for m in context if m.role == Role.USER and m.text), None)
-        write = _Write(
-            session_id=self.state.session_id,
-            owner=self.owner,
-            status=status,
-            in_flight=in_flight,
-            fence=self.fence,
-            title=first_user.text[:80] if first_user else "",
-            count=len(context),
-            meta=meta if meta_digest != self.meta_digest else None,
-            upserts=upserts,
-            truncate=len(context) if len(context) < len(old) else None,
-        )
-        return write, rows, meta_digest
+SqliteJournal = RowJournal  # the shared row journal (journal.py); the name is kept for callers
 
 
 class SqliteStore:
     """The SQLite ``SessionStore``; ``path`` may be ``":memory:"``. SQLite calls run in worker
     threads (one connection, one lock) so a write never stalls other sessions' streams."""
+
+    shared = False  # one host per file: attach / detach stay per host
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
@@ -193,7 +81,7 @@ class SqliteStore:
             Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self._lockfile = _lock(Path(self.path).expanduser())
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[str, SqliteJournal] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
         self.bytes_written = 0  # message and meta bytes written so far (a measure of write cost)
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
@@ -222,19 +110,22 @@ class SqliteStore:
                 for blob, created, parked in old:
                     state = codec.decode(types_pb2.AgentState.FromString(blob))
                     status = ReplyStatus.PARKED if parked else ReplyStatus.IDLE
-                    journal = SqliteJournal(self, state)
-                    write, _, _ = journal._diff(status, [])
+                    journal = RowJournal(self, state)
+                    write, _, _ = journal.diff(status, [])
                     self._write_in(db, write, created_at=created)
                 db.execute("DROP TABLE sessions_v1")
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # -- writes (worker thread) ------------------------------------------------------------------
 
-    def _write(self, w: _Write) -> None:
+    async def _apply(self, w: Write) -> None:
+        await asyncio.to_thread(self._write, w)
+
+    def _write(self, w: Write) -> None:
         with self._lock, self._db:
             self._write_in(self._db, w)
 
-    def _write_in(self, db: sqlite3.Connection, w: _Write, created_at: str | None = None) -> None:
+    def _write_in(self, db: sqlite3.Connection, w: Write, created_at: str | None = None) -> None:
         now = _now()
         sid = w.session_id
         meta = w.meta if w.meta is not None else b""
@@ -301,7 +192,7 @@ class SqliteStore:
 
     # -- async API (SessionStore) ----------------------------------------------------------------
 
-    async def open(self, session_id: str, *, fence: int | None = None) -> SqliteJournal | None:
+    async def open(self, session_id: str, *, fence: int | None = None) -> RowJournal | None:
         journal = self._cache.get(session_id)
         if journal is not None:
             self._cache.move_to_end(session_id)
@@ -311,19 +202,12 @@ class SqliteStore:
         if found is None:
             return None
         (status, in_flight, _fence, meta), blobs = found
-        state = codec.decode(types_pb2.AgentState.FromString(meta))
-        state.context = [codec.decode(types_pb2.Msg.FromString(b)) for b in blobs]
-        journal = SqliteJournal(self, state, fence=fence)
-        journal.status = ReplyStatus(status)
-        journal.in_flight = set(json.loads(in_flight))
-        journal.in_doubt = frozenset(journal.in_flight)
-        journal.rows = [_Row(m, len(m.content), _digest(b)) for m, b in zip(state.context, blobs, strict=True)]
-        journal.meta_digest = _digest(meta)
+        journal = RowJournal.loaded(self, meta, blobs, status, json.loads(in_flight), fence)
         self._remember(journal)
         return journal
 
-    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> SqliteJournal:
-        journal = SqliteJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
+    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
+        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
         self._remember(journal)
         return journal
 
@@ -332,9 +216,7 @@ class SqliteStore:
         if found is None:
             return None
         (status, _in_flight, _fence, meta), blobs = found
-        state = codec.decode(types_pb2.AgentState.FromString(meta))
-        state.context = [codec.decode(types_pb2.Msg.FromString(b)) for b in blobs]
-        return state, ReplyStatus(status)
+        return decode_state(meta, blobs), ReplyStatus(status)
 
     async def list(self, limit: int = 0, owner: str | None = None) -> list[SessionRecord]:
         return await asyncio.to_thread(self._list, limit, owner)
@@ -346,20 +228,33 @@ class SqliteStore:
         self._cache.pop(session_id, None)
         return await asyncio.to_thread(self._delete, session_id)
 
+    @contextlib.asynccontextmanager
+    async def hold(
+        self, session_id: str, *, wait: bool = True, on_stop: Callable[[], None] | None = None
+    ) -> AsyncIterator[Hold]:
+        """One host per file: the host's per-session lock is all the holding there is."""
+        yield Hold(session_id, None)
+
+    async def interrupt(self, session_id: str) -> bool:
+        return False  # no other host to tell
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
         self._unlock()
 
+    async def aclose(self) -> None:
+        self.close()
+
     # -- cache and lock ----------------------------------------------------------------------------
 
-    def _remember(self, journal: SqliteJournal) -> None:
+    def _remember(self, journal: RowJournal) -> None:
         self._cache[journal.state.session_id] = journal
         self._cache.move_to_end(journal.state.session_id)
         while len(self._cache) > CACHE_SESSIONS:
             self._cache.popitem(last=False)
 
-    def _forget(self, journal: SqliteJournal) -> None:
+    def _forget(self, journal: RowJournal) -> None:
         if self._cache.get(journal.state.session_id) is journal:
             del self._cache[journal.state.session_id]
 

@@ -1,0 +1,395 @@
+"""The shared session store: PostgreSQL, for many hosts on one database (asyncpg).
+
+Tables (created, or migrated, at start under an advisory lock, so hosts may start together):
+
+* ``agentmw_sessions`` / ``agentmw_messages``: the SQLite layout (a session row with the listing
+  columns, the reply status, the calls started without a result and ``meta``; one row per context
+  message), written by the shared ``RowJournal`` (journal.py): each write only what changed. The
+  session's ``owner`` (the authenticated user who created it) is written with its first row.
+* ``agentmw_leases``: one row per session that was ever held: ``fence`` (incremented by every
+  taker), ``owner`` (NULL once released), ``expires`` (by the database clock) and ``interrupt``
+  (the fence whose reply another host asked to interrupt). The row outlives a deleted session,
+  so fences never repeat.
+
+One writer per session: a reply takes the lease (only when released or expired: the fence goes
+up by one), and every write of it is a transaction that first renews the lease *if its fence is
+still the lease's*; else nothing is written and the write raises ``LeaseLostError``. Recording a
+tool's start is such a write, so a host that lost its lease (paused, cut off past the expiry, and
+another host took over) neither saves nor starts a tool. While held, one loop renews every lease
+of this host each third of the lease; it also finds leases taken over and interrupt requests.
+
+Notifications (LISTEN/NOTIFY) make the common cases fast: ``agentmw_lease`` (a lease released:
+waiters try at once instead of at the expiry) and ``agentmw_interrupt`` (interrupt the reply of
+that fence). A missed notification costs time only: waiters poll at least every second and the
+renewal loop reads the ``interrupt`` column.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from ..data.state import AgentState
+from .base import Hold, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord
+from .journal import RowJournal, Write, decode_state
+
+log = logging.getLogger("agentmw.store")
+
+SCHEMA_VERSION = 2  # 2: the session's owner (security: the authenticated user who created it)
+_MIGRATION_LOCK = 0x61676D77  # pg_advisory_xact_lock key: one host migrates at a time ("agmw")
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS agentmw_schema (version integer NOT NULL);
+CREATE TABLE IF NOT EXISTS agentmw_sessions (
+    session_id    text PRIMARY KEY,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    updated_at    timestamptz NOT NULL DEFAULT now(),
+    title         text NOT NULL DEFAULT '',
+    message_count integer NOT NULL DEFAULT 0,
+    status        text NOT NULL DEFAULT 'idle',
+    in_flight     text[] NOT NULL DEFAULT '{}',
+    fence         bigint,
+    meta          bytea NOT NULL,
+    owner         text NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS agentmw_messages (
+    session_id text NOT NULL,
+    idx        integer NOT NULL,
+    msg        bytea NOT NULL,
+    PRIMARY KEY (session_id, idx)
+);
+CREATE TABLE IF NOT EXISTS agentmw_leases (
+    session_id text PRIMARY KEY,
+    fence      bigint NOT NULL,
+    owner      text,
+    expires    timestamptz NOT NULL,
+    interrupt  bigint NOT NULL DEFAULT 0
+);
+"""
+# Take the lease if it is free (released or expired); else say how long the holder has left.
+_ACQUIRE = """
+WITH taken AS (
+    INSERT INTO agentmw_leases AS l (session_id, fence, owner, expires)
+    VALUES ($1, 1, $2, now() + make_interval(secs => $3))
+    ON CONFLICT (session_id) DO UPDATE SET fence = l.fence + 1, owner = excluded.owner, expires = excluded.expires
+    WHERE l.owner IS NULL OR l.expires <= now()
+    RETURNING l.fence
+)
+SELECT (SELECT fence FROM taken) AS fence,
+       (SELECT extract(epoch FROM expires - now())::float8 FROM agentmw_leases WHERE session_id = $1) AS remaining
+"""
+_FENCE = """
+UPDATE agentmw_leases SET expires = now() + make_interval(secs => $4)
+WHERE session_id = $1 AND fence = $2 AND owner = $3 RETURNING fence
+"""
+_RELEASE = """
+WITH r AS (UPDATE agentmw_leases SET owner = NULL, expires = now()
+           WHERE session_id = $1 AND fence = $2 AND owner = $3 RETURNING session_id)
+SELECT pg_notify('agentmw_lease', session_id) FROM r
+"""
+_RENEW = """
+UPDATE agentmw_leases AS l SET expires = now() + make_interval(secs => $4)
+FROM unnest($1::text[], $2::bigint[]) AS h(session_id, fence)
+WHERE l.session_id = h.session_id AND l.fence = h.fence AND l.owner = $3
+RETURNING l.session_id, l.fence, l.interrupt
+"""
+_INTERRUPT = """
+WITH r AS (UPDATE agentmw_leases SET interrupt = fence
+           WHERE session_id = $1 AND owner IS NOT NULL AND expires > now() RETURNING session_id, fence)
+SELECT pg_notify('agentmw_interrupt', session_id || ' ' || fence) FROM r
+"""
+_UPSERT_SESSION = """
+INSERT INTO agentmw_sessions (session_id, title, message_count, status, in_flight, fence, meta, owner)
+VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, ''::bytea), $8)
+ON CONFLICT (session_id) DO UPDATE SET updated_at = now(), title = excluded.title,
+    message_count = excluded.message_count, status = excluded.status, in_flight = excluded.in_flight,
+    fence = excluded.fence, meta = coalesce($7, agentmw_sessions.meta)
+"""
+_UPSERT_MESSAGE = """
+INSERT INTO agentmw_messages (session_id, idx, msg) VALUES ($1, $2, $3)
+ON CONFLICT (session_id, idx) DO UPDATE SET msg = excluded.msg
+"""
+_RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM agentmw_sessions"
+CACHE_SESSIONS = 64
+POLL = 1.0  # a waiter tries again at least this often (a missed notification costs no more)
+
+
+def is_dsn(db: str) -> bool:
+    return db.startswith(("postgresql://", "postgres://"))
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    parts = urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class PostgresStore:
+    """The PostgreSQL ``SessionStore`` (see the module docstring); ``await PostgresStore.connect(dsn)``."""
+
+    shared = True
+
+    def __init__(self, pool: asyncpg.Pool, listener: asyncpg.Connection, lease: float) -> None:
+        self.pool = pool
+        self.listener = listener
+        self.lease = lease
+        self.owner = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        self._held: dict[str, Hold] = {}
+        self._waiters: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
+        self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
+        self._renewer: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, dsn: str, *, lease: float = 10.0) -> PostgresStore:
+        """Connect, create or migrate the schema, and listen. Raises OSError saying what failed."""
+        try:
+            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=10, timeout=10)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+            raise OSError(f"cannot connect to {redact(dsn)}: {exc}") from None
+        try:
+            await _migrate(pool)
+            listener = await asyncpg.connect(dsn, timeout=10)
+        except BaseException as exc:
+            await pool.close()
+            if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
+                raise OSError(f"{redact(dsn)}: {exc}") from None
+            raise
+        store = cls(pool, listener, lease)
+        await listener.add_listener("agentmw_lease", store._on_notify)
+        await listener.add_listener("agentmw_interrupt", store._on_notify)
+        store._renewer = asyncio.create_task(store._renew_loop(), name="lease renewal")
+        return store
+
+    # -- leases ------------------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def hold(
+        self, session_id: str, *, wait: bool = True, on_stop: Callable[[], None] | None = None
+    ) -> AsyncIterator[Hold]:
+        fence = await self._acquire(session_id, wait)
+        hold = Hold(session_id, fence, on_stop)
+        self._held[session_id] = hold
+        try:
+            yield hold
+        finally:
+            if self._held.get(session_id) is hold:
+                del self._held[session_id]
+            # Shielded: a cancelled reply still hands the session on at once, not at the expiry.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.pool.fetch(_RELEASE, session_id, fence, self.owner))
+
+    async def _acquire(self, session_id: str, wait: bool) -> int:
+        released = asyncio.Event()
+        self._waiters[session_id].add(released)  # before trying: a release meanwhile is not missed
+        try:
+            while True:
+                row = await self.pool.fetchrow(_ACQUIRE, session_id, self.owner, self.lease)
+                if row["fence"] is not None:
+                    return int(row["fence"])
+                if not wait:
+                    raise SessionBusyError(f"session {session_id!r} is replying on another host")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(released.wait(), min(max(row["remaining"] or 0.0, 0.02), POLL))
+                released.clear()
+        finally:
+            self._waiters[session_id].discard(released)
+            if not self._waiters[session_id]:
+                del self._waiters[session_id]
+
+    def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+        if channel == "agentmw_lease":
+            for event in self._waiters.get(payload, ()):
+                event.set()
+            return
+        session_id, _, fence = payload.rpartition(" ")
+        hold = self._held.get(session_id)
+        if hold is not None and str(hold.fence) == fence:
+            log.info("session %s: another host asked to interrupt the reply", session_id)
+            hold.signal()
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            holds = list(self._held.values())
+            if not holds:
+                continue
+            try:
+                rows = await self.pool.fetch(
+                    _RENEW, [h.session_id for h in holds], [h.fence for h in holds], self.owner, self.lease
+                )
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+                log.warning("cannot renew %d leases: %s", len(holds), exc)
+                continue
+            alive = {(r["session_id"], r["fence"]): r["interrupt"] for r in rows}
+            for hold in holds:
+                if self._held.get(hold.session_id) is not hold:
+                    continue  # released meanwhile
+                if (hold.session_id, hold.fence) not in alive:
+                    log.warning("session %s: the lease was taken over by another host", hold.session_id)
+                    hold.signal(lost=True)
+                elif alive[hold.session_id, hold.fence] == hold.fence:
+                    hold.signal()
+
+    async def interrupt(self, session_id: str) -> bool:
+        return bool(await self.pool.fetch(_INTERRUPT, session_id))
+
+    # -- writes --------------------------------------------------------------------------------------
+
+    async def _apply(self, w: Write) -> None:
+        if w.fence is None:
+            raise LeaseLostError(f"session {w.session_id!r}: a shared store is written only under a lease")
+        async with self.pool.acquire() as conn, conn.transaction():
+            # First, and locking the lease row: a taker's fence commits before this or waits for it.
+            if await conn.fetchval(_FENCE, w.session_id, w.fence, self.owner, self.lease) is None:
+                raise LeaseLostError(
+                    f"session {w.session_id!r}: this host's lease (fence {w.fence}) was taken over by another host"
+                )
+            await conn.execute(
+                _UPSERT_SESSION,
+                w.session_id,
+                w.title,
+                w.count,
+                w.status.value,
+                w.in_flight,
+                w.fence,
+                w.meta,
+                w.owner,
+            )
+            if w.upserts:
+                await conn.executemany(_UPSERT_MESSAGE, [(w.session_id, i, data) for i, data in w.upserts])
+            if w.truncate is not None:
+                await conn.execute(
+                    "DELETE FROM agentmw_messages WHERE session_id = $1 AND idx >= $2", w.session_id, w.truncate
+                )
+
+    # -- SessionStore --------------------------------------------------------------------------------
+
+    async def _read(self, session_id: str) -> tuple[asyncpg.Record, list[bytes]] | None:
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            row = await conn.fetchrow(
+                "SELECT status, in_flight, meta FROM agentmw_sessions WHERE session_id = $1", session_id
+            )
+            if row is None:
+                return None
+            msgs = await conn.fetch("SELECT msg FROM agentmw_messages WHERE session_id = $1 ORDER BY idx", session_id)
+        return row, [m["msg"] for m in msgs]
+
+    async def open(self, session_id: str, *, fence: int | None = None) -> RowJournal | None:
+        cached = self._cache.pop(session_id, None)
+        # Fences go up by one per taker: the next fence after ours means no other host held it since.
+        if cached is not None and fence is not None and cached.fence is not None and fence == cached.fence + 1:
+            cached.fence = fence
+            self._remember(cached)
+            return cached
+        found = await self._read(session_id)
+        if found is None:
+            return None
+        row, blobs = found
+        journal = RowJournal.loaded(self, row["meta"], blobs, row["status"], list(row["in_flight"]), fence)
+        self._remember(journal)
+        return journal
+
+    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
+        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
+        self._remember(journal)
+        return journal
+
+    async def load(self, session_id: str) -> tuple[AgentState, ReplyStatus] | None:
+        found = await self._read(session_id)
+        if found is None:
+            return None
+        row, blobs = found
+        return decode_state(row["meta"], blobs), ReplyStatus(row["status"])
+
+    async def list(self, limit: int = 0, owner: str | None = None) -> list[SessionRecord]:
+        where, args = (" WHERE owner = $1", [owner]) if owner is not None else ("", [])
+        sql = _RECORD + where + " ORDER BY updated_at DESC, session_id" + (f" LIMIT {int(limit)}" if limit > 0 else "")
+        return [_record(r) for r in await self.pool.fetch(sql, *args)]
+
+    async def record(self, session_id: str) -> SessionRecord | None:
+        r = await self.pool.fetchrow(_RECORD + " WHERE session_id = $1", session_id)
+        return _record(r) if r else None
+
+    async def delete(self, session_id: str) -> bool:
+        self._cache.pop(session_id, None)
+        async with self.pool.acquire() as conn, conn.transaction():
+            deleted = await conn.execute("DELETE FROM agentmw_sessions WHERE session_id = $1", session_id)
+            await conn.execute("DELETE FROM agentmw_messages WHERE session_id = $1", session_id)
+        return deleted != "DELETE 0"
+
+    def close(self) -> None:
+        """Synchronous callers only: drops the connections without releasing leases (use aclose)."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+        self.pool.terminate()
+        self.listener.terminate()
+
+    async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+        for hold in list(self._held.values()):  # normally none: each reply releases its own
+            with contextlib.suppress(Exception):
+                await self.pool.fetch(_RELEASE, hold.session_id, hold.fence, self.owner)
+        self._held.clear()
+        with contextlib.suppress(Exception):
+            await self.listener.close(timeout=5)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.pool.close(), 5)
+
+    # -- cache -----------------------------------------------------------------------------------------
+
+    def _remember(self, journal: RowJournal) -> None:
+        self._cache[journal.state.session_id] = journal
+        self._cache.move_to_end(journal.state.session_id)
+        while len(self._cache) > CACHE_SESSIONS:
+            self._cache.popitem(last=False)
+
+    def _forget(self, journal: RowJournal) -> None:
+        if self._cache.get(journal.state.session_id) is journal:
+            del self._cache[journal.state.session_id]
+
+
+async def _migrate(pool: asyncpg.Pool) -> None:
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+        await conn.execute(_SCHEMA)
+        version = await conn.fetchval("SELECT max(version) FROM agentmw_schema")
+        if version is None:  # a new database: _SCHEMA made the latest layout
+            await conn.execute("INSERT INTO agentmw_schema (version) VALUES ($1)", SCHEMA_VERSION)
+            return
+        if version > SCHEMA_VERSION:
+            raise OSError(f"the database has session schema version {version}; this host knows {SCHEMA_VERSION}")
+        # One step per version, in this transaction (older hosts are to be stopped first).
+        if version < 2:  # sessions made before owners: owned by no one ("")
+            await conn.execute("ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''")
+        await conn.execute("UPDATE agentmw_schema SET version = $1", SCHEMA_VERSION)
+
+
+def _record(r: Any) -> SessionRecord:
+    status = ReplyStatus(r["status"])
+    stamp = [t.isoformat(timespec="seconds") for t in (r["created_at"], r["updated_at"])]
+    return SessionRecord(
+        r["session_id"],
+        stamp[0],
+        stamp[1],
+        r["title"],
+        r["message_count"],
+        status == ReplyStatus.PARKED,
+        status,
+        r["owner"],
+    )
+
+
+__all__ = ["PostgresStore", "is_dsn", "redact"]

@@ -1,0 +1,517 @@
+"""Many hosts on one PostgreSQL session store: one writer per session (leases with fencing),
+takeover after a crash or a pause, cross-host interrupt, HITL resumed elsewhere, graceful drain.
+
+Real processes throughout: a throwaway PostgreSQL cluster started for this module (as the
+``postgres`` user when the tests run as root), 2-3 hosts on one database per test, and the
+side-effect middleware of tests/durable_mw.py, whose tools append a line per run to a file, so a
+test counts how often a tool really ran whatever happened to the hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent_host.data import (
+    ConfirmResult,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    ReplyStartEvent,
+    RequireUserConfirmEvent,
+    Role,
+    ToolCallBlock,
+    ToolResultBlock,
+    ToolResultStartEvent,
+    ToolResultState,
+    UserConfirmResultEvent,
+    UserMsg,
+)
+from agent_host.security import client_channel, token_digest
+from agent_host.store.postgres import PostgresStore
+from agentmw.v1 import host_pb2
+from clients.chat import HostClient
+from clients.launch import ServerProcess, start_all
+
+from .durable_mw import lines
+from .host_util import Procs, get_session, processes, stub
+from .test_durable_sessions import calls_and_results, reply, user_texts, wait_until
+from .test_security import TOKENS
+from .test_security import reply as secure_reply
+
+pytestmark = pytest.mark.timeout(60)
+
+LEASE = "2"  # seconds: short, so a paused or killed host loses its sessions quickly
+
+
+# ---------------------------------------------------------------------------------------------
+# A throwaway PostgreSQL cluster for the module, a fresh database per test.
+
+
+def _pg_bin() -> Path | None:
+    for candidate in [os.environ.get("AGENTMW_PG_BIN", ""), *sorted(Path("/usr/lib/postgresql").glob("*/bin"))]:
+        if candidate and (Path(candidate) / "initdb").exists() and (Path(candidate) / "pg_ctl").exists():
+            return Path(candidate)
+    found = shutil.which("initdb")
+    return Path(found).parent if found and shutil.which("pg_ctl") else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pg_server() -> Iterator[str]:
+    """The DSN of the cluster's maintenance database; the cluster is stopped and removed at the end."""
+    bindir = _pg_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
+    root = Path(tempfile.mkdtemp(prefix="agentmw-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # the server refuses to run as root
+        user = pwd.getpwnam("postgres")
+        os.chown(root, user.pw_uid, user.pw_gid)
+        as_user = ["runuser", "-u", "postgres", "--"]
+    data, port = root / "data", _free_port()
+
+    def run(*argv: str) -> None:
+        subprocess.run([*as_user, *argv], check=True, capture_output=True, timeout=60)
+
+    try:
+        run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off -c max_connections=200"
+        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-o", options, "-w", "start")
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(root, ignore_errors=True)
+        raise AssertionError(f"cannot start PostgreSQL: {exc.stderr.decode(errors='replace')}") from None
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        with contextlib.suppress(subprocess.SubprocessError):
+            run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture
+async def dsn(pg_server: str) -> str:
+    name = f"agentmw_{os.getpid()}_{next(_databases)}"
+    conn = await asyncpg.connect(pg_server)
+    try:
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    return pg_server.rsplit("/", 1)[0] + "/" + name
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    with processes(tmp_path) as p:
+        yield p
+
+
+SLOW = "models:\n  default: slow\n  models:\n    slow: {provider: offline, delay: %s}\n"
+
+
+def cluster(
+    procs: Procs, tmp_path: Path, dsn: str, n: int, *args: str, delay: float = 0.0, yaml: str = ""
+) -> tuple[Path, list[ServerProcess]]:
+    """The side-effect middleware and ``n`` hosts on ``dsn`` (``yaml``: more of host.yaml), started
+    together; the effects file."""
+    effects, config = tmp_path / "effects.txt", tmp_path / "host.yaml"
+    config.write_text(SLOW % delay + yaml)
+    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
+    settings = ["--db", dsn, "--config", str(config), "--middleware", f"fx={fx.address}", "--lease", LEASE, *args]
+    hosts = [
+        ServerProcess(
+            ["-m", "agent_host", "--listen", "127.0.0.1:0", *settings],
+            name=f"host{i}",
+            log_dir=procs.log_dir,
+            startup=30,
+            new_session=True,
+        )
+        for i in range(n)
+    ]
+    procs.procs += hosts
+    return effects, start_all(hosts)
+
+
+async def ending(items: list[object]) -> ReplyFinishedReason:
+    return next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason
+
+
+def contiguous_turns(state: object) -> list[str]:
+    """The user turns in order, checking that each turn's messages follow it with no other turn's
+    tool calls among them (two replies writing at once would interleave or overwrite rows)."""
+    turns: list[str] = []
+    for msg in state.context:  # type: ignore[attr-defined]
+        if msg.role == Role.USER:
+            turns.append(msg.text)
+            continue
+        for block in msg.content:
+            if getattr(block, "type", "") == "tool_call":
+                assert json.loads(block.input)["text"] in turns[-1], (block.input, turns[-1])
+    return turns
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_two_replies_to_one_session_on_two_hosts_run_one_after_the_other(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, delay=0.02)
+    session, _ = await reply(a.address, "", UserMsg("hello"))
+    order: list[str] = []
+
+    async def turn(host: ServerProcess, text: str) -> list[object]:
+        async with HostClient(host.address) as client:
+            items = []
+            async with asyncio.timeout(30):
+                async for item in client.reply(session, UserMsg(f"call fx__slow_note text={text} seconds=0.5")):
+                    if isinstance(item, ReplyStartEvent):
+                        order.append(f"start {text}")
+                    items.append(item)
+            order.append(f"end {text}")
+            return items
+
+    first, second = await asyncio.gather(turn(a, "one"), turn(b, "two"))
+    assert await ending(first) == await ending(second) == ReplyFinishedReason.COMPLETED
+    assert order in (
+        ["start one", "end one", "start two", "end two"],
+        ["start two", "end two", "start one", "end one"],
+    ), order
+    _, state, _ = await get_session(b.address, session)
+    turns = contiguous_turns(state)
+    assert turns[0] == "hello" and sorted(turns[1:]) == sorted(
+        f"call fx__slow_note text={t} seconds=0.5" for t in ("one", "two")
+    ), turns
+    assert sorted(lines(effects)) == ["one", "two"], "each turn's tool ran once"
+    calls, results = calls_and_results(state)
+    assert len(calls) == 2 and set(results) == {c.id for c in calls}
+
+
+async def test_a_host_killed_during_a_tool_the_client_retries_on_another(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2)
+    ask = UserMsg("call fx__note text=first then call fx__slow_note text=second seconds=60")
+    async with HostClient(a.address) as client:
+        call = client.reply("", ask)
+        with pytest.raises(grpc.aio.AioRpcError):  # the host dies under the stream
+            async with asyncio.timeout(20):
+                async for item in call:
+                    if isinstance(item, ToolResultStartEvent) and item.tool_call_name == "fx__slow_note":
+                        await wait_until(lambda: lines(effects) == ["first", "second"])
+                        a.kill()
+    session = call.session_id
+
+    # The client sends the same message (same id) to another host: it waits out A's lease, closes
+    # A's reply and continues the stored turn, never storing the message or running a tool again.
+    _, items = await reply(b.address, session, ask)
+    assert await ending(items) == ReplyFinishedReason.COMPLETED
+    assert "may or may not have taken effect" in items[-1].text, items[-1].text
+    assert lines(effects) == ["first", "second"], "each tool ran once"
+    _, state, _ = await get_session(b.address, session)
+    assert user_texts(state) == [ask.text], "the user message is stored once"
+    calls, results = calls_and_results(state)
+    assert [c.name for c in calls] == ["fx__note", "fx__slow_note"]
+    assert set(results) == {c.id for c in calls}, "every tool call has a result"
+    assert results[calls[0].id].state == ToolResultState.SUCCESS
+    assert results[calls[1].id].state == ToolResultState.ERROR
+
+    with pytest.raises(grpc.aio.AioRpcError) as again:  # a retry of a finished reply is refused
+        await reply(b.address, session, ask)
+    assert again.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+async def test_a_paused_host_past_its_lease_can_neither_save_nor_start_a_tool(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2)
+    ask = UserMsg("call fx__slow_note text=a seconds=3 then call fx__note text=b")
+    async with HostClient(a.address) as client:
+        call = client.reply("", ask)
+        stream = aiter(call)
+        async with asyncio.timeout(20):
+            async for item in stream:
+                if isinstance(item, ToolResultStartEvent):
+                    await wait_until(lambda: lines(effects) == ["a"])
+                    os.kill(a.pid, signal.SIGSTOP)  # paused while fx__slow_note runs, past its lease
+                    break
+        session = call.session_id
+        try:
+            # Host B takes the session once A's lease expires, closes A's reply, and runs its own.
+            _, items = await reply(b.address, session, UserMsg("call fx__note text=c"))
+            assert await ending(items) == ReplyFinishedReason.COMPLETED
+            _, taken, _ = await get_session(b.address, session)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        with pytest.raises(grpc.aio.AioRpcError) as lost:  # A: its writes are refused
+            async with asyncio.timeout(20):
+                async for _item in stream:
+                    pass
+    assert lost.value.code() == grpc.StatusCode.ABORTED, lost.value.details()
+    assert "taken over by another host" in lost.value.details()
+    await asyncio.sleep(0.5)  # anything A might still do (it must not) has had time to land
+    assert lines(effects) == ["a", "c"], "A started no tool after losing the lease"
+    _, state, _ = await get_session(b.address, session)
+    assert host_pb2_state(state) == host_pb2_state(taken), "the stored state is B's"
+    assert user_texts(state) == [ask.text, "call fx__note text=c"]
+    # In order (each host's offline model numbers its calls from 1: ids repeat across hosts).
+    blocks = [b for m in state.context for b in m.content]
+    calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
+    results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+    assert [c.name for c in calls] == [r.name for r in results] == ["fx__slow_note", "fx__note", "fx__note"]
+    assert "may or may not have taken effect" in str(results[0].output), "A's call, closed by B"
+    assert "it was not run" in str(results[1].output)
+    assert "noted c" in str(results[2].output)
+
+
+def host_pb2_state(state: object) -> bytes:
+    from agent_host.codec import codec
+
+    return codec.encode(state).SerializeToString(deterministic=True)
+
+
+async def test_a_reply_parked_on_a_host_that_died_is_confirmed_on_another(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2)
+    session, items = await reply(a.address, "", UserMsg("call fx__confirmed_note text=hello"))
+    asking = next(i for i in items if isinstance(i, RequireUserConfirmEvent)).tool_calls[0]
+    reply_id = next(i for i in items if isinstance(i, Msg)).id
+    a.kill()
+
+    confirm = UserConfirmResultEvent(
+        reply_id=reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=asking)]
+    )
+    _, items = await reply(b.address, session, confirm)
+    end = next(i for i in items if isinstance(i, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED and end.reply_id == reply_id, "the same reply"
+    assert not any(isinstance(i, ReplyStartEvent) for i in items)
+    assert lines(effects) == ["hello"]
+
+    async with grpc.aio.insecure_channel(b.address) as channel:  # one host's middleware alone: refused
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub(channel).DetachMiddleware(host_pb2.DetachMiddlewareRequest(name="fx"), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "shares its session store" in refused.value.details()
+
+
+async def test_interrupt_sent_to_one_host_ends_a_reply_running_on_another(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, "--lease", "30")  # the notification, not the expiry
+    async with HostClient(a.address) as client, grpc.aio.insecure_channel(b.address) as channel:
+        call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
+        items = []
+        async with asyncio.timeout(20):
+            async for item in call:
+                items.append(item)
+                if isinstance(item, ToolResultStartEvent):
+                    await wait_until(lambda: lines(effects) == ["long"])
+                    answer = await stub(channel).InterruptReply(
+                        host_pb2.InterruptReplyRequest(session_id=call.session_id), timeout=10
+                    )
+                    assert answer.interrupted
+        assert await ending(items) == ReplyFinishedReason.INTERRUPTED
+        _, items = await reply(b.address, call.session_id, UserMsg("hi"))  # the lease was released
+        assert await ending(items) == ReplyFinishedReason.COMPLETED
+        idle = await stub(channel).InterruptReply(host_pb2.InterruptReplyRequest(session_id=call.session_id))
+        assert not idle.interrupted, "nothing runs any more"
+
+
+async def health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return answer.status
+
+
+async def test_sigterm_drains_a_host_and_another_takes_its_sessions_at_once(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    # A long lease: another host gets the sessions because they are released, not because it expired.
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, "--lease", "30", "--drain-grace", "3")
+    short, _ = await reply(a.address, "", UserMsg("hi"))
+    long, _ = await reply(a.address, "", UserMsg("hi"))
+    async with HostClient(a.address) as client:
+        finishing = client.reply(short, UserMsg("call fx__slow_note text=short seconds=1.5"))
+        cut = client.reply(long, UserMsg("call fx__slow_note text=long seconds=60"))
+        streams = [asyncio.create_task(collect(finishing)), asyncio.create_task(collect(cut))]
+        await wait_until(lambda: sorted(lines(effects)) == ["long", "short"])
+        a.popen.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        await wait_until_async(lambda: health(a.address), health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert not streams[0].done() and not streams[1].done(), "NOT_SERVING at once, replies still running"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await reply(a.address, "", UserMsg("hi"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with asyncio.timeout(20):
+            done, cut_short = await asyncio.gather(*streams)
+    assert await ending(done) == ReplyFinishedReason.COMPLETED, "the in-flight reply finished"
+    assert await ending(cut_short) == ReplyFinishedReason.INTERRUPTED, "past the grace: interrupted and saved"
+    assert a.popen.wait(20) == 0  # type: ignore[union-attr]
+    for session in (short, long):
+        _, items = await reply(b.address, session, UserMsg("again"))  # no wait for a 30 s lease
+        assert await ending(items) == ReplyFinishedReason.COMPLETED
+    assert sorted(lines(effects)) == ["long", "short"]
+
+
+async def collect(call: object) -> list[object]:
+    return [item async for item in call]  # type: ignore[attr-defined]
+
+
+async def wait_until_async(probe: object, wanted: object, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while await probe() != wanted:  # type: ignore[operator]
+            await asyncio.sleep(0.02)
+
+
+async def test_a_bounded_load_across_three_hosts_runs_every_turn_once(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    effects, hosts = cluster(procs, tmp_path, dsn, 3)
+    sessions, turns = 10, 6  # 60 replies; a session's turns go to different hosts at once
+    ids = [f"load-{s}" for s in range(sessions)]
+    gate = asyncio.Semaphore(15)
+    clients = [HostClient(h.address) for h in hosts]
+
+    async def one(n: int) -> ReplyFinishedReason:
+        session, k = ids[n % sessions], n // sessions
+        async with gate:
+            call = clients[n % 3].reply(session, UserMsg(f"call fx__note text={session}/{k}"))
+            async with asyncio.timeout(40):
+                return await ending([item async for item in call])
+
+    try:
+        ends = await asyncio.gather(*(one(n) for n in range(sessions * turns)))
+    finally:
+        for c in clients:
+            await c.close()
+    assert ends == [ReplyFinishedReason.COMPLETED] * (sessions * turns)
+    effect_lines = lines(effects)
+    assert sorted(effect_lines) == sorted(f"{s}/{k}" for s in ids for k in range(turns)), "each tool ran once"
+    for session in ids:
+        _, state, _ = await get_session(hosts[0].address, session)
+        assert sorted(contiguous_turns(state)) == sorted(f"call fx__note text={session}/{k}" for k in range(turns))
+        blocks = [b for m in state.context for b in m.content]
+        calls = [b for b in blocks if isinstance(b, ToolCallBlock)]
+        results = [b for b in blocks if isinstance(b, ToolResultBlock)]
+        assert len(calls) == len(results) == turns, "every tool call has a result"
+        assert all(r.state == ToolResultState.SUCCESS for r in results)
+
+
+async def test_owners_are_stored_and_checked_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    """Two users on two hosts of one store: the owner goes into PostgreSQL with the session, each
+    user lists and reads only their own sessions whichever host they ask, and the per-owner
+    session limit counts the sessions made on any host."""
+    users = "".join(
+        f"    - {{name: {n}, role: {'admin' if n == 'ops' else 'user'}, token_sha256: '{token_digest(t)}'}}\n"
+        for n, t in TOKENS.items()
+    )
+    _, hosts = cluster(procs, tmp_path, dsn, 2, yaml=f"security:\n  users:\n{users}limits: {{sessions_per_owner: 1}}\n")
+    channels = {(n, i): client_channel(h.address, token=t) for n, t in TOKENS.items() for i, h in enumerate(hosts)}
+    try:
+        alices, _ = await secure_reply(channels["alice", 0], "alice's plans")
+        bobs, _ = await secure_reply(channels["bob", 1], "bob's plans")
+        for i in range(2):
+            for user, own in (("alice", alices), ("bob", bobs)):
+                listed = await stub(channels[user, i]).ListSessions(host_pb2.ListSessionsRequest(), timeout=8)
+                assert [s.session_id for s in listed.sessions] == [own], (user, i)
+            listed = await stub(channels["ops", i]).ListSessions(host_pb2.ListSessionsRequest(), timeout=8)
+            assert sorted(s.session_id for s in listed.sessions) == sorted([alices, bobs])
+            with pytest.raises(grpc.aio.AioRpcError) as theirs:
+                await stub(channels["bob", i]).GetSession(host_pb2.GetSessionRequest(session_id=alices), timeout=8)
+            assert theirs.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.aio.AioRpcError) as theirs:
+                await secure_reply(channels["bob", i], "let me in", alices)
+            assert theirs.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as second:  # alice's one session is on the other host
+            await secure_reply(channels["alice", 1], "another conversation")
+        assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        owners = dict(await conn.fetch("SELECT session_id, owner FROM agentmw_sessions"))
+    finally:
+        await conn.close()
+    assert owners == {alices: "alice", bobs: "bob"}
+
+
+async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str) -> None:
+    """A database made before owners (schema 1) is migrated at start: its sessions keep their rows
+    and belong to no one; new sessions get their owner."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "CREATE TABLE agentmw_schema (version integer NOT NULL); INSERT INTO agentmw_schema VALUES (1);"
+            "CREATE TABLE agentmw_sessions (session_id text PRIMARY KEY, created_at timestamptz NOT NULL "
+            "DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now(), title text NOT NULL DEFAULT '', "
+            "message_count integer NOT NULL DEFAULT 0, status text NOT NULL DEFAULT 'idle', in_flight text[] "
+            "NOT NULL DEFAULT '{}', fence bigint, meta bytea NOT NULL);"
+            "INSERT INTO agentmw_sessions (session_id, title, meta) VALUES ('old', 'before owners', '')"
+        )
+    finally:
+        await conn.close()
+    store = await PostgresStore.connect(dsn, lease=5)
+    try:
+        async with store.hold("new") as hold:
+            await store.create("new", fence=hold.fence, owner="alice").begin_reply()
+        assert [(r.session_id, r.owner) for r in await store.list(owner="")] == [("old", "")]
+        assert [(r.session_id, r.owner) for r in await store.list(owner="alice")] == [("new", "alice")]
+        assert {r.session_id for r in await store.list()} == {"old", "new"}
+    finally:
+        await store.aclose()
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval("SELECT version FROM agentmw_schema") == 2
+    finally:
+        await conn.close()
+
+
+def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path) -> None:
+    from agent_host.config import ConfigError, load_config
+
+    config = tmp_path / "host.yaml"
+    config.write_text("store: {dsn: 'postgresql://u@h/db', lease: 4}\ndrain_grace: 7\n")
+    cfg = load_config(config, env={})
+    assert (cfg.db, cfg.lease, cfg.drain_grace) == ("postgresql://u@h/db", 4.0, 7.0)
+    cfg = load_config(config, env={"AGENTMW_LEASE": "3"}, flags={"drain_grace": "1.5"})
+    assert (cfg.lease, cfg.drain_grace) == (3.0, 1.5)
+    config.write_text("store: {lease: -1}\n")
+    with pytest.raises(ConfigError, match=r"store\.lease: expected a number of seconds above 0"):
+        load_config(config, env={})
+    with pytest.raises(ConfigError, match="--drain-grace"):
+        load_config(None, env={}, flags={"drain_grace": "soon"})
+    # With the security branch's sections and flags in the same file and command line.
+    config.write_text(
+        "store: {dsn: 'postgresql://u@h/db', lease: 4}\ndrain_grace: 7\nlimits: {sessions_per_owner: 3}\n"
+        "security:\n  users: [{name: alice, role: user, token_sha256: '" + "0" * 64 + "'}]\n"
+    )
+    cert = tmp_path / "host.pem"
+    cert.write_text("")
+    cfg = load_config(config, env={}, flags={"lease": "2", "tls.cert": str(cert), "tls.key": str(cert)})
+    assert (cfg.db, cfg.lease, cfg.drain_grace) == ("postgresql://u@h/db", 2.0, 7.0)
+    assert ([u.name for u in cfg.security.users], cfg.security.sessions_per_owner) == (["alice"], 3)
+    assert cfg.security.tls.cert == str(cert)

@@ -43,7 +43,7 @@ protos: $(VENV)/.installed
 test: install mem0
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile   # tests start processes and wait on them: two workers halve the time
 
 demo: install mem0
 	$(PY) -m clients.demo

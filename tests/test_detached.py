@@ -1,0 +1,84 @@
+"""Copies to a detached hook (a watcher) stay off the reply's busy stretch: the invocations that end
+while the middleware's on_reply is still open are held and go out when the reply is over."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from agent_host.agent import Agent
+from agent_host.data import Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
+from agent_host.middleware import MiddlewareBase, subscribe
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agent_host.tools import Toolkit, add_middleware_tools, tool
+from clients.launch import middleware_server
+
+
+@tool(description="Waits on I/O for a moment (the host's loop runs other tasks meanwhile).")
+async def fetch() -> str:
+    await asyncio.sleep(0.02)
+    return "fetched"
+
+
+class StampingWatcher(MiddlewareBase):
+    """A tracer's shape (detached on_reply, on_model_call, on_acting); notes the wall-clock time at
+    which each invocation reached it, read back with its ``stamps`` tool."""
+
+    subscriptions = {
+        "on_reply": subscribe(observe=[ReplyEndEvent], detached=True),
+        "on_model_call": subscribe(observe=["chat_response_final"], detached=True),
+        "on_acting": subscribe(observe=[ToolResponse], detached=True),
+    }
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[str, float]] = []
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        self.stamps.append(("on_reply", time.time()))
+        async for item in next_handler():
+            yield item
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        self.stamps.append(("on_model_call", time.time()))
+        return await next_handler()
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        self.stamps.append(("on_acting", time.time()))
+        async for item in next_handler():
+            yield item
+
+    async def list_tools(self):
+        @tool(description="When each invocation arrived.", is_read_only=True)
+        def stamps() -> str:
+            return json.dumps(self.stamps)
+
+        return [stamps]
+
+
+async def test_copies_go_out_after_the_reply() -> None:
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        toolkit = Toolkit([fetch])
+        await add_middleware_tools(toolkit, remote)
+        script = [{"tool_calls": [{"name": "fetch", "input": {}}]} for _ in range(3)]
+        script.append({"text": " ".join(f"w{i}" for i in range(500))})
+        agent = Agent(model=OfflineRuleModel(script=script), toolkit=toolkit, middlewares=[remote])
+        final_at = 0.0
+        async with asyncio.timeout(30):
+            async for item in agent.reply_stream(UserMsg("hi")):
+                if isinstance(item, Msg):
+                    final_at = time.time()  # the reply's last item: its on_reply is still open
+            stamps: list = []
+            while len(stamps) < 8:  # on_reply, 4 model calls, 3 tool calls
+                await asyncio.sleep(0.05)
+                call = ToolCallBlock(id="s", name="StampingWatcher__stamps", input="{}")
+                response = [r async for r in toolkit.call_tool(call)][-1]
+                stamps = json.loads(response.content[0].text)
+        early = [hook for hook, at in stamps if at < final_at]
+        assert not early, f"copies of {early} reached the watcher while the reply was still going"
+        await remote.close()
+    finally:
+        proc.stop()

@@ -82,3 +82,27 @@ async def test_copies_go_out_after_the_reply() -> None:
         await remote.close()
     finally:
         proc.stop()
+
+
+async def test_a_watcher_of_every_item_gets_a_long_reply_in_full() -> None:
+    """Past a batch's worth of copies an invocation sends by itself as they come (not held)."""
+    proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        toolkit = Toolkit([fetch])
+        await add_middleware_tools(toolkit, remote)
+        words = " ".join(f"w{i}" for i in range(1000))  # ~1,000 copies: batches of 64 go out while it streams
+        agent = Agent(model=OfflineRuleModel(script=[{"text": words}]), toolkit=toolkit, middlewares=[remote])
+        async with asyncio.timeout(30):
+            events = [item async for item in agent.reply_stream(UserMsg("hi"))]
+            seen = 0
+            while seen < len(events):
+                await asyncio.sleep(0.05)
+                args = json.dumps({"session_id": agent.state.session_id})
+                call = ToolCallBlock(id="s", name="DetachedWatcher__watch_stats", input=args)
+                stats = json.loads([r async for r in toolkit.call_tool(call)][-1].content[0].text)
+                seen = sum(n for key, n in stats.items() if key.startswith("on_reply:"))
+        assert seen == len(events) > 1000
+        await remote.close()
+    finally:
+        proc.stop()

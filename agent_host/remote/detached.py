@@ -4,9 +4,10 @@ never waits for a watcher, not even for a write. Envoy ext_proc calls this obser
 Copies also stay off the reply's busy stretch: a middleware's finished invocations are held while
 another of its detached invocations is still open (its on_reply spans the whole reply) and go out
 together when none is, or ``HOLD`` seconds after the first was held, from one task per group.
-gRPC completions arriving while the reply streams cost it far more than they cost an idle loop
-(measured: the tracing server's copies moved a 1,000-delta reply's end by ~0.3x when sent at once;
-see docs/tracing.md). A batch that fills up goes out at once (a watcher of every delta streams).
+Sent during the reply, the tracing server's copies made a 1,000-delta reply with 3 tool rounds
+end ~10% later (gRPC writes and reads between its steps); held, they cost the same host CPU after
+it (``make bench``, docs/tracing.md). A batch that fills up goes out at once (a watcher of every
+delta streams).
 """
 
 from __future__ import annotations

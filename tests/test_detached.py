@@ -4,6 +4,7 @@ while the middleware's on_reply is still open are held and go out when the reply
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
 
@@ -12,6 +13,7 @@ from agent_host.data import Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, Use
 from agent_host.middleware import MiddlewareBase, subscribe
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
+from agent_host.remote.detached import HOLD
 from agent_host.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import middleware_server
 
@@ -106,3 +108,39 @@ async def test_a_watcher_of_every_item_gets_a_long_reply_in_full() -> None:
         await remote.close()
     finally:
         proc.stop()
+
+
+async def test_copies_held_when_the_middleware_is_closed_are_dropped_quietly() -> None:
+    """Closing the client while copies wait (another invocation still open) drops them: no error
+    surfaces from the background task that would have sent them."""
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        agent = Agent(model=OfflineRuleModel(script=[{"text": "hi"}]), toolkit=Toolkit([fetch]), middlewares=[remote])
+        errors: list = []  # what the loop reports, e.g. "Task exception was never retrieved"
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        outer = remote.on_reply(agent, {"inputs": None, "structured_schema": None}, _never_ending)
+        first = asyncio.ensure_future(anext(outer))  # an on_reply that stays open
+        await asyncio.sleep(0.05)
+        inner = remote.on_acting(agent, {"tool_call": ToolCallBlock(id="c", name="fetch", input="{}")}, _one_response)
+        assert [type(i).__name__ async for i in inner] == ["ToolResponse"]  # ended: its copies are held
+        await remote.close()
+        await asyncio.sleep(HOLD + 0.2)  # the hold ran out after the close
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await outer.aclose()
+        gc.collect()  # a task's unretrieved exception is reported when the task is collected
+        await asyncio.sleep(0.05)
+        assert not [c for c in errors if "exception" in c], errors
+    finally:
+        asyncio.get_running_loop().set_exception_handler(None)
+        proc.stop()
+
+
+async def _never_ending(**_: object):
+    await asyncio.sleep(3600)
+    yield None
+
+
+async def _one_response(**_: object):
+    yield ToolResponse(id="c", content=[])

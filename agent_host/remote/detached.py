@@ -30,6 +30,7 @@ BATCH_SIZE = 64  # copies per write
 MAX_QUEUED = 64  # batches waiting for a slow watcher before copies are dropped
 HOLD = 0.5  # seconds at most that finished invocations wait for the middleware's open ones
 _FAILURES = (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError)
+_CLOSED = grpc.aio.UsageError  # the middleware was closed while copies were held: they are dropped
 
 
 class _Outbox:
@@ -147,7 +148,10 @@ class DetachedDelivery:
             self.wake.set_result(None)
 
     async def _run(self) -> None:
-        call, _ = self.mw.take_stream(self.hook)
+        try:
+            call, _ = self.mw.take_stream(self.hook)
+        except _CLOSED:
+            return
         timeout = self.mw.policy.timeout
         try:
             while True:
@@ -207,7 +211,10 @@ async def _send_all(group: list[DetachedDelivery]) -> None:
     sent: list[tuple[DetachedDelivery, grpc.aio.StreamStreamCall]] = []
     try:
         for delivery in group:
-            call, _ = mw.take_stream(delivery.hook)
+            try:
+                call, _ = mw.take_stream(delivery.hook)
+            except _CLOSED:
+                break
             sent.append((delivery, call))
             try:
                 async with asyncio.timeout(timeout):

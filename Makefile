@@ -55,7 +55,8 @@ $(AS_VENV)/.installed:
 	$(AS_VENV)/bin/python -m pip install --quiet agentscope==2.0.11
 	touch $@
 
-bench: install $(AS_VENV)/.installed
+# The built-in servers' rows need the mem0 server's venv (make mem0, below).
+bench: install mem0 $(AS_VENV)/.installed
 	BENCH_AGENTSCOPE_PYTHON=$(CURDIR)/$(AS_VENV)/bin/python $(PY) -m bench.run
 
 # The mem0 server's own venv (torch, sentence-transformers, mem0ai; ~1.9 GB, a few minutes once):

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Sample:
     """One batch of one variant, per operation: wall seconds, host-process CPU seconds, CPU seconds
-    of the server process it talks to (when measured), and for replies the time to first text."""
+    of the server process it talks to (when measured), for replies the time to first text, and a
+    scenario's own time (``mark``: e.g. to the first audio)."""
 
     wall: float
     cpu: float
     first: float = math.nan
     server_cpu: float = math.nan
+    mark: float = math.nan
 
 
 Batch = Callable[[], Awaitable[Sample]]
@@ -62,6 +64,10 @@ class Series:
     @property
     def server_cpu(self) -> float:
         return statistics.median(s.server_cpu for s in self.samples)
+
+    @property
+    def mark(self) -> float:
+        return statistics.median(s.mark for s in self.samples)
 
 
 def process_cpu(pid: int) -> float:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from .builtins import TTS_TEXT
 from .harness import Series, per_round, ratio, spread
 from .scenarios import BYPASS_N, CONCURRENT, ITEMS, Protocol, ReplyTraffic, Unimplemented
 
@@ -33,6 +34,9 @@ class Results:
     fairness: dict[str, Series] = field(default_factory=dict)
     peer_ok: bool = False  # the AgentScope peer ran, and its variants are in bypass/replies/fairness
     peer_note: str = ""
+    builtins: dict[str, dict[str, Series]] = field(default_factory=dict)  # builtin -> variant -> series
+    builtin_notes: dict[str, str] = field(default_factory=dict)  # builtin -> why it is not measured
+    spans_exported: int = 0  # by the tracing server, counted by the OTLP receiver
     duration: float = 0.0
 
 
@@ -189,6 +193,10 @@ def render(r: Results) -> str:
             "",
             table(REPLY_HEADER, _reply_rows(r)),
             "",
+            "### Built-in servers attached remotely (one process per server; each against its own baseline)",
+            "",
+            table(BUILTIN_HEADER, builtin_rows(r.builtins, r.spans_exported)),
+            "",
             f"### Fairness: {CONCURRENT} concurrent replies of 1,000 deltas, instant model",
             "",
             table(FAIRNESS_HEADER, _fairness_rows(r)),
@@ -302,7 +310,7 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
             "—",
         ]
     )
-    return rows
+    return rows + builtin_targets(r.builtins, r.builtin_notes)
 
 
 def _peer_rows(r: Results) -> list[list[str]]:
@@ -425,6 +433,100 @@ def _reply_rows(r: Results) -> list[list[str]]:
     ]
 
 
+# -- the built-in servers (bench/builtins.py) -----------------------------------------------------------
+
+BUILTIN_HEADER = ["server, variant", "time to first text", "reply end", "host CPU per reply", "server CPU", "notes"]
+BUILTIN_LABELS = {
+    "tracing": "tracing (mw_servers.tracing, OTLP exporter; host not tracing), 3 tool rounds + 1,000 deltas",
+    "tts": f"TTS (mw_servers.tts, espeak-ng), one text block of {len(TTS_TEXT.split())} words",
+    "mem0": "mem0 (mw_servers.mem0, static mode, offline default), 1,000 deltas",
+}
+
+
+def _added(a: Series, none: Series) -> float:
+    """Median over rounds of (attached - none) time to first text."""
+    return statistics.median(per_round(a.firsts, none.firsts, lambda x, y: x - y))
+
+
+def builtin_targets(builtins: dict[str, dict[str, Series]], notes: dict[str, str]) -> list[list[str]]:
+    rows: list[list[str]] = []
+    if "tracing" in builtins:
+        s = builtins["tracing"]
+        end = ratio(s["attached"].walls, s["none"].walls)
+        rows += [
+            [
+                "Tracing server attached remotely (host not tracing), 3 tool rounds + 1,000 deltas: "
+                "time to reply end / none",
+                times(end),
+                "≤ 1.05x",
+                verdict(end <= 1.05),
+            ],
+            [
+                "…its host CPU per reply, background copies included / none",
+                times(ratio(s["attached"].cpus, s["none"].cpus)),
+                "—",
+                "—",
+            ],
+        ]
+    if "tts" in builtins:
+        s = builtins["tts"]
+        for variant in ("standard", "realtime"):
+            added = _added(s[variant], s["none"])
+            rows.append(
+                [
+                    f"TTS server attached ({variant} mode): time to first text - none",
+                    ms(added),
+                    "≤ +5 ms",
+                    verdict(added <= 0.005),
+                ]
+            )
+        rows.append(["…first audio after the text block ends (standard mode)", ms(s["standard"].mark), "—", "—"])
+    if "mem0" in builtins:
+        s = builtins["mem0"]
+        rows.append(
+            [
+                "mem0 server attached (static mode): time to first text - none",
+                ms(_added(s["attached"], s["none"])),
+                "—",
+                "—",
+            ]
+        )
+    rows += [[f"{name} server", note, "—", "n/a"] for name, note in notes.items()]
+    return rows
+
+
+def builtin_rows(builtins: dict[str, dict[str, Series]], spans: int) -> list[list[str]]:
+    rows = []
+    for name, series in builtins.items():
+        for variant, s in series.items():
+            note = ""
+            if variant != "none":
+                note = f"reply end {times(ratio(s.walls, series['none'].walls))} of none"
+            if name == "tracing" and variant != "none":
+                note += f"; {spans:,} spans exported in all"
+            elif name == "tts" and variant != "none":
+                note += (
+                    f"; first audio {ms(s.mark)} after the block ends"
+                    if variant == "standard"
+                    else f"; first audio {ms(s.mark)} after the first text"
+                )
+            rows.append(
+                [f"{BUILTIN_LABELS[name]}: {variant}", ms(s.first), ms(s.wall), ms(s.cpu), ms(s.server_cpu), note]
+            )
+    return rows
+
+
+def builtin_section(builtins: dict[str, dict[str, Series]], notes: dict[str, str], spans: int, rounds: int) -> str:
+    """What ``python -m bench.<server>`` prints: its target rows and its absolute values."""
+    return "\n\n".join(
+        [
+            f"{rounds} interleaved rounds, medians; ratios and differences are medians of the per-round ones.",
+            table(["what", "measured", "target", "verdict"], builtin_targets(builtins, notes)),
+            table(BUILTIN_HEADER, builtin_rows(builtins, spans)),
+        ]
+    )
+
+
 def _fairness_rows(r: Results) -> list[list[str]]:
     return [
         [REPLY_VARIANTS[key], ms(s.first), ms(s.wall), ms(s.cpu)]
@@ -505,6 +607,13 @@ METHOD = [
     f"- 6: {CONCURRENT} `reply_stream`s started together with `asyncio.gather`; times from the common start.",
     "- Fix prototype rows: a bench-only subclass of OfflineRuleModel whose chunk stream does "
     "`await asyncio.sleep(0)` every 16 chunks, standing in for a yield in the host's streaming loop.",
+    "- Built-in servers (bench/builtins.py): each of mw_servers.tracing, tts (standard and realtime) and mem0 "
+    "runs as its own process (mem0 with the Python of .venv-mem0) and is attached to a fresh `Agent` per "
+    "reply; its variants are interleaved with a no-middleware baseline of the same reply. Tracing: the "
+    "whole-reply scenario of 5, the server exporting over OTLP/gRPC to a receiver in another process (the "
+    "host does not trace). TTS: one text block; the first audio is timed from the block's end (standard) "
+    "or from the first text (realtime). mem0: a question after a few seeded facts; the reply end "
+    "includes the awaited write-back.",
     "- The AgentScope peer (optional) runs the same scripted replies in AgentScope 2.0.11 in its own "
     "virtual environment and process, driven over a pipe so that its runs take their turn in the same "
     "interleaved rounds.",

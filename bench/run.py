@@ -2,7 +2,8 @@
 
 Middleware and the bare echo server run as separate processes on 127.0.0.1; this process is the
 host. Compared variants are interleaved round by round and summarised by medians (see harness.py).
-Every load loop is bounded; the whole run takes about a minute or two.
+Every load loop is bounded; the whole run takes about two minutes (starting the mem0 server
+alone takes 5-10 s).
 
 Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test), ``--out PATH``,
 ``--agentscope-python PATH`` (a Python with agentscope==2.0.11 installed, for the optional peer;
@@ -25,12 +26,12 @@ import grpc
 from agent_host.remote import RemoteMiddleware
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
-from . import scenarios
+from . import builtins, scenarios
 from .peer import start_peer
 from .report import Results, environment, render
 
 DEFAULT_AGENTSCOPE_PYTHON = "/tmp/agentscope-venv/bin/python"
-MEASURE_TIMEOUT = 170.0  # seconds: the bench never runs unbounded
+MEASURE_TIMEOUT = 400.0  # seconds: the bench never runs unbounded
 
 
 def _agentscope_python(explicit: str | None) -> str | None:
@@ -41,16 +42,22 @@ def _agentscope_python(explicit: str | None) -> str | None:
 MIDDLEWARE = ["PassThroughCall", "PassThroughCallEager", "InterceptAll", "ReplyEndOnly", "Realistic"]
 
 
-def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess]]:
-    """The echo server, one process per bench middleware class and the budget server, in parallel."""
+def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess], builtins.Fleet]:
+    """The echo server, one process per bench middleware class, the budget server and the other
+    built-in servers, in parallel."""
     echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
     servers = {name: middleware_server(f"bench.middlewares:{name}") for name in MIDDLEWARE}
     servers["ReplyBudget"] = ServerProcess(
         ["-m", "mw_servers.budget", "--address", "127.0.0.1:{port}", "--token-budget", str(scenarios.BUDGET_TOKENS)],
         name="budget",
     )
-    start_all([echo, *servers.values()])  # all or none: on an error none is left running
-    return echo, servers
+    fleet = builtins.fleet(list(builtins.BUILTINS))
+    try:
+        start_all([echo, *servers.values(), *fleet.processes])  # all or none: on an error none is left running
+    except BaseException:
+        fleet.stop()
+        raise
+    return echo, servers, fleet
 
 
 async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
@@ -62,8 +69,9 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         if not isinstance(servers_started, BaseException):
             for proc in [servers_started[0], *servers_started[1].values()]:
                 proc.stop()
+            servers_started[2].stop()
         raise servers_started if isinstance(servers_started, BaseException) else peer_started  # type: ignore[misc]
-    (peer, peer_note), (echo, servers) = peer_started, servers_started
+    (peer, peer_note), (echo, servers, fleet) = peer_started, servers_started
     clients: list[RemoteMiddleware] = []
     channel = grpc.aio.insecure_channel(echo.address)
     try:
@@ -100,6 +108,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("5 whole replies")
         res.fairness = await scenarios.measure_fairness(env, 2 if quick else 4, peer)
         step("6 fairness")
+        res.builtins = await builtins.measure(fleet, rounds)
+        step("7 built-in servers")
         if peer is not None:
             res.peer_ok = peer.alive
             if not peer.alive:
@@ -112,6 +122,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         await channel.close()
         for proc in [echo, *servers.values()]:
             proc.stop()
+        fleet.stop()
+    res.builtin_notes, res.spans_exported = fleet.notes, fleet.spans
     return res
 
 

@@ -1,0 +1,146 @@
+"""Copies to a detached hook (a watcher) stay off the reply's busy stretch: the invocations that end
+while the middleware's on_reply is still open are held and go out when the reply is over."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import time
+
+from agent_host.agent import Agent
+from agent_host.data import Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
+from agent_host.middleware import MiddlewareBase, subscribe
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agent_host.remote.detached import HOLD
+from agent_host.tools import Toolkit, add_middleware_tools, tool
+from clients.launch import middleware_server
+
+
+@tool(description="Waits on I/O for a moment (the host's loop runs other tasks meanwhile).")
+async def fetch() -> str:
+    await asyncio.sleep(0.02)
+    return "fetched"
+
+
+class StampingWatcher(MiddlewareBase):
+    """A tracer's shape (detached on_reply, on_model_call, on_acting); notes the wall-clock time at
+    which each invocation reached it, read back with its ``stamps`` tool."""
+
+    subscriptions = {
+        "on_reply": subscribe(observe=[ReplyEndEvent], detached=True),
+        "on_model_call": subscribe(observe=["chat_response_final"], detached=True),
+        "on_acting": subscribe(observe=[ToolResponse], detached=True),
+    }
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[str, float]] = []
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        self.stamps.append(("on_reply", time.time()))
+        async for item in next_handler():
+            yield item
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        self.stamps.append(("on_model_call", time.time()))
+        return await next_handler()
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        self.stamps.append(("on_acting", time.time()))
+        async for item in next_handler():
+            yield item
+
+    async def list_tools(self):
+        @tool(description="When each invocation arrived.", is_read_only=True)
+        def stamps() -> str:
+            return json.dumps(self.stamps)
+
+        return [stamps]
+
+
+async def test_copies_go_out_after_the_reply() -> None:
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        toolkit = Toolkit([fetch])
+        await add_middleware_tools(toolkit, remote)
+        script = [{"tool_calls": [{"name": "fetch", "input": {}}]} for _ in range(3)]
+        script.append({"text": " ".join(f"w{i}" for i in range(500))})
+        agent = Agent(model=OfflineRuleModel(script=script), toolkit=toolkit, middlewares=[remote])
+        final_at = 0.0
+        async with asyncio.timeout(30):
+            async for item in agent.reply_stream(UserMsg("hi")):
+                if isinstance(item, Msg):
+                    final_at = time.time()  # the reply's last item: its on_reply is still open
+            stamps: list = []
+            while len(stamps) < 8:  # on_reply, 4 model calls, 3 tool calls
+                await asyncio.sleep(0.05)
+                call = ToolCallBlock(id="s", name="StampingWatcher__stamps", input="{}")
+                response = [r async for r in toolkit.call_tool(call)][-1]
+                stamps = json.loads(response.content[0].text)
+        early = [hook for hook, at in stamps if at < final_at]
+        assert not early, f"copies of {early} reached the watcher while the reply was still going"
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_watcher_of_every_item_gets_a_long_reply_in_full() -> None:
+    """Past a batch's worth of copies an invocation sends by itself as they come (not held)."""
+    proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        toolkit = Toolkit([fetch])
+        await add_middleware_tools(toolkit, remote)
+        words = " ".join(f"w{i}" for i in range(1000))  # ~1,000 copies: batches of 64 go out while it streams
+        agent = Agent(model=OfflineRuleModel(script=[{"text": words}]), toolkit=toolkit, middlewares=[remote])
+        async with asyncio.timeout(30):
+            events = [item async for item in agent.reply_stream(UserMsg("hi"))]
+            seen = 0
+            while seen < len(events):
+                await asyncio.sleep(0.05)
+                args = json.dumps({"session_id": agent.state.session_id})
+                call = ToolCallBlock(id="s", name="DetachedWatcher__watch_stats", input=args)
+                stats = json.loads([r async for r in toolkit.call_tool(call)][-1].content[0].text)
+                seen = sum(n for key, n in stats.items() if key.startswith("on_reply:"))
+        assert seen == len(events) > 1000
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_copies_held_when_the_middleware_is_closed_are_dropped_quietly() -> None:
+    """Closing the client while copies wait (another invocation still open) drops them: no error
+    surfaces from the background task that would have sent them."""
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        agent = Agent(model=OfflineRuleModel(script=[{"text": "hi"}]), toolkit=Toolkit([fetch]), middlewares=[remote])
+        errors: list = []  # what the loop reports, e.g. "Task exception was never retrieved"
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+        outer = remote.on_reply(agent, {"inputs": None, "structured_schema": None}, _never_ending)
+        first = asyncio.ensure_future(anext(outer))  # an on_reply that stays open
+        await asyncio.sleep(0.05)
+        inner = remote.on_acting(agent, {"tool_call": ToolCallBlock(id="c", name="fetch", input="{}")}, _one_response)
+        assert [type(i).__name__ async for i in inner] == ["ToolResponse"]  # ended: its copies are held
+        await remote.close()
+        await asyncio.sleep(HOLD + 0.2)  # the hold ran out after the close
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await outer.aclose()
+        gc.collect()  # a task's unretrieved exception is reported when the task is collected
+        await asyncio.sleep(0.05)
+        assert not [c for c in errors if "exception" in c], errors
+    finally:
+        asyncio.get_running_loop().set_exception_handler(None)
+        proc.stop()
+
+
+async def _never_ending(**_: object):
+    await asyncio.sleep(3600)
+    yield None
+
+
+async def _one_response(**_: object):
+    yield ToolResponse(id="c", content=[])

@@ -38,6 +38,9 @@ class Subscription:
     eager_next: bool = False
     # Only watches: never waited for, its emits and state changes are ignored (implies eager_next).
     detached: bool = False
+    # Remote SDK only: the hook's code after a ``yield`` may run before the consumer asks for the
+    # next item (it has no effect that must wait for it), so the SDK does not suspend at each yield.
+    run_ahead: bool = False
 
 
 def subscribe(
@@ -48,14 +51,22 @@ def subscribe(
     wants_context: bool = False,
     eager_next: bool = False,
     detached: bool = False,
+    run_ahead: bool = False,
 ) -> Subscription:
     """Declare what a hook sees. ``eager_next``: the hook calls ``next_handler()`` first thing with
     no overrides (saves a round trip). ``detached``: the hook only watches (a tracer): the host
-    never waits for it and ignores what it emits or changes."""
+    never waits for it and ignores what it emits or changes. ``run_ahead`` (served remotely): the
+    code after each ``yield`` may run before the consumer asks for the next item, as it did before
+    the SDK suspended at yields; saves one round trip per emitted item (no effect in-process)."""
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
     return Subscription(
-        default=default, modes=modes, wants_context=wants_context, eager_next=eager_next or detached, detached=detached
+        default=default,
+        modes=modes,
+        wants_context=wants_context,
+        eager_next=eager_next or detached,
+        detached=detached,
+        run_ahead=run_ahead,
     )
 
 

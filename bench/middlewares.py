@@ -103,6 +103,16 @@ class InterceptAll(Counted):
             yield item
 
 
+class InterceptAllRunAhead(InterceptAll):
+    """InterceptAll declaring ``run_ahead``: the SDK does not suspend at each yield (one round trip
+    per item instead of two; its code after a yield may run before the consumer asks for more)."""
+
+    subscriptions = {
+        "on_reply": subscribe(default=Mode.INTERCEPT, run_ahead=True),
+        "on_reasoning": subscribe(default=Mode.INTERCEPT, run_ahead=True),
+    }
+
+
 class ReplyEndOnly(Counted):
     """on_reply subscribed to nothing but ReplyEndEvent: every other item bypasses it."""
 
@@ -150,6 +160,7 @@ __all__ = [
     "STATS_TOOL",
     "Counted",
     "InterceptAll",
+    "InterceptAllRunAhead",
     "PassThroughCall",
     "PassThroughCallEager",
     "Realistic",

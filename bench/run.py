@@ -39,7 +39,14 @@ def _agentscope_python(explicit: str | None) -> str | None:
     return candidate if Path(candidate).exists() else None
 
 
-MIDDLEWARE = ["PassThroughCall", "PassThroughCallEager", "InterceptAll", "ReplyEndOnly", "Realistic"]
+MIDDLEWARE = [
+    "PassThroughCall",
+    "PassThroughCallEager",
+    "InterceptAll",
+    "InterceptAllRunAhead",
+    "ReplyEndOnly",
+    "Realistic",
+]
 
 
 def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess], builtins.Fleet]:
@@ -87,6 +94,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             rm_call=await attach("PassThroughCall"),
             rm_eager=await attach("PassThroughCallEager"),
             rm_icpt=await attach("InterceptAll"),
+            rm_icpt_ahead=await attach("InterceptAllRunAhead"),
             rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
             rm_real=[await attach("Realistic") for _ in range(4)],
             rm_budget=await attach("ReplyBudget"),

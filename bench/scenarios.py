@@ -54,6 +54,7 @@ class Env:
     rm_call: RemoteMiddleware  # PassThroughCall
     rm_eager: RemoteMiddleware  # PassThroughCallEager
     rm_icpt: RemoteMiddleware  # InterceptAll
+    rm_icpt_ahead: RemoteMiddleware  # InterceptAllRunAhead
     rm_end: list[RemoteMiddleware]  # ReplyEndOnly, 4 clients (4 layers) of one server
     rm_real: list[RemoteMiddleware]  # Realistic, 4 clients (4 layers) of one server
     rm_budget: RemoteMiddleware  # mw_servers.budget with BUDGET_TOKENS (it counts, never acts)
@@ -208,6 +209,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
     perm_eager = permission_chain(env.rm_eager)
     none_chain = reply_chain([], reply_events(agent, ITEMS))
     icpt_chain = reply_chain([env.rm_icpt], reply_events(agent, ITEMS))
+    ahead_chain = reply_chain([env.rm_icpt_ahead], reply_events(agent, ITEMS))
 
     async def bare_exchange() -> None:
         call = exchange()
@@ -255,6 +257,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "bare_pingpong": pings,
         "stream_none": lambda: stream(none_chain, None),
         "stream_intercept": lambda: stream(icpt_chain, env.pids["InterceptAll"]),
+        "stream_intercept_ahead": lambda: stream(ahead_chain, env.pids["InterceptAllRunAhead"]),
     }
     return await interleave(variants, rounds)
 

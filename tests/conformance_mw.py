@@ -649,3 +649,14 @@ MIDDLEWARE.update(
         )
     }
 )
+
+
+class AfterYieldRunsAhead(AfterYieldReads):
+    """AfterYieldReads declaring ``run_ahead``: served remotely, its code after ``yield`` runs
+    before the outer layer has handled the item (a documented trade: one round trip less per item)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent], run_ahead=True)}
+
+    async def get_middleware_key(self) -> str:
+        return "AfterYieldReads"
+MIDDLEWARE[AfterYieldRunsAhead.__name__] = AfterYieldRunsAhead

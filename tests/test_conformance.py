@@ -218,7 +218,7 @@ SCENARIOS = [scenario for scenario, _ in CASES]
 
 @pytest.fixture(scope="module")
 def servers():
-    started = Servers([*SCENARIOS, PROMPT_ORDER, Scenario("trace", [Layer("TraceEcho")])])
+    started = Servers([*SCENARIOS, PROMPT_ORDER, RUN_AHEAD, Scenario("trace", [Layer("TraceEcho")])])
     yield started
     started.stop()
 
@@ -579,3 +579,15 @@ async def test_every_delivered_item_is_numbered() -> None:
         await remote.close()
     finally:
         proc.stop()
+
+
+RUN_AHEAD = Scenario("run_ahead", [Layer("MaxItersAtStart"), Layer("AfterYieldRunsAhead")])
+
+
+async def test_run_ahead_trades_lock_step_after_yield_for_a_round_trip(servers: Servers) -> None:
+    """A hook declaring ``run_ahead`` is not suspended at its yields when served remotely: its code
+    after ``yield`` runs before the outer layer handles the item. In-process nothing changes."""
+    _, local_state = await run(RUN_AHEAD, ["local", "local"], None)
+    _, remote_state = await run(RUN_AHEAD, ["local", "remote"], servers)
+    assert local_state["middle_context"]["AfterYieldReads"] == {"max_iters": 7}
+    assert remote_state["middle_context"]["AfterYieldReads"] == {"max_iters": 10}

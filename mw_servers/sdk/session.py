@@ -128,6 +128,7 @@ class HookSession:
         self.last_inner_error: InnerPipelineError | None = None
         subscription = middleware.subscription(spec.name)
         self.detached = subscription.detached
+        self.run_ahead = subscription.run_ahead  # no suspend at yields (Subscription.run_ahead)
         self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
         self.begin_kwargs: hooks_pb2.Kwargs | None = None
         self.kwargs: dict[str, Any] = {}  # the author's input_kwargs (edited in place, as in-process)
@@ -146,7 +147,8 @@ class HookSession:
         try:
             result: Any = None
             if kind is Kind.STREAM:
-                await self._drive(method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler))
+                items = method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
+                await self._drive(items, lockstep=not self.run_ahead)
             elif kind is Kind.CALL:
                 result = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
             elif kind is Kind.MODEL:
@@ -154,7 +156,7 @@ class HookSession:
                 if isinstance(value, ChatResponse):
                     self.emit(value)
                 else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
-                    await self._drive(value, lockstep=value not in self.inner_streams)
+                    await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
                 result = await method(self.view, kwargs["prompt"])
             finish = hooks_pb2.MiddlewareMessage()
@@ -179,7 +181,7 @@ class HookSession:
         only once the consumer asks for the next item: after an emit the SDK suspends and waits for
         the host's resume; after an observed copy (which the host did not wait for) it waits for the
         host's next message. ``lockstep=False``: no author code runs between items (the stream of
-        next_handler() itself), so nothing waits."""
+        next_handler() itself), or the hook declared ``run_ahead``, so nothing waits."""
         async for out in items:
             emitted = self.emit(out)
             if not lockstep:

@@ -659,4 +659,6 @@ class AfterYieldRunsAhead(AfterYieldReads):
 
     async def get_middleware_key(self) -> str:
         return "AfterYieldReads"
+
+
 MIDDLEWARE[AfterYieldRunsAhead.__name__] = AfterYieldRunsAhead

@@ -13,6 +13,7 @@ A backend gives the journal ``_apply(write)`` (make one ``Write`` durable, atomi
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -173,3 +174,29 @@ class RowJournal:
 
 
 __all__ = ["Row", "RowBackend", "RowJournal", "Write", "decode_state", "digest", "encode_meta"]
+
+
+CACHE_SESSIONS = 64  # sessions kept decoded between replies (a reply then loads nothing)
+
+
+class CachedJournals:
+    """What both stores do with the journals they hand out: keep the last few sessions decoded
+    (a reply of a cached session reads nothing), and forget one whose stored state is unknown."""
+
+    def __init__(self) -> None:
+        self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
+
+    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
+        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
+        self._remember(journal)
+        return journal
+
+    def _remember(self, journal: RowJournal) -> None:
+        self._cache[journal.state.session_id] = journal
+        self._cache.move_to_end(journal.state.session_id)
+        while len(self._cache) > CACHE_SESSIONS:
+            self._cache.popitem(last=False)
+
+    def _forget(self, journal: RowJournal) -> None:
+        if self._cache.get(journal.state.session_id) is journal:
+            del self._cache[journal.state.session_id]

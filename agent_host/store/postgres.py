@@ -41,7 +41,7 @@ import asyncpg
 
 from ..data.state import AgentState
 from .base import Hold, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord
-from .journal import RowJournal, Write, decode_state
+from .journal import CachedJournals, RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
 
@@ -119,7 +119,6 @@ INSERT INTO agentmw_messages (session_id, idx, msg) VALUES ($1, $2, $3)
 ON CONFLICT (session_id, idx) DO UPDATE SET msg = excluded.msg
 """
 _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM agentmw_sessions"
-CACHE_SESSIONS = 64
 POLL = 1.0  # a waiter tries again at least this often (a missed notification costs no more)
 
 
@@ -136,7 +135,7 @@ def redact(dsn: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-class PostgresStore:
+class PostgresStore(CachedJournals):
     """The PostgreSQL ``SessionStore`` (see the module docstring); ``await PostgresStore.connect(dsn)``."""
 
     shared = True
@@ -148,7 +147,7 @@ class PostgresStore:
         self.owner = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._held: dict[str, Hold] = {}
         self._waiters: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
-        self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
+        CachedJournals.__init__(self)
         self._renewer: asyncio.Task[None] | None = None
 
     @classmethod
@@ -301,11 +300,6 @@ class PostgresStore:
         self._remember(journal)
         return journal
 
-    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
-        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
-        self._remember(journal)
-        return journal
-
     async def load(self, session_id: str) -> tuple[AgentState, ReplyStatus] | None:
         found = await self._read(session_id)
         if found is None:
@@ -347,18 +341,6 @@ class PostgresStore:
             await self.listener.close(timeout=5)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.pool.close(), 5)
-
-    # -- cache -----------------------------------------------------------------------------------------
-
-    def _remember(self, journal: RowJournal) -> None:
-        self._cache[journal.state.session_id] = journal
-        self._cache.move_to_end(journal.state.session_id)
-        while len(self._cache) > CACHE_SESSIONS:
-            self._cache.popitem(last=False)
-
-    def _forget(self, journal: RowJournal) -> None:
-        if self._cache.get(journal.state.session_id) is journal:
-            del self._cache[journal.state.session_id]
 
 
 async def _migrate(pool: asyncpg.Pool) -> None:

@@ -17,7 +17,6 @@ not necessarily a power loss.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import fcntl
 import json
@@ -34,7 +33,7 @@ from agentmw.v1 import types_pb2
 from ..codec import codec
 from ..data.state import AgentState
 from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError
-from .journal import RowJournal, Write, decode_state
+from .journal import CachedJournals, RowJournal, Write, decode_state
 
 SCHEMA_VERSION = 3
 _SCHEMA = """
@@ -58,7 +57,6 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 """
 _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM sessions"
-CACHE_SESSIONS = 64  # sessions kept decoded between replies (a reply then loads nothing)
 
 
 def _now() -> str:
@@ -68,7 +66,7 @@ def _now() -> str:
 SqliteJournal = RowJournal  # the shared row journal (journal.py); the name is kept for callers
 
 
-class SqliteStore:
+class SqliteStore(CachedJournals):
     """The SQLite ``SessionStore``; ``path`` may be ``":memory:"``. SQLite calls run in worker
     threads (one connection, one lock) so a write never stalls other sessions' streams."""
 
@@ -81,7 +79,7 @@ class SqliteStore:
             Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self._lockfile = _lock(Path(self.path).expanduser())
         self._lock = threading.Lock()
-        self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
+        CachedJournals.__init__(self)
         self.bytes_written = 0  # message and meta bytes written so far (a measure of write cost)
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
@@ -206,11 +204,6 @@ class SqliteStore:
         self._remember(journal)
         return journal
 
-    def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
-        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
-        self._remember(journal)
-        return journal
-
     async def load(self, session_id: str) -> tuple[AgentState, ReplyStatus] | None:
         found = await asyncio.to_thread(self._read, session_id)
         if found is None:
@@ -246,17 +239,7 @@ class SqliteStore:
     async def aclose(self) -> None:
         self.close()
 
-    # -- cache and lock ----------------------------------------------------------------------------
-
-    def _remember(self, journal: RowJournal) -> None:
-        self._cache[journal.state.session_id] = journal
-        self._cache.move_to_end(journal.state.session_id)
-        while len(self._cache) > CACHE_SESSIONS:
-            self._cache.popitem(last=False)
-
-    def _forget(self, journal: RowJournal) -> None:
-        if self._cache.get(journal.state.session_id) is journal:
-            del self._cache[journal.state.session_id]
+    # -- lock --------------------------------------------------------------------------------------
 
     def _unlock(self) -> None:
         if self._lockfile is not None:

@@ -342,15 +342,20 @@ _TOP_KEYS = {
 _SECONDS = {"lease", "drain_grace"}
 
 
+def check_seconds(value: Any, what: str = "timeout") -> float:
+    """A finite number of seconds above 0 (NaN, infinity, 0 or less would never or always expire):
+    the one rule for every timeout, lease and grace period, in configuration, flags and RPCs."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
+    return float(value)
+
+
 def _seconds(raw: Any, where: str) -> float:
-    """A duration setting: a finite number of seconds above 0."""
+    """A duration setting (YAML, or text from the environment or a flag), as ``check_seconds``."""
     try:
-        value = float(raw) if not isinstance(raw, bool) else math.nan
-    except (TypeError, ValueError):
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{where}: expected a number of seconds above 0, got {raw!r}")
-    return value
+        return check_seconds(float(raw) if isinstance(raw, str) else raw, where)
+    except ValueError:
+        raise ConfigError(f"{where}: expected a number of seconds above 0, got {raw!r}") from None
 
 
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
@@ -552,9 +557,10 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
         address = _expect(entry.get("address", ""), str, f"{where}.address")
         if address:
             _check_address(address, f"{where}.address")
-        timeout = _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout")
-        if not math.isfinite(timeout) or timeout <= 0:  # YAML has .nan and .inf
-            raise ConfigError(f"{where}.timeout: must be a finite number of seconds above 0, got {timeout}")
+        # YAML has .nan and .inf
+        timeout = _seconds(
+            _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout"), f"{where}.timeout"
+        )
         limits = {}
         for key in ("max_items", "max_bytes"):
             if key in entry:

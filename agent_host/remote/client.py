@@ -11,7 +11,6 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import random
 import re
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ import jsonschema
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..codec import CodecError, codec, json_to_value
-from ..config import Permissions
+from ..config import Permissions, check_seconds
 from ..data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec, Kind
 from ..security import TlsFiles, bearer_metadata, channel
@@ -59,13 +58,6 @@ MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
-def check_timeout(value: Any, what: str = "timeout") -> float:
-    """A finite number of seconds above 0 (NaN, infinity, 0 or less would never or always expire)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
-    return float(value)
-
-
 @dataclass
 class Policy:
     """Per-middleware failure policy. ``timeout``: seconds the host waits for one message from the
@@ -80,8 +72,8 @@ class Policy:
     max_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
-        self.timeout = check_timeout(self.timeout)
-        self.connect_timeout = check_timeout(self.connect_timeout, "connect_timeout")
+        self.timeout = check_seconds(self.timeout)
+        self.connect_timeout = check_seconds(self.connect_timeout, "connect_timeout")
         for name in ("max_items", "max_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

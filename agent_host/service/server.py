@@ -20,11 +20,10 @@ from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
 from ..codec import CodecError, codec
-from ..config import ConfigError, HostConfig, MiddlewareConfig
+from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
 from ..data import new_id
 from ..hooks import HOOKS
 from ..remote import MiddlewareFailure, Policy
-from ..remote.client import check_timeout
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, address_allowed
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
@@ -112,7 +111,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
         if request.timeout != 0:  # 0 = the default
             try:
-                check_timeout(request.timeout)
+                check_seconds(request.timeout)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         security = self.host.config.security

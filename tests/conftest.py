@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from clients.launch import ServerProcess
-from tests.host_util import processes
+from tests.host_util import Procs, processes
 from tests.model_servers import ScriptedServer
 
 
@@ -25,3 +26,10 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("host")
     with processes(logs) as procs:
         yield procs.host(logs / "sessions.db")
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    """Processes a test starts (logs in its tmp_path), every one stopped when it ends."""
+    with processes(tmp_path) as p:
+        yield p

@@ -35,15 +35,9 @@ from clients.chat import HostClient
 from clients.launch import ServerProcess
 
 from .durable_mw import lines
-from .host_util import Procs, get_session, processes, run_cli
+from .host_util import Procs, get_session, run_cli
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Procs:
-    with processes(tmp_path) as p:
-        yield p
 
 
 def side_effects(procs: Procs, path: Path) -> ServerProcess:

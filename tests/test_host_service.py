@@ -37,15 +37,9 @@ from agent_host.data import (
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, converse
 
-from .host_util import KEY, SLOW_MODEL, Procs, get_session, kinds, processes, run_cli, stub
+from .host_util import KEY, SLOW_MODEL, Procs, get_session, kinds, run_cli, stub
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Procs:
-    with processes(tmp_path) as p:
-        yield p
 
 
 async def _reply(address: str, session_id: str, inputs: object) -> tuple[str, list[object]]:

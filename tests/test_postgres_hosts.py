@@ -50,7 +50,7 @@ from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
 
 from .durable_mw import lines
-from .host_util import Procs, get_session, processes, stub
+from .host_util import Procs, get_session, stub
 from .test_durable_sessions import calls_and_results, reply, user_texts, wait_until
 from .test_security import TOKENS
 from .test_security import reply as secure_reply
@@ -122,12 +122,6 @@ async def dsn(pg_server: str) -> str:
     finally:
         await conn.close()
     return pg_server.rsplit("/", 1)[0] + "/" + name
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    with processes(tmp_path) as p:
-        yield p
 
 
 SLOW = "models:\n  default: slow\n  models:\n    slow: {provider: offline, delay: %s}\n"

@@ -28,7 +28,7 @@ from clients.chat import HostClient, Turn, converse
 from clients.launch import ServerProcess
 from clients.traces import Receiver, format_trace
 
-from .host_util import Procs, processes
+from .host_util import Procs
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -61,12 +61,6 @@ def receiver() -> Iterator[Receiver]:
         yield rec
     finally:
         rec.stop()
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    with processes(tmp_path) as p:
-        yield p
 
 
 def start(procs: Procs, name: str, argv: list[str], env: dict[str, str]) -> ServerProcess:

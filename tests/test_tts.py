@@ -39,7 +39,7 @@ from mw_servers.tts import EspeakEngine
 
 from .dashscope_tts_server import RATE as DS_RATE
 from .dashscope_tts_server import DashScopeTTSServer, speech
-from .host_util import Procs, chat, processes
+from .host_util import Procs, chat
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,12 +57,6 @@ def lookup(topic: str = "") -> str:
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    with processes(tmp_path) as p:
-        yield p
 
 
 def tts_server(procs: Procs, *args: str, env: dict[str, str] | None = None) -> ServerProcess:

@@ -176,6 +176,7 @@ class RemoteMiddleware:
         # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
         self.idle: dict[str, list[Any]] = {hook: [] for hook in HOOKS}
         self.background: set[asyncio.Task[None]] = set()  # deliveries to detached hooks
+        self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
 
     @property
     def name(self) -> str:

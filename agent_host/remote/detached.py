@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import weakref
 from typing import TYPE_CHECKING
 
 import grpc
@@ -59,15 +58,10 @@ class _Outbox:
             _background(group[0].mw, _send_all(group))
 
 
-_outboxes: weakref.WeakKeyDictionary[RemoteMiddleware, _Outbox] = weakref.WeakKeyDictionary()
-
-
 def _outbox(mw: RemoteMiddleware) -> _Outbox:
-    loop = asyncio.get_running_loop()
-    box = _outboxes.get(mw)
-    if box is None or box.loop is not loop:
-        box = _outboxes[mw] = _Outbox(loop)
-    return box
+    if mw.outbox is None:  # one per middleware: its channel, and so its deliveries, live on one loop
+        mw.outbox = _Outbox(asyncio.get_running_loop())
+    return mw.outbox
 
 
 def _background(mw: RemoteMiddleware, coro: object) -> asyncio.Task[None]:

@@ -99,6 +99,15 @@ def processes(log_dir: Path) -> Iterator[Procs]:
         procs.close()
 
 
+@contextlib.contextmanager
+def configured_host(log_dir: Path, config: str) -> Iterator[ServerProcess]:
+    """A host process on the host.yaml text ``config`` (logs and sessions in ``log_dir``), stopped at the end."""
+    path = log_dir / "host.yaml"
+    path.write_text(config)
+    with processes(log_dir) as procs:
+        yield procs.host(log_dir / "sessions.db", "--config", str(path))
+
+
 def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """Run ``python -m <args>`` to completion in the repository root. On a timeout it gets SIGTERM
     first (the demo then stops the processes it started), SIGKILL only if that does not work."""
@@ -137,7 +146,17 @@ def kinds(items: list[Any]) -> list[str]:
     return [type(i).__name__ for i in items]
 
 
-__all__ = ["KEY", "Procs", "RecorderMiddleware", "get_session", "kinds", "processes", "run_cli", "stub"]
+__all__ = [
+    "KEY",
+    "Procs",
+    "RecorderMiddleware",
+    "configured_host",
+    "get_session",
+    "kinds",
+    "processes",
+    "run_cli",
+    "stub",
+]
 
 
 # An offline model that pauses 20 ms per streamed piece: replies last long enough to overlap,

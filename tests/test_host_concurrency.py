@@ -29,7 +29,7 @@ from agent_host.data import (
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
-from .host_util import SLOW_MODEL, get_session, kinds, processes
+from .host_util import SLOW_MODEL, configured_host, get_session, kinds
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,11 +39,8 @@ EMAIL = "call send_email to=bob@example.com body=hi"  # a named call: the YAML m
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    logs = tmp_path_factory.mktemp("concurrency-host")
-    config = logs / "host.yaml"
-    config.write_text(SLOW_MODEL)
-    with processes(logs) as procs:
-        yield procs.host(logs / "sessions.db", "--config", str(config))
+    with configured_host(tmp_path_factory.mktemp("concurrency-host"), SLOW_MODEL) as host:
+        yield host
 
 
 def message(tag: str) -> str:

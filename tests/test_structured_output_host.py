@@ -33,7 +33,7 @@ from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
-from .host_util import chat, get_session, processes, stub
+from .host_util import chat, configured_host, get_session, stub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -207,11 +207,8 @@ models:
 
 @pytest.fixture(scope="module")
 def invalid_first_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    logs = tmp_path_factory.mktemp("invalid-first-host")
-    config = logs / "host.yaml"
-    config.write_text(INVALID_FIRST)
-    with processes(logs) as procs:
-        yield procs.host(logs / "sessions.db", "--config", str(config))
+    with configured_host(tmp_path_factory.mktemp("invalid-first-host"), INVALID_FIRST) as host:
+        yield host
 
 
 async def test_invalid_structured_output_is_refused_then_generated_again(invalid_first_host: ServerProcess) -> None:

@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -409,10 +410,23 @@ def _short(text: str, limit: int = 200) -> str:
 # The command line.
 
 
+def _input(prompt: str) -> str:
+    """input(), with Ctrl-C noticed at once. The kernel may hand SIGINT to one of gRPC's threads;
+    Python then runs its handler in the main thread only at the next bytecode, which a main thread
+    blocked reading stdin never reaches. Waiting in short select() steps keeps it reaching one."""
+    print(prompt, end="", flush=True)
+    while not select.select([sys.stdin], [], [], 0.2)[0]:
+        pass
+    line = sys.stdin.readline()
+    if not line:
+        raise EOFError
+    return line.removesuffix("\n")
+
+
 def _ask(prompt: str) -> str | None:
     """A line of input; None at the end of input (so a prompt cannot ask again forever)."""
     try:
-        return input(prompt)
+        return _input(prompt)
     except EOFError:
         print()
         return None
@@ -637,7 +651,7 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
             asyncio.run(_turn(args, session_id, None, view, interactive=True, **parked))
         while True:
             try:
-                text = input("you> ").strip()
+                text = _input("you> ").strip()
             except EOFError:
                 print()
                 break

@@ -98,8 +98,15 @@ class HostClient:
         self.channel = client_channel(address, tls, token)  # TLS / token when the host requires them
         self.stub = host_pb2_grpc.AgentHostStub(self.channel)
 
-    def reply(self, session_id: str, inputs: Any, structured_schema: dict[str, Any] | None = None) -> ReplyCall:
-        return ReplyCall(self.stub, session_id, inputs, structured_schema)
+    def reply(
+        self,
+        session_id: str,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None = None,
+        *,
+        refuse_if_busy: bool = False,
+    ) -> ReplyCall:
+        return ReplyCall(self.stub, session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -113,7 +120,9 @@ class HostClient:
 
 class ReplyCall:
     """One reply: iterate it for its items (events, then the final Msg); ``cancel()`` interrupts.
-    ``structured_schema`` (with a message only): a JSON schema the final Msg's structured_output fills."""
+    ``structured_schema`` (with a message only): a JSON schema the final Msg's structured_output fills.
+    ``refuse_if_busy``: a session busy with another reply fails the call with ABORTED at once
+    instead of waiting for it."""
 
     def __init__(
         self,
@@ -121,11 +130,18 @@ class ReplyCall:
         session_id: str,
         inputs: Any,
         structured_schema: dict[str, Any] | None = None,
+        *,
+        refuse_if_busy: bool = False,
     ) -> None:
         self.session_id = session_id
         self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
         start = host_pb2.ReplyRequest()
-        record = {"session_id": session_id, "input": inputs, "structured_schema": structured_schema}
+        record = {
+            "session_id": session_id,
+            "input": inputs,
+            "structured_schema": structured_schema,
+            "refuse_if_busy": refuse_if_busy or None,
+        }
         codec.encode_record(record, start.start)
         self._requests.put_nowait(start)
         self.call = stub.Reply(self._send())
@@ -189,10 +205,12 @@ async def converse(
     parked_on: list[ToolCallBlock] = (),  # type: ignore[assignment]
     reply_id: str = "",
     structured_schema: dict[str, Any] | None = None,
+    refuse_if_busy: bool = False,
 ) -> Turn:
     """Run a reply (``inputs``: a message or a resumption event) and answer whatever it parks on,
     until it ends. ``inputs=None`` with ``parked_on``/``reply_id``: answer a reply parked earlier.
-    ``structured_schema`` goes with the first call only (the message; the resumptions keep it)."""
+    ``structured_schema`` goes with the first call only (the message; the resumptions keep it);
+    ``refuse_if_busy`` with every call (a busy session fails it with ABORTED instead of waiting)."""
     turn = Turn(session_id)
     pending = {c.id: c for c in parked_on}
     while True:
@@ -201,7 +219,7 @@ async def converse(
             if inputs is None:
                 turn.parked = bool(pending)
                 return turn
-        call = client.reply(turn.session_id, inputs, structured_schema)
+        call = client.reply(turn.session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
         structured_schema = None
         on_call(call)
         turn.final = None
@@ -539,6 +557,7 @@ async def _turn(
                 on_external=on_external,
                 on_call=current.append,
                 structured_schema=structured_schema,
+                refuse_if_busy=args.no_wait,
                 **resume,
             )
     finally:
@@ -700,6 +719,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--session", default="", help="continue this session (default: a new one)")
     parser.add_argument("--message", "-m", help="send this one message, print the reply and exit")
+    parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="when the session is busy with another reply (on any host), fail at once instead of waiting",
+    )
     parser.add_argument(
         "--schema",
         metavar="JSON",

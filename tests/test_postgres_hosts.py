@@ -10,16 +10,11 @@ test counts how often a tool really ran whatever happened to the hosts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import os
-import pwd
-import shutil
 import signal
 import socket
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,13 +39,14 @@ from agent_host.data import (
     UserMsg,
 )
 from agent_host.security import client_channel, token_digest
-from agent_host.store.postgres import PostgresStore
+from agent_host.store.postgres import SCHEMA_VERSION, PostgresStore
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
+from clients.postgres import ABSENT, create_database, pg_bin, throwaway_cluster
 
 from .durable_mw import lines
-from .host_util import Procs, get_session, stub
+from .host_util import Procs, get_session, run_cli, stub
 from .test_durable_sessions import calls_and_results, reply, user_texts, wait_until
 from .test_security import TOKENS
 from .test_security import reply as secure_reply
@@ -64,50 +60,17 @@ LEASE = "2"  # seconds: short, so a paused or killed host loses its sessions qui
 # A throwaway PostgreSQL cluster for the module, a fresh database per test.
 
 
-def _pg_bin() -> Path | None:
-    for candidate in [os.environ.get("AGENTMW_PG_BIN", ""), *sorted(Path("/usr/lib/postgresql").glob("*/bin"))]:
-        if candidate and (Path(candidate) / "initdb").exists() and (Path(candidate) / "pg_ctl").exists():
-            return Path(candidate)
-    found = shutil.which("initdb")
-    return Path(found).parent if found and shutil.which("pg_ctl") else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def pg_server() -> Iterator[str]:
     """The DSN of the cluster's maintenance database; the cluster is stopped and removed at the end."""
-    bindir = _pg_bin()
+    bindir = pg_bin()
     if bindir is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install postgresql")
-    root = Path(tempfile.mkdtemp(prefix="agentmw-pg-"))
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # the server refuses to run as root
-        user = pwd.getpwnam("postgres")
-        os.chown(root, user.pw_uid, user.pw_gid)
-        as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = root / "data", _free_port()
-
-    def run(*argv: str) -> None:
-        subprocess.run([*as_user, *argv], check=True, capture_output=True, timeout=60)
-
+        pytest.skip(ABSENT)
     try:
-        run(str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
-        options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off -c max_connections=200"
-        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"), "-o", options, "-w", "start")
-    except subprocess.CalledProcessError as exc:
-        shutil.rmtree(root, ignore_errors=True)
-        raise AssertionError(f"cannot start PostgreSQL: {exc.stderr.decode(errors='replace')}") from None
-    try:
-        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        with contextlib.suppress(subprocess.SubprocessError):
-            run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
-        shutil.rmtree(root, ignore_errors=True)
+        with throwaway_cluster(bindir) as dsn:
+            yield dsn
+    except RuntimeError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 _databases = itertools.count()
@@ -115,13 +78,7 @@ _databases = itertools.count()
 
 @pytest.fixture
 async def dsn(pg_server: str) -> str:
-    name = f"agentmw_{os.getpid()}_{next(_databases)}"
-    conn = await asyncpg.connect(pg_server)
-    try:
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    return pg_server.rsplit("/", 1)[0] + "/" + name
+    return await create_database(pg_server, f"agentmw_{os.getpid()}_{next(_databases)}")
 
 
 SLOW = "models:\n  default: slow\n  models:\n    slow: {provider: offline, delay: %s}\n"
@@ -414,6 +371,106 @@ async def test_a_bounded_load_across_three_hosts_runs_every_turn_once(procs: Pro
         assert all(r.state == ToolResultState.SUCCESS for r in results)
 
 
+async def busy_reply(address: str, session_id: str, text: str, token: str = "") -> list[object]:
+    """One reply sent with refuse_if_busy (the items, or the AioRpcError)."""
+    async with HostClient(address, token=token) as client:
+        call = client.reply(session_id, UserMsg(text), refuse_if_busy=True)
+        task = asyncio.ensure_future(collect(call))
+        if not (await asyncio.wait([task], timeout=5))[0]:  # the busy reply runs longer (its tool: 10 s)
+            task.cancel()
+            raise AssertionError("the reply waited for the busy session instead of being refused")
+        return task.result()
+
+
+async def started_tool(call: object, effects: Path, wanted: list[str]) -> object:
+    """Read ``call`` until its tool runs (the effects file says ``wanted``); the rest of its stream."""
+    stream = aiter(call)  # type: ignore[call-overload]
+    async with asyncio.timeout(20):
+        async for item in stream:
+            if isinstance(item, ToolResultStartEvent):
+                break
+        await wait_until(lambda: lines(effects) == wanted)
+    return stream
+
+
+async def test_refuse_if_busy_refuses_at_once_naming_the_host_that_holds_the_session(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, "--lease", "30")
+    async with HostClient(a.address) as client:
+        call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
+        stream = await started_tool(call, effects, ["long"])
+        session = call.session_id
+        # From the other host (the lease's holder is named), and from the same host (its local lock).
+        for host, holder in ((b, f"host {socket.gethostname()}/{a.pid}/"), (a, "this host (")):
+            with pytest.raises(grpc.aio.AioRpcError) as busy:
+                await busy_reply(host.address, session, "call fx__note text=refused")
+            assert busy.value.code() == grpc.StatusCode.ABORTED, busy.value.details()
+            assert f"session {session!r} is busy" in busy.value.details() and holder in busy.value.details()
+        call.cancel()
+        async with asyncio.timeout(20):
+            rest = [item async for item in stream]
+        assert await ending(rest) == ReplyFinishedReason.INTERRUPTED
+    items = await busy_reply(b.address, session, "call fx__note text=after")  # free now: it runs
+    assert await ending(items) == ReplyFinishedReason.COMPLETED
+    _, state, _ = await get_session(b.address, session)
+    assert user_texts(state) == ["call fx__slow_note text=long seconds=60", "call fx__note text=after"]
+    assert lines(effects) == ["long", "after"], "the refused replies stored and ran nothing"
+
+
+async def test_refuse_if_busy_on_one_sqlite_host_and_agent_chat_no_wait(procs: Procs, tmp_path: Path) -> None:
+    effects = tmp_path / "effects.txt"
+    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
+    host = procs.host(tmp_path / "sessions.db", "--middleware", f"fx={fx.address}")
+    async with HostClient(host.address) as client:
+        call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
+        stream = await started_tool(call, effects, ["long"])
+        session = call.session_id
+        with pytest.raises(grpc.aio.AioRpcError) as busy:
+            await busy_reply(host.address, session, "call fx__note text=refused")
+        assert busy.value.code() == grpc.StatusCode.ABORTED
+        assert f"session {session!r} is busy: a reply of it runs on this host" in busy.value.details()
+        chat = ["clients.chat", "--host", host.address, "--session", session, "-m", "hi", "--no-wait"]
+        done = await asyncio.to_thread(run_cli, *chat)
+        assert done.returncode == 1, (done.stdout, done.stderr)
+        assert "ABORTED" in done.stderr and f"session {session!r} is busy" in done.stderr, done.stderr
+        call.cancel()
+        async with asyncio.timeout(20):
+            assert await ending([item async for item in stream]) == ReplyFinishedReason.INTERRUPTED
+    _, state, _ = await get_session(host.address, session)
+    assert user_texts(state) == ["call fx__slow_note text=long seconds=60"], "the refused replies stored nothing"
+    assert lines(effects) == ["long"]
+
+
+async def test_replies_per_owner_counts_the_replies_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    users = "".join(f"    - {{name: {n}, role: user, token_sha256: '{token_digest(t)}'}}\n" for n, t in TOKENS.items())
+    limits = "limits: {replies_per_owner: 1}\n"
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, yaml=f"security:\n  users:\n{users}{limits}")
+    async with HostClient(a.address, token=TOKENS["alice"]) as client:
+        call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
+        stream = await started_tool(call, effects, ["long"])  # kept: a dropped stream cancels the call
+        await asyncio.sleep(float(LEASE) * 1.5)  # past a lease: alice's running reply is renewed, still counted
+        with pytest.raises(grpc.aio.AioRpcError) as limited:  # her second reply, on the other host
+            await busy_reply(b.address, "", "hi", token=TOKENS["alice"])
+        assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at most 1 replies at once per user on all hosts together" in limited.value.details()
+        assert await ending(await busy_reply(b.address, "", "hi", token=TOKENS["bob"])) == (
+            ReplyFinishedReason.COMPLETED
+        ), "another user's replies count apart"
+        a.kill()  # its reply no longer runs: it stops counting once its row's lease expires
+        del stream
+    async with asyncio.timeout(15):
+        while True:
+            try:
+                items = await busy_reply(b.address, "", "hi", token=TOKENS["alice"])
+                break
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                await asyncio.sleep(0.2)
+    assert await ending(items) == ReplyFinishedReason.COMPLETED
+
+
 async def test_owners_are_stored_and_checked_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
     """Two users on two hosts of one store: the owner goes into PostgreSQL with the session, each
     user lists and reads only their own sessions whichever host they ask, and the per-owner
@@ -479,7 +536,7 @@ async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str) -> None:
         await store.aclose()
     conn = await asyncpg.connect(dsn)
     try:
-        assert await conn.fetchval("SELECT version FROM agentmw_schema") == 2
+        assert await conn.fetchval("SELECT version FROM agentmw_schema") == SCHEMA_VERSION
     finally:
         await conn.close()
 

@@ -14,6 +14,10 @@
   (``store.hold``) for its whole run: a reply to a session held by another host waits for it, an
   interrupt request from another host or a lease found taken over interrupts the reply, and a
   reply whose lease was taken over ends with ABORTED (its writes, tool starts included, fail).
+  A reply sent with ``refuse_if_busy`` does not wait: a session held here or on another host
+  refuses it with ABORTED naming the holder.
+* ``replies_per_owner`` is counted by the store (``store.admit``): per host on SQLite (one host
+  per file), in the database on PostgreSQL, so it limits a user's replies on all hosts together.
 * ``drain`` (SIGTERM): new replies are refused with UNAVAILABLE while those in flight finish.
 """
 
@@ -24,7 +28,7 @@ import contextlib
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +54,16 @@ from ..remote import Policy, RemoteMiddleware
 from ..remote.client import Access
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
-from ..store import Journal, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, SessionStore
+from ..store import (
+    Hold,
+    Journal,
+    LeaseLostError,
+    ReplyStatus,
+    SessionBusyError,
+    SessionRecord,
+    SessionStore,
+    TooManyRepliesError,
+)
 from ..tools import Tool, Toolkit, middleware_tools
 
 log = logging.getLogger("agentmw.host")
@@ -181,26 +194,44 @@ class Host:
         *,
         caller: Principal = ANONYMOUS_ADMIN,
         may_create: bool = True,
+        refuse_if_busy: bool = False,
     ) -> ReplyRun:
         """Run a reply to ``inputs`` (a message, or an event resuming a parked reply); with
         ``structured_schema`` (a message only) its final Msg carries a ``structured_output``.
         ``caller`` must own the session (or be an admin); ``may_create``: an unknown id starts a
-        new session (else it is NOT_FOUND, like another user's)."""
+        new session (else it is NOT_FOUND, like another user's); ``refuse_if_busy``: a session held
+        by another reply (here or on another host) refuses this one (ABORTED) instead of waiting."""
         run = ReplyRun(session_id, caller.name)
-        work = self._run(run, inputs, structured_schema, caller, may_create)
+        work = self._run(run, inputs, structured_schema, caller, may_create, refuse_if_busy)
         run.task = asyncio.create_task(work, name=f"reply {session_id}")
         self._runs.add(run)
         run.task.add_done_callback(lambda _t: self._runs.discard(run))
         return run
 
     async def _run(
-        self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, caller: Principal, may_create: bool
+        self,
+        run: ReplyRun,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None,
+        caller: Principal,
+        may_create: bool,
+        refuse_if_busy: bool,
     ) -> None:
+        limit = self.config.security.replies_per_owner
         try:
             await self._check_access(run, inputs, caller, may_create)
-            await self._reply(run, inputs, structured_schema)
+            # Counted from here to the end, waiting for the session included (no authentication: no limit).
+            async with self.store.admit(caller.name, limit) if caller.name else contextlib.nullcontext():
+                await self._reply(run, inputs, structured_schema, wait=not refuse_if_busy)
         except ReplyRejected as exc:
             await run.put(exc)
+        except TooManyRepliesError:
+            where = " on all hosts together" if self.store.shared else ""
+            await run.put(
+                ReplyRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limit} replies at once per user{where}")
+            )
+        except SessionBusyError as exc:  # refuse_if_busy
+            await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc} (refused, as refuse_if_busy asks)"))
         except LeaseLostError as exc:  # paused or cut off past the lease: another host has the session
             log.warning("%s: the reply stops here, nothing more of it is stored", exc)
             await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
@@ -221,13 +252,14 @@ class Host:
         finally:
             await run.put(_END)
 
-    async def _reply(self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None) -> None:
+    async def _reply(
+        self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, *, wait: bool = True
+    ) -> None:
         sid = run.session_id
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         if self.draining:
             raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")
-        # The local lock first: one waiter per session and host polls the shared store's lease.
-        async with self._session_lock(sid), self.store.hold(sid, on_stop=run.interrupt) as hold:
+        async with self._holding(sid, wait=wait, on_stop=run.interrupt) as hold:
             journal = await self._open(sid, hold.fence)
             if journal is None:
                 if not isinstance(inputs, Msg):
@@ -271,10 +303,6 @@ class Host:
         if not caller.name:  # no authentication: one anonymous owner, no per-owner limits
             return
         limits = self.config.security
-        if sum(1 for r in self._runs if r.owner == caller.name) > limits.replies_per_owner:  # this one included
-            raise ReplyRejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limits.replies_per_owner} replies at once per user"
-            )
         if record is None and len(await self.store.list(0, caller.name)) >= limits.sessions_per_owner:
             raise ReplyRejected(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -295,6 +323,19 @@ class Host:
             self._agent(journal.state).close_interrupted_reply(journal.in_doubt)
             await journal.end_reply()
         return journal
+
+    @contextlib.asynccontextmanager
+    async def _holding(
+        self, session_id: str, *, wait: bool = True, on_stop: Callable[[], None] | None = None
+    ) -> AsyncIterator[Hold]:
+        """The session for one reply (or a recovery, a delete): this host's lock, then the store's
+        lease (so one waiter per session and host polls it). ``wait=False``: SessionBusyError at
+        once, naming the holder, when either is taken."""
+        lock = self._session_lock(session_id)
+        if not wait and lock.locked():  # no await between this and taking it: no one slips in
+            raise SessionBusyError(session_id, f"this host ({self.store.host_id})")
+        async with lock, self.store.hold(session_id, wait=wait, on_stop=on_stop) as hold:
+            yield hold
 
     def _session_lock(self, session_id: str) -> asyncio.Lock:
         lock = self._locks.get(session_id)
@@ -372,7 +413,7 @@ class Host:
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
             # Left open by a host that stopped: close it; unless another host replies in it now.
             with contextlib.suppress(SessionBusyError):
-                async with self._session_lock(session_id), self.store.hold(session_id, wait=False) as hold:
+                async with self._holding(session_id, wait=False) as hold:
                     await self._open(session_id, hold.fence)
             loaded = await self.store.load(session_id)
         record = await self.store.record(session_id)
@@ -384,7 +425,7 @@ class Host:
     async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
         if not self._visible(await self.store.record(session_id), caller):
             return False
-        async with self._session_lock(session_id), self.store.hold(session_id):
+        async with self._holding(session_id):
             return await self.store.delete(session_id)
 
     @staticmethod

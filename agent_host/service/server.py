@@ -68,7 +68,14 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         # With authentication, new sessions get ids the host mints: an unknown id is NOT_FOUND, as
         # another user's is (so ids tell nothing about who has which).
         may_create = not start.get("session_id") or not self.host.config.security.users
-        run = self.host.start_reply(session_id, inputs, structured_schema, caller=CALLER.get(), may_create=may_create)
+        run = self.host.start_reply(
+            session_id,
+            inputs,
+            structured_schema,
+            caller=CALLER.get(),
+            may_create=may_create,
+            refuse_if_busy=first.start.refuse_if_busy,
+        )
         watcher = asyncio.create_task(_watch_cancel(request_iterator, run))
         try:
             async for batch in run.batches():
@@ -295,8 +302,9 @@ def _info(a: Attached) -> host_pb2.MiddlewareInfo:
 
 
 class HostHealth(health.aio.HealthServicer):
-    """grpc.health.v1: NOT_SERVING while a fail_closed middleware cannot be reached (every reply
-    would fail), SERVING again once it is back. Checked on each Check: nothing runs in between."""
+    """grpc.health.v1: NOT_SERVING while a fail_closed middleware or the session store cannot be
+    reached (every reply would fail), or while draining; SERVING again once they are back. Checked
+    on each Check: nothing runs in between."""
 
     def __init__(self, host: Host) -> None:
         super().__init__()
@@ -305,6 +313,7 @@ class HostHealth(health.aio.HealthServicer):
 
     async def refresh(self) -> None:
         reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
+        reachable.append(await self.host.store.reachable())  # no store (PostgreSQL down): no reply can be stored
         if self.host.draining or False in reachable:  # draining: load balancers stop sending replies
             self.serving = False
         elif None not in reachable:  # None: still connecting, keep the last answer

@@ -19,6 +19,7 @@ from .base import (
     SessionRecord,
     SessionStore,
     StoreLockedError,
+    TooManyRepliesError,
 )
 from .journal import RowJournal
 from .postgres import PostgresStore, is_dsn
@@ -47,5 +48,6 @@ __all__ = [
     "SqliteJournal",
     "SqliteStore",
     "StoreLockedError",
+    "TooManyRepliesError",
     "open_store",
 ]

@@ -50,7 +50,16 @@ class StoreLockedError(OSError):
 
 
 class SessionBusyError(Exception):
-    """Another host replies in the session (``hold(wait=False)``)."""
+    """Another reply holds the session (``hold(wait=False)``); ``holder`` names its host."""
+
+    def __init__(self, session_id: str, holder: str) -> None:
+        super().__init__(f"session {session_id!r} is busy: a reply of it runs on {holder}")
+        self.session_id = session_id
+        self.holder = holder
+
+
+class TooManyRepliesError(Exception):
+    """The user has as many replies running as their limit allows (``admit``)."""
 
 
 class LeaseLostError(Exception):
@@ -111,6 +120,14 @@ class Journal(Protocol):
 
 class SessionStore(Protocol):
     shared: bool  # many hosts on one store (attach / detach are then refused: see docs/host.md)
+    host_id: str  # this host as other hosts see it ("hostname/pid/..."): names a lease's holder
+
+    def admit(self, user: str, limit: int) -> AbstractAsyncContextManager[None]:
+        """Count one running reply of ``user`` while held; raises TooManyRepliesError when ``limit``
+        of theirs run already, on any host of the store (a shared store counts in the database)."""
+
+    async def reachable(self) -> bool:
+        """The store answers now (readiness: a host that cannot store a reply should get none)."""
 
     def hold(
         self, session_id: str, *, wait: bool = True, on_stop: Callable[[], None] | None = None
@@ -153,4 +170,5 @@ __all__ = [
     "SessionRecord",
     "SessionStore",
     "StoreLockedError",
+    "TooManyRepliesError",
 ]

@@ -7,9 +7,13 @@ Tables (created, or migrated, at start under an advisory lock, so hosts may star
   message), written by the shared ``RowJournal`` (journal.py): each write only what changed. The
   session's ``owner`` (the authenticated user who created it) is written with its first row.
 * ``agentmw_leases``: one row per session that was ever held: ``fence`` (incremented by every
-  taker), ``owner`` (NULL once released), ``expires`` (by the database clock) and ``interrupt``
-  (the fence whose reply another host asked to interrupt). The row outlives a deleted session,
-  so fences never repeat.
+  taker), ``owner`` (the holding host's ``host_id``, NULL once released), ``expires`` (by the
+  database clock) and ``interrupt`` (the fence whose reply another host asked to interrupt). The
+  row outlives a deleted session, so fences never repeat.
+* ``agentmw_replies``: one row per reply running (or waiting for its session) of an
+  authenticated user, on any host: ``replies_per_owner`` counts these, so the limit holds for the
+  whole deployment, not per host. Rows are renewed with the leases and expire like them, so a
+  killed host's replies stop counting after one lease.
 
 One writer per session: a reply takes the lease (only when released or expired: the fence goes
 up by one), and every write of it is a transaction that first renews the lease *if its fence is
@@ -40,12 +44,13 @@ from urllib.parse import urlsplit, urlunsplit
 import asyncpg
 
 from ..data.state import AgentState
-from .base import Hold, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord
+from .base import Hold, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, TooManyRepliesError
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
 
-SCHEMA_VERSION = 2  # 2: the session's owner (security: the authenticated user who created it)
+# 2: the session's owner (security: the authenticated user who created it); 3: agentmw_replies
+SCHEMA_VERSION = 3
 _MIGRATION_LOCK = 0x61676D77  # pg_advisory_xact_lock key: one host migrates at a time ("agmw")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS agentmw_schema (version integer NOT NULL);
@@ -74,6 +79,13 @@ CREATE TABLE IF NOT EXISTS agentmw_leases (
     expires    timestamptz NOT NULL,
     interrupt  bigint NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS agentmw_replies (
+    id        text PRIMARY KEY,
+    user_name text NOT NULL,
+    host      text NOT NULL,
+    expires   timestamptz NOT NULL
+);
+CREATE INDEX IF NOT EXISTS agentmw_replies_user ON agentmw_replies (user_name);
 """
 # Take the lease if it is free (released or expired); else say how long the holder has left.
 _ACQUIRE = """
@@ -84,8 +96,9 @@ WITH taken AS (
     WHERE l.owner IS NULL OR l.expires <= now()
     RETURNING l.fence
 )
-SELECT (SELECT fence FROM taken) AS fence,
-       (SELECT extract(epoch FROM expires - now())::float8 FROM agentmw_leases WHERE session_id = $1) AS remaining
+SELECT (SELECT fence FROM taken) AS fence, l.owner AS holder,
+       extract(epoch FROM l.expires - now())::float8 AS remaining
+FROM (SELECT 1) AS one LEFT JOIN agentmw_leases AS l ON l.session_id = $1
 """
 _FENCE = """
 UPDATE agentmw_leases SET expires = now() + make_interval(secs => $4)
@@ -107,6 +120,17 @@ WITH r AS (UPDATE agentmw_leases SET interrupt = fence
            WHERE session_id = $1 AND owner IS NOT NULL AND expires > now() RETURNING session_id, fence)
 SELECT pg_notify('agentmw_interrupt', session_id || ' ' || fence) FROM r
 """
+# One user's admissions run one at a time (a transaction-scoped advisory lock per user), so two
+# hosts cannot both see room for the last reply.
+_ADMIT_LOCK = "SELECT pg_advisory_xact_lock(hashtext('agentmw_replies'), hashtext($1))"
+_ADMIT = """
+WITH gone AS (DELETE FROM agentmw_replies WHERE user_name = $1 AND expires <= now()),
+     live AS (SELECT count(*) AS n FROM agentmw_replies WHERE user_name = $1 AND expires > now())
+INSERT INTO agentmw_replies (id, user_name, host, expires)
+SELECT $2, $1, $3, now() + make_interval(secs => $4) FROM live WHERE n < $5
+RETURNING id
+"""
+_RENEW_REPLIES = "UPDATE agentmw_replies SET expires = now() + make_interval(secs => $2) WHERE host = $1"
 _UPSERT_SESSION = """
 INSERT INTO agentmw_sessions (session_id, title, message_count, status, in_flight, fence, meta, owner)
 VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, ''::bytea), $8)
@@ -120,6 +144,7 @@ ON CONFLICT (session_id, idx) DO UPDATE SET msg = excluded.msg
 """
 _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM agentmw_sessions"
 POLL = 1.0  # a waiter tries again at least this often (a missed notification costs no more)
+REACHABLE_TIMEOUT = 1.0  # seconds a health check waits for the database (probes time out soon after)
 
 
 def is_dsn(db: str) -> bool:
@@ -144,11 +169,12 @@ class PostgresStore(CachedJournals):
         self.pool = pool
         self.listener = listener
         self.lease = lease
-        self.owner = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
+        self.host_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._held: dict[str, Hold] = {}
         self._waiters: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
         CachedJournals.__init__(self)
         self._renewer: asyncio.Task[None] | None = None
+        self._admitted = 0  # this host's rows in agentmw_replies (renewed while any)
 
     @classmethod
     async def connect(cls, dsn: str, *, lease: float = 10.0) -> PostgresStore:
@@ -187,18 +213,18 @@ class PostgresStore(CachedJournals):
                 del self._held[session_id]
             # Shielded: a cancelled reply still hands the session on at once, not at the expiry.
             with contextlib.suppress(Exception):
-                await asyncio.shield(self.pool.fetch(_RELEASE, session_id, fence, self.owner))
+                await asyncio.shield(self.pool.fetch(_RELEASE, session_id, fence, self.host_id))
 
     async def _acquire(self, session_id: str, wait: bool) -> int:
         released = asyncio.Event()
         self._waiters[session_id].add(released)  # before trying: a release meanwhile is not missed
         try:
             while True:
-                row = await self.pool.fetchrow(_ACQUIRE, session_id, self.owner, self.lease)
+                row = await self.pool.fetchrow(_ACQUIRE, session_id, self.host_id, self.lease)
                 if row["fence"] is not None:
                     return int(row["fence"])
                 if not wait:
-                    raise SessionBusyError(f"session {session_id!r} is replying on another host")
+                    raise SessionBusyError(session_id, f"host {row['holder'] or '(another host)'}")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(released.wait(), min(max(row["remaining"] or 0.0, 0.02), POLL))
                 released.clear()
@@ -222,11 +248,13 @@ class PostgresStore(CachedJournals):
         while True:
             await asyncio.sleep(self.lease / 3)
             holds = list(self._held.values())
-            if not holds:
-                continue
             try:
+                if self._admitted:
+                    await self.pool.execute(_RENEW_REPLIES, self.host_id, self.lease)
+                if not holds:
+                    continue
                 rows = await self.pool.fetch(
-                    _RENEW, [h.session_id for h in holds], [h.fence for h in holds], self.owner, self.lease
+                    _RENEW, [h.session_id for h in holds], [h.fence for h in holds], self.host_id, self.lease
                 )
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
                 log.warning("cannot renew %d leases: %s", len(holds), exc)
@@ -244,6 +272,31 @@ class PostgresStore(CachedJournals):
     async def interrupt(self, session_id: str) -> bool:
         return bool(await self.pool.fetch(_INTERRUPT, session_id))
 
+    # -- replies per user, across hosts ----------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def admit(self, user: str, limit: int) -> AsyncIterator[None]:
+        reply_id = f"{self.host_id}/{secrets.token_hex(8)}"
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(_ADMIT_LOCK, user)
+            if await conn.fetchval(_ADMIT, user, reply_id, self.host_id, self.lease, limit) is None:
+                raise TooManyRepliesError(user)
+        self._admitted += 1
+        try:
+            yield
+        finally:
+            self._admitted -= 1
+            with contextlib.suppress(Exception):  # else it stops counting when it expires
+                await asyncio.shield(self.pool.execute("DELETE FROM agentmw_replies WHERE id = $1", reply_id))
+
+    async def reachable(self) -> bool:
+        if self.pool.get_idle_size() == 0 and self.pool.get_size() >= self.pool.get_max_size():
+            return True  # every connection is at work, so the database answers (a ping would only queue)
+        try:
+            return await asyncio.wait_for(self.pool.fetchval("SELECT 1"), REACHABLE_TIMEOUT) == 1
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            return False
+
     # -- writes --------------------------------------------------------------------------------------
 
     async def _apply(self, w: Write) -> None:
@@ -251,7 +304,7 @@ class PostgresStore(CachedJournals):
             raise LeaseLostError(f"session {w.session_id!r}: a shared store is written only under a lease")
         async with self.pool.acquire() as conn, conn.transaction():
             # First, and locking the lease row: a taker's fence commits before this or waits for it.
-            if await conn.fetchval(_FENCE, w.session_id, w.fence, self.owner, self.lease) is None:
+            if await conn.fetchval(_FENCE, w.session_id, w.fence, self.host_id, self.lease) is None:
                 raise LeaseLostError(
                     f"session {w.session_id!r}: this host's lease (fence {w.fence}) was taken over by another host"
                 )
@@ -335,8 +388,10 @@ class PostgresStore(CachedJournals):
             self._renewer.cancel()
         for hold in list(self._held.values()):  # normally none: each reply releases its own
             with contextlib.suppress(Exception):
-                await self.pool.fetch(_RELEASE, hold.session_id, hold.fence, self.owner)
+                await self.pool.fetch(_RELEASE, hold.session_id, hold.fence, self.host_id)
         self._held.clear()
+        with contextlib.suppress(Exception):
+            await self.pool.execute("DELETE FROM agentmw_replies WHERE host = $1", self.host_id)
         with contextlib.suppress(Exception):
             await self.listener.close(timeout=5)
         with contextlib.suppress(Exception):
@@ -356,6 +411,7 @@ async def _migrate(pool: asyncpg.Pool) -> None:
         # One step per version, in this transaction (older hosts are to be stopped first).
         if version < 2:  # sessions made before owners: owned by no one ("")
             await conn.execute("ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''")
+        # 3: agentmw_replies is new, made by _SCHEMA above (it starts empty: no reply runs during a migration).
         await conn.execute("UPDATE agentmw_schema SET version = $1", SCHEMA_VERSION)
 
 

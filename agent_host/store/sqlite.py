@@ -17,10 +17,12 @@ not necessarily a power loss.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import json
 import os
+import socket
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +34,7 @@ from agentmw.v1 import types_pb2
 
 from ..codec import codec
 from ..data.state import AgentState
-from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError
+from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError, TooManyRepliesError
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
 SCHEMA_VERSION = 3
@@ -74,6 +76,8 @@ class SqliteStore(CachedJournals):
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
+        self.host_id = f"{socket.gethostname()}/{os.getpid()}"
+        self._replies: collections.Counter[str] = collections.Counter()  # running replies per user
         self._lockfile: IO[str] | None = None
         if self.path != ":memory:":
             Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
@@ -230,6 +234,22 @@ class SqliteStore(CachedJournals):
 
     async def interrupt(self, session_id: str) -> bool:
         return False  # no other host to tell
+
+    @contextlib.asynccontextmanager
+    async def admit(self, user: str, limit: int) -> AsyncIterator[None]:
+        """One host per file: this host's replies are all the replies there are."""
+        if self._replies[user] >= limit:
+            raise TooManyRepliesError(user)
+        self._replies[user] += 1
+        try:
+            yield
+        finally:
+            self._replies[user] -= 1
+            if not self._replies[user]:
+                del self._replies[user]
+
+    async def reachable(self) -> bool:
+        return True  # a local file: a failing disk fails the writes themselves
 
     def close(self) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ test counts how often a tool really ran whatever happened to the hosts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -17,6 +18,7 @@ import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import grpc
@@ -337,6 +339,61 @@ async def wait_until_async(probe: object, wanted: object, timeout: float = 10.0)
     async with asyncio.timeout(timeout):
         while await probe() != wanted:  # type: ignore[operator]
             await asyncio.sleep(0.02)
+
+
+class Relay:
+    """A TCP relay to PostgreSQL in the test's process, cut and restored at will (the store becomes
+    unreachable for a host, then comes back)."""
+
+    def __init__(self, target: int) -> None:
+        self.target, self.port = target, 0
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers.clear()
+        await self.server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self.writers += [writer, up_writer]
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            w.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_health_is_not_serving_while_the_store_is_unreachable(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    """Readiness follows the store: a host whose PostgreSQL is cut off gets no replies (each would
+    fail), and serves again once the database is back."""
+    target = urlsplit(dsn)
+    relay = Relay(target.port or 5432)
+    await relay.start()
+    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
+    _, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)  # it connects through the relay
+    try:
+        assert await health(host.address) == health_pb2.HealthCheckResponse.SERVING
+        await relay.cut()
+        await wait_until_async(lambda: health(host.address), health_pb2.HealthCheckResponse.NOT_SERVING)
+        await relay.start()  # the same port: the host reconnects
+        await wait_until_async(lambda: health(host.address), health_pb2.HealthCheckResponse.SERVING)
+        _, items = await reply(host.address, "", UserMsg("hi"))
+        assert await ending(items) == ReplyFinishedReason.COMPLETED
+    finally:
+        await relay.cut()
 
 
 async def test_a_bounded_load_across_three_hosts_runs_every_turn_once(procs: Procs, tmp_path: Path, dsn: str) -> None:

@@ -142,7 +142,7 @@ class SecurityConfig:
     reflection: bool = False
     max_message_bytes: int = 4 * 1024 * 1024  # what the host accepts per message from a client
     sessions_per_owner: int = 1000  # with authentication: sessions one user may own
-    replies_per_owner: int = 8  # with authentication: replies of one user running at once
+    replies_per_owner: int = 8  # with authentication: replies of one user running at once (all hosts of a shared store)
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The deployment files against what the repository builds: the Kubernetes manifests in deploy/k8s
 (parsed with PyYAML) name images the Dockerfile builds at the package's version, run commands that
 exist (console scripts, modules, middleware classes), and agree on ports, probes, Services, the
-session volume and the host configuration (loaded by the host's own config loader).
+session volume and the host configuration (loaded by the host's own config loader). The several
+hosts of deploy/k8s/multi-host share one PostgreSQL: their DSN comes from a Secret that names the
+in-cluster database's Service, user and password, and their termination grace covers the drain.
 
 No cluster and no Docker here: this checks the files are consistent, not that a cluster runs them.
 """
@@ -10,18 +12,22 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import re
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from agent_host.cli import parse_args
-from agent_host.config import load_config
+from agent_host.config import HostConfig, load_config
 from agent_host.middleware import MiddlewareBase
+from agent_host.service.host import Host
+from agent_host.store.postgres import is_dsn
 from clients.launch import ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -49,19 +55,57 @@ def dockerfile_stages() -> dict[str, dict[str, Any]]:
     return stages
 
 
-def manifests() -> list[dict[str, Any]]:
+def manifests(*parts: str) -> list[dict[str, Any]]:
     docs = []
-    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+    for path in sorted(ROOT.joinpath("deploy", "k8s", *parts).glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
 
 
 STAGES = dockerfile_stages()
 IMAGES = {s["title"]: s for s in STAGES.values() if s["title"]}
-DOCS = manifests()
+# deploy/k8s: one host on SQLite with the middleware; multi-host/: several hosts and PostgreSQL,
+# applied with the same namespace and middleware (their names do not clash with the single host's).
+DOCS = manifests() + manifests("multi-host")
 WORKLOADS = [d for d in DOCS if d["kind"] in ("Deployment", "StatefulSet")]
 SERVICES = {(d["metadata"]["namespace"], d["metadata"]["name"]): d for d in DOCS if d["kind"] == "Service"}
-CONTAINERS = [(w, c) for w in WORKLOADS for c in w["spec"]["template"]["spec"]["containers"]]
+NAMES = [(d["kind"], d["metadata"]["namespace"], d["metadata"]["name"]) for d in DOCS if d["kind"] != "Namespace"]
+THIRD_PARTY = {"postgres"}  # images not built here (the in-cluster database of multi-host/postgres.yaml)
+ALL_CONTAINERS = [(w, c) for w in WORKLOADS for c in w["spec"]["template"]["spec"]["containers"]]
+CONTAINERS = [(w, c) for w, c in ALL_CONTAINERS if c["image"].partition(":")[0] not in THIRD_PARTY]
+
+
+def workload(name: str) -> dict[str, Any]:
+    (found,) = [w for w in WORKLOADS if w["metadata"]["name"] == name]
+    return found
+
+
+def named(kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def host_config(host: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None) -> HostConfig:
+    """The host workload's host.yaml (its ConfigMap, where --config points), loaded by the host's
+    own loader with ``env``: every key known and valid."""
+    (container,) = host["spec"]["template"]["spec"]["containers"]
+    config_path = PurePosixPath(container["args"][container["args"].index("--config") + 1])
+    mount = next(m for m in container["volumeMounts"] if PurePosixPath(m["mountPath"]) == config_path.parent)
+    volume = next(v for v in host["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    config_map = named("ConfigMap", volume["configMap"]["name"])
+    path = tmp_path / config_path.name
+    path.write_text(config_map["data"][config_path.name])
+    return load_config(path, env=env or {})
+
+
+def secret_value(namespace: str, ref: dict[str, str]) -> str:
+    secret = named("Secret", ref["name"])
+    assert secret["metadata"]["namespace"] == namespace
+    return secret["stringData"][ref["key"]]
+
+
+def test_names_are_unique() -> None:
+    assert len(NAMES) == len(set(NAMES)), "the single-host and multi-host files must not clash"
 
 
 def test_manifests_found() -> None:
@@ -121,7 +165,7 @@ def test_service_ports_reach_container_ports() -> None:
     for service in SERVICES.values():
         pods = [
             (w, c)
-            for w, c in CONTAINERS
+            for w, c in ALL_CONTAINERS
             if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
         ]
         assert pods, f"Service {service['metadata']['name']} selects nothing"
@@ -133,17 +177,11 @@ def test_service_ports_reach_container_ports() -> None:
 
 
 def test_host_configuration_loads_and_agrees(tmp_path: Path) -> None:
-    (host,) = [w for w in WORKLOADS if w["kind"] == "StatefulSet"]
+    host = workload("agentmw-host")
+    assert host["kind"] == "StatefulSet" and host["spec"]["replicas"] == 1, "one host per SQLite file"
     (container,) = host["spec"]["template"]["spec"]["containers"]
-    config_path = PurePosixPath(container["args"][container["args"].index("--config") + 1])
-    mount = next(m for m in container["volumeMounts"] if PurePosixPath(m["mountPath"]) == config_path.parent)
-    volume = next(v for v in host["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
-    (config_map,) = [
-        d for d in DOCS if d["kind"] == "ConfigMap" and d["metadata"]["name"] == volume["configMap"]["name"]
-    ]
-    path = tmp_path / config_path.name
-    path.write_text(config_map["data"][config_path.name])
-    config = load_config(path, env={})  # the host's own loader: every key known and valid
+    config = host_config(host, tmp_path)
+    check_middleware(config)
 
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert int(config.listen.rsplit(":", 1)[1]) == ports["grpc"]
@@ -152,6 +190,10 @@ def test_host_configuration_loads_and_agrees(tmp_path: Path) -> None:
     sessions = next(m for m in container["volumeMounts"] if m["name"] == "sessions")
     assert PurePosixPath(config.db).parent == PurePosixPath(sessions["mountPath"])
     assert [t["metadata"]["name"] for t in host["spec"]["volumeClaimTemplates"]] == ["sessions"]
+
+
+def check_middleware(config: HostConfig) -> None:
+    """Each configured middleware address is a Service's DNS name, at one of its ports."""
     assert config.middleware
     for mw in config.middleware:
         m = re.fullmatch(r"dns:///([\w-]+)\.([\w-]+)\.svc\.cluster\.local:(\d+)", mw.address)
@@ -159,3 +201,67 @@ def test_host_configuration_loads_and_agrees(tmp_path: Path) -> None:
         service = SERVICES.get((m.group(2), m.group(1)))
         assert service is not None, f"{mw.name}: no Service {m.group(1)} in namespace {m.group(2)}"
         assert int(m.group(3)) in {p["port"] for p in service["spec"]["ports"]}
+
+
+def test_several_hosts_share_one_postgresql_from_a_secret(tmp_path: Path) -> None:
+    hosts = workload("agentmw-hosts")
+    assert hosts["kind"] == "Deployment" and hosts["spec"]["replicas"] > 1
+    namespace = hosts["metadata"]["namespace"]
+    spec = hosts["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert not any(v.get("persistentVolumeClaim") for v in spec.get("volumes", [])), "stateless pods"
+    assert "volumeClaimTemplates" not in hosts["spec"]
+
+    # The DSN: only from a Secret, through the host's AGENTMW_DB (never in the ConfigMap).
+    (db,) = [e for e in container["env"] if e["name"] == "AGENTMW_DB"]
+    assert set(db) == {"name", "valueFrom"}, "AGENTMW_DB comes from a Secret, not a literal"
+    dsn = secret_value(namespace, db["valueFrom"]["secretKeyRef"])
+    assert is_dsn(dsn)
+    assert not is_dsn(host_config(hosts, tmp_path).db), "no DSN (with its password) in the ConfigMap"
+    config = host_config(hosts, tmp_path, env={"AGENTMW_DB": dsn})
+    assert config.db == dsn, "the Secret's DSN is the store"
+    check_middleware(config)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(config.listen.rsplit(":", 1)[1]) == ports["grpc"] and config.listen.startswith("0.0.0.0:")
+
+    # The DSN reaches the in-cluster database of postgres.yaml with its user, password and database.
+    url = urlsplit(dsn)
+    m = re.fullmatch(r"([\w-]+)\.([\w-]+)\.svc\.cluster\.local", url.hostname or "")
+    assert m and m.group(2) == namespace, f"{url.hostname}: not a Service of namespace {namespace}"
+    service = SERVICES[namespace, m.group(1)]
+    assert url.port in {p["port"] for p in service["spec"]["ports"]}
+    postgres = next(w for w, _ in ALL_CONTAINERS if service["spec"]["selector"].items() <= _labels(w).items())
+    assert postgres["kind"] == "StatefulSet" and postgres["spec"]["replicas"] == 1
+    (pg,) = postgres["spec"]["template"]["spec"]["containers"]
+    assert pg["image"].partition(":")[0] in THIRD_PARTY
+    env = {e["name"]: e.get("value") or secret_value(namespace, e["valueFrom"]["secretKeyRef"]) for e in pg["env"]}
+    assert (url.username, url.password, url.path.lstrip("/")) == (
+        env["POSTGRES_USER"],
+        env["POSTGRES_PASSWORD"],
+        env["POSTGRES_DB"],
+    ), "change the password in both Secrets together"
+    assert any(p["containerPort"] == 5432 for p in pg["ports"]) and "readinessProbe" in pg
+    mounts = {m["mountPath"]: m["name"] for m in pg["volumeMounts"]}
+    assert PurePosixPath(env["PGDATA"]).parent.as_posix() in mounts, "the data directory is on the volume"
+    assert {t["metadata"]["name"] for t in postgres["spec"]["volumeClaimTemplates"]} == set(mounts.values())
+
+
+def test_host_pods_drain_within_their_termination_grace(tmp_path: Path) -> None:
+    """Readiness is grpc.health.v1 (store, middleware, draining); Kubernetes' SIGKILL comes no sooner
+    than the preStop pause, the configured drain_grace and Host.close's wait plus the store's close."""
+    hosts = workload("agentmw-hosts")
+    spec = hosts["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert "grpc" in container["readinessProbe"] and "tcpSocket" in container["livenessProbe"]
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep"
+    config = host_config(hosts, tmp_path)
+    close = inspect.signature(Host.close).parameters["timeout"].default
+    assert spec["terminationGracePeriodSeconds"] >= float(pause[1]) + config.drain_grace + close + 5
+    assert hosts["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    budget = next(d for d in DOCS if d["kind"] == "PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"].items() <= _labels(hosts).items()
+
+
+def _labels(w: dict[str, Any]) -> dict[str, str]:
+    return w["spec"]["template"]["metadata"]["labels"]

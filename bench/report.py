@@ -15,6 +15,8 @@ from typing import Any
 
 from .builtins import TTS_TEXT
 from .harness import Series, per_round, ratio, spread
+from .hosts import HostsResult
+from .hosts import section as hosts_section
 from .scenarios import BYPASS_N, CONCURRENT, ITEMS, Protocol, ReplyTraffic, Unimplemented
 
 FAIR_FRACTION = 0.5  # our reading of "a fraction of AgentScope's" time to first text
@@ -37,6 +39,7 @@ class Results:
     builtins: dict[str, dict[str, Series]] = field(default_factory=dict)  # builtin -> variant -> series
     builtin_notes: dict[str, str] = field(default_factory=dict)  # builtin -> why it is not measured
     spans_exported: int = 0  # by the tracing server, counted by the OTLP receiver
+    hosts: HostsResult | None = None  # bench/hosts.py: replies/s of hosts on PostgreSQL vs SQLite
     duration: float = 0.0
 
 
@@ -203,6 +206,8 @@ def render(r: Results) -> str:
             "### Built-in servers attached remotely (one process per server; each against its own baseline)",
             "",
             table(BUILTIN_HEADER, builtin_rows(r.builtins, r.spans_exported)),
+            "",
+            hosts_section(r.hosts),
             "",
             f"### Fairness: {CONCURRENT} concurrent replies of 1,000 deltas, instant model",
             "",

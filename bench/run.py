@@ -26,7 +26,7 @@ import grpc
 from agent_host.remote import RemoteMiddleware
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
-from . import builtins, scenarios
+from . import builtins, hosts, scenarios
 from .peer import start_peer
 from .report import Results, environment, render
 
@@ -118,6 +118,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("6 fairness")
         res.builtins = await builtins.measure(fleet, rounds)
         step("7 built-in servers")
+        res.hosts = await hosts.measure(1 if quick else 3)
+        step("8 hosts on one PostgreSQL vs SQLite")
         if peer is not None:
             res.peer_ok = peer.alive
             if not peer.alive:

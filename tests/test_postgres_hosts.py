@@ -464,13 +464,15 @@ async def test_refuse_if_busy_refuses_at_once_naming_the_host_that_holds_the_ses
                 await busy_reply(host.address, session, "call fx__note text=refused")
             assert busy.value.code() == grpc.StatusCode.ABORTED, busy.value.details()
             assert f"session {session!r} is busy" in busy.value.details() and holder in busy.value.details()
+        assert (await get_session(b.address, session))[0].replying, "B sees A's reply running"
         call.cancel()
         async with asyncio.timeout(20):
             rest = [item async for item in stream]
         assert await ending(rest) == ReplyFinishedReason.INTERRUPTED
     items = await busy_reply(b.address, session, "call fx__note text=after")  # free now: it runs
     assert await ending(items) == ReplyFinishedReason.COMPLETED
-    _, state, _ = await get_session(b.address, session)
+    shown, state, _ = await get_session(b.address, session)
+    assert not shown.replying
     assert user_texts(state) == ["call fx__slow_note text=long seconds=60", "call fx__note text=after"]
     assert lines(effects) == ["long", "after"], "the refused replies stored and ran nothing"
 

@@ -387,7 +387,12 @@ class Host:
             raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot reply to {type(inputs).__name__}")
 
     def replying(self, session_id: str) -> bool:
+        """A reply of the session runs (or waits to) on this host."""
         return any(r.session_id == session_id for r in self._runs)
+
+    async def replying_anywhere(self, session_id: str) -> bool:
+        """A reply of the session runs on this host or holds it on another host of a shared store."""
+        return self.replying(session_id) or await self.store.holder(session_id) is not None
 
     async def interrupt(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
         """Interrupt the session's running reply, here or on another host of a shared store (another

@@ -98,7 +98,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         if found is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
         record, state, pending = found
-        out = host_pb2.Session(summary=_summary(record), replying=self.host.replying(request.session_id))
+        out = host_pb2.Session(summary=_summary(record), replying=await self.host.replying_anywhere(request.session_id))
         codec.encode(state, out.state)
         out.middle_context_json = self.host.middle_context_json(state)
         for call in pending:

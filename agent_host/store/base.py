@@ -138,6 +138,10 @@ class SessionStore(Protocol):
     async def interrupt(self, session_id: str) -> bool:
         """Ask whichever other host replies in the session to interrupt the reply; False if none does."""
 
+    async def holder(self, session_id: str) -> str | None:
+        """The host holding the session now (a live lease), if the store knows (None: no one, or
+        one host per store: its own per-session lock says)."""
+
     async def open(self, session_id: str, *, fence: int | None = None) -> Journal | None:
         """The stored session, for a reply (None if there is none). The caller holds the session
         (one reply at a time: the host's per-session lock; with many hosts, the lease of ``fence``)."""

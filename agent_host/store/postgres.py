@@ -272,6 +272,12 @@ class PostgresStore(CachedJournals):
     async def interrupt(self, session_id: str) -> bool:
         return bool(await self.pool.fetch(_INTERRUPT, session_id))
 
+    async def holder(self, session_id: str) -> str | None:
+        return await self.pool.fetchval(
+            "SELECT owner FROM agentmw_leases WHERE session_id = $1 AND owner IS NOT NULL AND expires > now()",
+            session_id,
+        )
+
     # -- replies per user, across hosts ----------------------------------------------------------
 
     @contextlib.asynccontextmanager

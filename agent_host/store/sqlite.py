@@ -235,6 +235,9 @@ class SqliteStore(CachedJournals):
     async def interrupt(self, session_id: str) -> bool:
         return False  # no other host to tell
 
+    async def holder(self, session_id: str) -> str | None:
+        return None  # one host per file: the host's own lock is the only holding
+
     @contextlib.asynccontextmanager
     async def admit(self, user: str, limit: int) -> AsyncIterator[None]:
         """One host per file: this host's replies are all the replies there are."""

@@ -94,19 +94,20 @@ async def stack(args: argparse.Namespace) -> list[Any]:
 
 def paced_model(peer: ModuleType, script: list[dict[str, Any]], ttft: float, token: float) -> Any:
     class Paced(peer.ScriptedModel):  # type: ignore[name-defined,misc]
-        """The peer's scripted model, waiting ``ttft`` before each call's stream and ``token``
-        before each chunk (as the host's paced OfflineRuleModel)."""
+        """The peer's scripted model on a network model's clock, as the host's paced model: each
+        call's first chunk is due ``ttft`` after the call, each next one ``token`` later."""
 
         async def _stream(self, turn: dict[str, Any]) -> AsyncGenerator[Any, None]:
-            if ttft:
-                await asyncio.sleep(ttft)
+            loop = asyncio.get_running_loop()
+            due = loop.time() + ttft
             sent = 0
             async for chunk in super()._stream(turn):
                 sent += 1
-                if token:
-                    await asyncio.sleep(token)
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
                 elif sent % 64 == 0:  # as OfflineRuleModel: hand the loop back now and then
                     await asyncio.sleep(0)
+                due += token
                 yield chunk
 
     return Paced(script)

@@ -42,6 +42,7 @@ from typing import Any
 
 from clients.launch import ROOT, ServerProcess, start_all
 
+from .dashscope_tts import MS_PER_CHAR
 from .harness import Sample, Series, interleave, process_cpu
 
 MEM0_PYTHON = ROOT / ".venv-mem0" / "bin" / "python"
@@ -52,9 +53,11 @@ SERVERS = ("tracing", "budget", "mem0", "tts")  # outermost first, the same orde
 CONCURRENCY = (1, 8, 32)
 # Model pacing, (time to first token, seconds per streamed chunk), on every model call of the reply.
 # "realistic" uses a fast model's per-token latency so that the section stays within a minute or
-# two; --ttft / --token-latency choose others.
+# two (4 model calls and 1,000 chunks: about 2.8 s per reply); --ttft / --token-latency choose others.
 PACES = {"instant": (0.0, 0.0), "realistic": (0.2, 0.002)}
-ROUNDS = {1: 5, 8: 3, 32: 2}  # interleaved rounds per concurrency (after one warm-up round)
+# Interleaved rounds per pace and concurrency (each worker warms up before the first): about three
+# minutes in all on 2 cores.
+ROUNDS = {"instant": {1: 5, 8: 3, 32: 2}, "realistic": {1: 3, 8: 2, 32: 1}}
 QUESTION = "What is my favourite colour?"
 SEED = ["My favourite colour is teal.", "I live in Lisbon.", "I am allergic to peanuts.", "My cat is called Miso."]
 BUDGET_TOKENS = 1e9  # counts, never cuts the reply short (as in the main bench)
@@ -157,7 +160,7 @@ class FourResults:
     spans: dict[str, int] = field(default_factory=dict)  # variant -> spans its receiver got
     versions: dict[str, str] = field(default_factory=dict)
     paces: dict[str, tuple[float, float]] = field(default_factory=dict)
-    rounds: dict[int, int] = field(default_factory=dict)
+    rounds: dict[str, dict[int, int]] = field(default_factory=dict)  # pace -> concurrency -> rounds
 
 
 def _server_argv(name: str, otlp: str, tts_url: str, store: Path) -> tuple[list[str], str | None, dict[str, str]]:
@@ -179,10 +182,10 @@ async def measure(
     agentscope_python: str | None = None,
     paces: dict[str, tuple[float, float]] | None = None,
     concurrency: Sequence[int] = CONCURRENCY,
-    rounds: dict[int, int] | None = None,
+    rounds: dict[str, dict[int, int]] | None = None,
 ) -> FourResults:
     paces = paces or PACES
-    rounds = rounds or ({n: 1 for n in concurrency} if quick else {n: ROUNDS.get(n, 2) for n in concurrency})
+    rounds = rounds or {p: {n: 1 if quick else ROUNDS.get(p, {}).get(n, 2) for n in concurrency} for p in paces}
     res = FourResults(paces=paces, rounds=rounds)
     if not MEM0_PYTHON.exists():
         res.notes["all"] = "not measured: .venv-mem0 is missing (make mem0)"
@@ -249,7 +252,7 @@ async def measure(
                     v: (lambda w=w, n=n, pace=pace: w.sample(n, pace, server_pids if w.name == "remote" else ()))
                     for v, w in workers.items()
                 }
-                res.series[pace_name][n] = await interleave(batches, rounds[n], warmup=0 if quick else 1)
+                res.series[pace_name][n] = await interleave(batches, rounds[pace_name][n], warmup=0)
                 _progress(f"four servers: {pace_name}, concurrency {n}")
     finally:
         for w in workers.values():
@@ -305,15 +308,21 @@ def _paced_model(script: list[dict[str, Any]], ttft: float, token: float) -> Any
     from agent_host.models.offline import OfflineRuleModel
 
     class Paced(OfflineRuleModel):
-        """The offline model, waiting ``ttft`` before each call's stream (``delay``: per chunk)."""
+        """The offline model on a network model's clock: each call's first chunk is due ``ttft``
+        after the call, each next one ``token`` later. Chunks wait for their due time, not for a
+        fixed sleep after the consumer took the last one: like chunks arriving on a socket, time
+        the host spends per chunk overlaps the wait (as bench/agentscope_four.py's model does)."""
 
         async def _stream(self, turn: dict[str, Any], input_tokens: int) -> Any:
-            if ttft:
-                await asyncio.sleep(ttft)
+            loop = asyncio.get_running_loop()
+            due = loop.time() + ttft
             async for chunk in super()._stream(turn, input_tokens):
+                if (wait := due - loop.time()) > 0:
+                    await asyncio.sleep(wait)
+                due += token
                 yield chunk
 
-    return Paced(script=script, delay=token)
+    return Paced(script=script)
 
 
 async def _reply(middlewares: list[Any], t0: float, pace: tuple[float, float], question: str = QUESTION) -> Any:
@@ -472,7 +481,9 @@ def absolute_rows(res: FourResults) -> list[list[str]]:
 
 
 def notes(res: FourResults) -> str:
-    rounds = ", ".join(f"{r} at c{n}" for n, r in res.rounds.items())
+    rounds = "; ".join(
+        f"{pace}: " + ", ".join(f"{r} at c{n}" for n, r in by_n.items()) for pace, by_n in res.rounds.items()
+    )
     spans = ", ".join(f"{v} {k:,}" for v, k in res.spans.items())
     versions = ", ".join(f"{v}: {k}" for v, k in res.versions.items())
     extra = "".join(f" {v}: {note}." for v, note in res.notes.items())
@@ -508,7 +519,7 @@ METHOD = [
     "included) divided by its replies; servers' CPU is the four server processes' over the same batch.",
     "- Equivalent backends: spans over OTLP/gRPC with a batch processor to a receiver process per variant; "
     "TTS from bench/dashscope_tts.py, a local stand-in for DashScope's qwen3-tts-flash SSE endpoint "
-    f"({2:g} ms of silent 24 kHz PCM per character, in 0.1 s pieces), spoken to by our `dashscope` engine "
+    f"({MS_PER_CHAR:g} ms of silent 24 kHz PCM per character, in 0.1 s pieces), spoken to by our `dashscope` engine "
     "and by AgentScope's DashScopeTTSModel; mem0 with mw_servers/mem0/backend.py's offline configuration "
     "(bundled all-MiniLM-L6-v2, local Qdrant) in a store per variant. What differs: AgentScope's "
     "Mem0Middleware uses `AsyncMemory` and writes with mem0's LLM extraction (infer=True), which needs an "
@@ -517,7 +528,9 @@ METHOD = [
     "SDK's asyncio client); AgentScope's tracing spans are its own (agent, LLM and tool spans; the host "
     "adds none), ours are the tracing server's plus, in-process only, the host's reply and hook spans; "
     "AgentScope's model stand-in is the AgentScope peer's ScriptedModel, ours OfflineRuleModel, both paced "
-    "the same way (a sleep before each call's stream and before each chunk).",
+    "the same way: on a network model's clock, each call's first chunk due the time to first token after the "
+    "call and each next one the per-chunk latency later, so that host work per chunk overlaps the wait as it "
+    "does for chunks arriving on a socket.",
 ]
 
 

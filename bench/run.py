@@ -8,7 +8,9 @@ alone takes 5-10 s).
 Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test), ``--out PATH``,
 ``--agentscope-python PATH`` (a Python with agentscope==2.0.11 installed, for the optional peer;
 default ``$BENCH_AGENTSCOPE_PYTHON`` or /tmp/agentscope-venv/bin/python when it exists). The peer
-is installed by ``make bench`` into its own venv, .venv-agentscope (never into .venv).
+is installed by ``make bench`` into its own venv, .venv-agentscope (never into .venv); AgentScope
+with its own four middleware (section 8, bench/four_servers.py) into .venv-agentscope-full
+(``$BENCH_AGENTSCOPE_FULL_PYTHON``). ``--only four`` runs section 8 alone.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import grpc
 from agent_host.remote import RemoteMiddleware
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
-from . import builtins, scenarios
+from . import builtins, four_servers, scenarios
 from .peer import start_peer
 from .report import Results, environment, render
 
 DEFAULT_AGENTSCOPE_PYTHON = "/tmp/agentscope-venv/bin/python"
-MEASURE_TIMEOUT = 400.0  # seconds: the bench never runs unbounded
+MEASURE_TIMEOUT = 900.0  # seconds: the bench never runs unbounded
 
 
 def _agentscope_python(explicit: str | None) -> str | None:
@@ -118,6 +120,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("6 fairness")
         res.builtins = await builtins.measure(fleet, rounds)
         step("7 built-in servers")
+        res.four = await four_servers.measure(quick=quick)
+        step("8 the four servers vs AgentScope")
         if peer is not None:
             res.peer_ok = peer.alive
             if not peer.alive:
@@ -150,9 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test, not figures")
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     parser.add_argument("--agentscope-python", default=None)
+    parser.add_argument("--only", choices=["four"], help="four: only the four servers vs AgentScope (section 8)")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     started = time.perf_counter()
+    if args.only == "four":
+        four = asyncio.run(asyncio.wait_for(four_servers.measure(quick=args.quick), MEASURE_TIMEOUT))
+        Path(args.out).write_text(four_servers.section(four) + "\n")
+        print(f"wrote {args.out} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+        return
     peer_python = _agentscope_python(args.agentscope_python)
     results = asyncio.run(asyncio.wait_for(measure(rounds, args.quick, peer_python), MEASURE_TIMEOUT))
     results.env_end = environment()

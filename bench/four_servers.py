@@ -158,6 +158,7 @@ class FourResults:
     series: dict[str, dict[int, dict[str, Series]]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # variant -> why it is missing or what failed
     spans: dict[str, int] = field(default_factory=dict)  # variant -> spans its receiver got
+    server_cpu: dict[str, float] = field(default_factory=dict)  # server -> CPU per remote reply, whole run
     versions: dict[str, str] = field(default_factory=dict)
     paces: dict[str, tuple[float, float]] = field(default_factory=dict)
     rounds: dict[str, dict[int, int]] = field(default_factory=dict)  # pace -> concurrency -> rounds
@@ -181,10 +182,11 @@ async def measure(
     quick: bool = False,
     agentscope_python: str | None = None,
     paces: dict[str, tuple[float, float]] | None = None,
-    concurrency: Sequence[int] = CONCURRENCY,
+    concurrency: Sequence[int] | None = None,
     rounds: dict[str, dict[int, int]] | None = None,
 ) -> FourResults:
     paces = paces or PACES
+    concurrency = concurrency or ((1, 8) if quick else CONCURRENCY)
     rounds = rounds or {p: {n: 1 if quick else ROUNDS.get(p, {}).get(n, 2) for n in concurrency} for p in paces}
     res = FourResults(paces=paces, rounds=rounds)
     if not MEM0_PYTHON.exists():
@@ -245,6 +247,7 @@ async def measure(
         workers = {"remote": await remote.start(), **workers}
         res.versions = {v: w.hello.get("version", "?") for v, w in workers.items()}
         server_pids = [p.pid for p in servers.values()]
+        cpu0 = {name: process_cpu(p.pid) for name, p in servers.items()}
         for pace_name, pace in paces.items():
             res.series[pace_name] = {}
             for n in concurrency:
@@ -254,6 +257,8 @@ async def measure(
                 }
                 res.series[pace_name][n] = await interleave(batches, rounds[pace_name][n], warmup=0)
                 _progress(f"four servers: {pace_name}, concurrency {n}")
+        replies = sum(n * rounds[p][n] for p in paces for n in concurrency)
+        res.server_cpu = {name: (process_cpu(p.pid) - cpu0[name]) / replies for name, p in servers.items()}
     finally:
         for w in workers.values():
             if w.failure is not None:
@@ -485,11 +490,14 @@ def notes(res: FourResults) -> str:
         f"{pace}: " + ", ".join(f"{r} at c{n}" for n, r in by_n.items()) for pace, by_n in res.rounds.items()
     )
     spans = ", ".join(f"{v} {k:,}" for v, k in res.spans.items())
+    split = ", ".join(f"{name} {cpu * 1e3:.1f} ms" for name, cpu in res.server_cpu.items())
     versions = ", ".join(f"{v}: {k}" for v, k in res.versions.items())
     extra = "".join(f" {v}: {note}." for v, note in res.notes.items())
     return (
         f"Interleaved rounds: {rounds}; each a batch of n concurrent replies per variant (medians over rounds). "
-        f"Spans received per variant: {spans or 'none'}. Workers: {versions or 'none'}.{extra}"
+        f"Servers' CPU per remote reply over the whole run: {split or 'n/a'}. "
+        f"Spans received per variant: {spans or 'none'}. Workers: {versions or 'none'}.{extra} "
+        "Alone: `python -m bench.run --only four` (or `python -m bench.four_servers`, `--quick` for a smoke run)."
     )
 
 
@@ -557,8 +565,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(worker(args.worker, args))
         return
     paces = {"instant": PACES["instant"], "realistic": (args.ttft, args.token_latency)}
-    concurrency = (1, 8) if args.quick else CONCURRENCY
-    coro = measure(quick=args.quick, agentscope_python=args.agentscope_python, paces=paces, concurrency=concurrency)
+    coro = measure(quick=args.quick, agentscope_python=args.agentscope_python, paces=paces)
     print(section(asyncio.run(asyncio.wait_for(coro, 900))))
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clients.launch import ROOT, ServerProcess, start_all
+from clients.launch import ROOT, LaunchError, ServerProcess, start_all
 
 from .dashscope_tts import MS_PER_CHAR
 from .harness import Sample, Series, interleave, process_cpu
@@ -55,9 +55,9 @@ CONCURRENCY = (1, 8, 32)
 # "realistic" uses a fast model's per-token latency so that the section stays within a minute or
 # two (4 model calls and 1,000 chunks: about 2.8 s per reply); --ttft / --token-latency choose others.
 PACES = {"instant": (0.0, 0.0), "realistic": (0.2, 0.002)}
-# Interleaved rounds per pace and concurrency (each worker warms up before the first): about three
-# minutes in all on 2 cores.
-ROUNDS = {"instant": {1: 5, 8: 3, 32: 2}, "realistic": {1: 3, 8: 2, 32: 1}}
+# Interleaved rounds per pace and concurrency (each worker warms up before the first): two to four
+# minutes in all on 2 cores. At c8 and c32 a round's figures are already medians over the batch.
+ROUNDS = {"instant": {1: 5, 8: 3, 32: 1}, "realistic": {1: 3, 8: 1, 32: 1}}
 QUESTION = "What is my favourite colour?"
 SEED = ["My favourite colour is teal.", "I live in Lisbon.", "I am allergic to peanuts.", "My cat is called Miso."]
 BUDGET_TOKENS = 1e9  # counts, never cuts the reply short (as in the main bench)
@@ -215,21 +215,19 @@ async def measure(
         for name in SERVERS:
             argv, exe, env = _server_argv(name, otlp["remote"], tts_url, root / "store-remote")
             servers[name] = ServerProcess(argv, name=name, executable=exe, env=env, startup=STARTUP)
-        worker_argv = {
+        heads = {
             "inproc": [str(MEM0_PYTHON), "-m", "bench.four_servers", "--worker", "inproc"],
             "agentscope": [str(as_python), str(AGENTSCOPE_SCRIPT)],
         }
-        common = ["--otlp", "", "--tts-url", tts_url, "--store", ""]
         env = {"DASHSCOPE_API_KEY": TTS_KEY, "DASHSCOPE_HTTP_BASE_URL": tts_url}
 
-        def make_worker(v: str, extra: list[str]) -> Worker:
-            args = [*common, *extra]
-            args[1], args[5] = otlp[v], str(root / f"store-{v}")
+        def make_worker(v: str) -> Worker:
+            argv = [*heads[v], "--otlp", otlp[v], "--tts-url", tts_url, "--store", str(root / f"store-{v}")]
             cwd = Path("/tmp") if v == "agentscope" else ROOT  # the repo must never shadow AgentScope's packages
-            return Worker(v, [*worker_argv.get(v, []), *args], cwd=cwd, env=env, log=root / f"worker-{v}.log")
+            return Worker(v, argv, cwd=cwd, env=env, log=root / f"worker-{v}.log")
 
         # The remote worker needs the servers' addresses; the others load meanwhile.
-        others = [make_worker(v, []) for v in variants if v != "remote"]
+        others = [make_worker(v) for v in variants if v != "remote"]
         started = asyncio.gather(*(w.start() for w in others))
         try:
             processes += await asyncio.to_thread(start_all, servers.values())
@@ -259,6 +257,8 @@ async def measure(
                 _progress(f"four servers: {pace_name}, concurrency {n}")
         replies = sum(n * rounds[p][n] for p in paces for n in concurrency)
         res.server_cpu = {name: (process_cpu(p.pid) - cpu0[name]) / replies for name, p in servers.items()}
+    except LaunchError as exc:  # a server that does not start costs this section, not the whole bench
+        res.series, res.notes["all"] = {}, f"not measured: {exc}"
     finally:
         for w in workers.values():
             if w.failure is not None:

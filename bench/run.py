@@ -2,8 +2,8 @@
 
 Middleware and the bare echo server run as separate processes on 127.0.0.1; this process is the
 host. Compared variants are interleaved round by round and summarised by medians (see harness.py).
-Every load loop is bounded; the whole run takes about two minutes (starting the mem0 server
-alone takes 5-10 s).
+Every load loop is bounded; the whole run takes about five minutes on 2 cores, half of it the
+four servers vs AgentScope (section 8; starting the mem0 server alone takes 5-10 s).
 
 Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test), ``--out PATH``,
 ``--agentscope-python PATH`` (a Python with agentscope==2.0.11 installed, for the optional peer;

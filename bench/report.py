@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from . import four_servers
 from .builtins import TTS_TEXT
 from .harness import Series, per_round, ratio, spread
 from .hosts import HostsResult
@@ -40,6 +41,7 @@ class Results:
     builtin_notes: dict[str, str] = field(default_factory=dict)  # builtin -> why it is not measured
     spans_exported: int = 0  # by the tracing server, counted by the OTLP receiver
     hosts: HostsResult | None = None  # bench/hosts.py: replies/s of hosts on PostgreSQL vs SQLite
+    four: four_servers.FourResults | None = None  # the four servers vs AgentScope (section 9)
     duration: float = 0.0
 
 
@@ -208,6 +210,11 @@ def render(r: Results) -> str:
             table(BUILTIN_HEADER, builtin_rows(r.builtins, r.spans_exported)),
             "",
             hosts_section(r.hosts),
+            "### The four built-in servers vs AgentScope 2.0.11's own four (3 tool rounds + 1,000 deltas)",
+            "",
+            table(four_servers.HEADER, four_servers.absolute_rows(r.four)) if r.four else "not measured",
+            "",
+            four_servers.notes(r.four) if r.four else "",
             "",
             f"### Fairness: {CONCURRENT} concurrent replies of 1,000 deltas, instant model",
             "",
@@ -328,7 +335,8 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
             "—",
         ]
     )
-    return rows + builtin_targets(r.builtins, r.builtin_notes)
+    rows += builtin_targets(r.builtins, r.builtin_notes)
+    return rows + (four_servers.target_rows(r.four) if r.four else [])
 
 
 def _peer_rows(r: Results) -> list[list[str]]:
@@ -632,6 +640,7 @@ METHOD = [
     "host does not trace). TTS: one text block; the first audio is timed from the block's end (standard) "
     "or from the first text (realtime). mem0: a question after a few seeded facts; the reply end "
     "includes the awaited write-back.",
+    *four_servers.METHOD,
     "- The AgentScope peer (optional) runs the same scripted replies in AgentScope 2.0.11 in its own "
     "virtual environment and process, driven over a pipe so that its runs take their turn in the same "
     "interleaved rounds.",

@@ -2,13 +2,15 @@
 
 Middleware and the bare echo server run as separate processes on 127.0.0.1; this process is the
 host. Compared variants are interleaved round by round and summarised by medians (see harness.py).
-Every load loop is bounded; the whole run takes about two minutes (starting the mem0 server
-alone takes 5-10 s).
+Every load loop is bounded; the whole run takes about five minutes on 2 cores, half of it the
+four servers vs AgentScope (section 8; starting the mem0 server alone takes 5-10 s).
 
 Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test), ``--out PATH``,
 ``--agentscope-python PATH`` (a Python with agentscope==2.0.11 installed, for the optional peer;
 default ``$BENCH_AGENTSCOPE_PYTHON`` or /tmp/agentscope-venv/bin/python when it exists). The peer
-is installed by ``make bench`` into its own venv, .venv-agentscope (never into .venv).
+is installed by ``make bench`` into its own venv, .venv-agentscope (never into .venv); AgentScope
+with its own four middleware (section 8, bench/four_servers.py) into .venv-agentscope-full
+(``$BENCH_AGENTSCOPE_FULL_PYTHON``). ``--only four`` runs section 9 alone.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ import grpc
 from agent_host.remote import RemoteMiddleware
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
-from . import builtins, hosts, scenarios
+from . import builtins, four_servers, hosts, scenarios
 from .peer import start_peer
 from .report import Results, environment, render
 
 DEFAULT_AGENTSCOPE_PYTHON = "/tmp/agentscope-venv/bin/python"
-MEASURE_TIMEOUT = 400.0  # seconds: the bench never runs unbounded
+MEASURE_TIMEOUT = 900.0  # seconds: the bench never runs unbounded
 
 
 def _agentscope_python(explicit: str | None) -> str | None:
@@ -120,6 +122,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("7 built-in servers")
         res.hosts = await hosts.measure(1 if quick else 3)
         step("8 hosts on one PostgreSQL vs SQLite")
+        res.four = await four_servers.measure(quick=quick)
+        step("9 the four servers vs AgentScope")
         if peer is not None:
             res.peer_ok = peer.alive
             if not peer.alive:
@@ -152,9 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="few rounds: a smoke test, not figures")
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     parser.add_argument("--agentscope-python", default=None)
+    parser.add_argument("--only", choices=["four"], help="four: only the four servers vs AgentScope (section 9)")
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
     started = time.perf_counter()
+    if args.only == "four":
+        four = asyncio.run(asyncio.wait_for(four_servers.measure(quick=args.quick), MEASURE_TIMEOUT))
+        Path(args.out).write_text(four_servers.section(four) + "\n")
+        print(f"wrote {args.out} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+        return
     peer_python = _agentscope_python(args.agentscope_python)
     results = asyncio.run(asyncio.wait_for(measure(rounds, args.quick, peer_python), MEASURE_TIMEOUT))
     results.env_end = environment()

@@ -210,6 +210,7 @@ def render(r: Results) -> str:
             table(BUILTIN_HEADER, builtin_rows(r.builtins, r.spans_exported)),
             "",
             hosts_section(r.hosts),
+            "",
             "### The four built-in servers vs AgentScope 2.0.11's own four (3 tool rounds + 1,000 deltas)",
             "",
             table(four_servers.HEADER, four_servers.absolute_rows(r.four)) if r.four else "not measured",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -251,6 +250,9 @@ def watching(mw: RemoteMiddleware, hook: str) -> bool:
     return table is not None and table.detached
 
 
+_UNOPENED: Any = object()
+
+
 class Watch:
     """One detached invocation, run flat: one generator layer between the agent and the inner
     pipeline, whose per-item work is a subscription lookup (and, for a subscribed item, building
@@ -258,59 +260,43 @@ class Watch:
     four generator layers per item) cost a 1,000-delta reply ~3 µs per delta per detached hook.
     The HookCall still builds the messages, so copies are the same on both paths."""
 
-    __slots__ = ("call", "delivery", "exc", "started")
+    __slots__ = ("call", "started")
 
     def __init__(self, call: HookCall) -> None:
         self.call = call
-        self.delivery: DetachedDelivery | None = None
-        self.exc: BaseException | None = None  # how the invocation ended, for metrics and its span
         self.started = 0.0
 
-    async def items(self) -> AsyncIterator[Any]:
+    def items(self) -> AsyncIterator[Any]:
         """on_reply, on_reasoning, on_acting."""
-        call = self.call
-        begin = await self._open()
-        if begin is False:  # described anew, and no longer detached: the generic path
-            async for item in call._guarded():
-                yield item
-            return
-        try:
-            async for item in self.copies(begin, call.next_handler()):
-                yield item
-        finally:
-            self._ended()
+        return self.flow()
 
     async def stream(self) -> Any:
         """on_model_call: the inner call runs to its first chunk here (call-time errors raise
         here, as on the generic path); a whole ChatResponse is passed on as it is."""
         call = self.call
-        begin = await self._open()
-        if begin is False:
-            return await call.stream()
+        begin: Any = None
         try:
+            begin = await self._open()
+            if begin is False:  # described anew, and no longer detached: the generic path
+                return await call.stream()
             result = await call.next_handler()
             if isinstance(result, ChatResponse):
-                async for _ in self.copies(begin, _single(result)):
+                async for _ in self.flow(begin, _single(result)):
                     pass
-                self._ended()
                 return result
             first = await anext(result, None)
-        except BaseException as exc:
-            if self.delivery is None and begin is not None and isinstance(exc, Exception):
-                self.delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
-                self.delivery.add(begin)
-                self._fail(exc)
-            self.exc = exc
-            self._ended()
+        except Exception as exc:
+            if begin:  # its copies end with the error
+                delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
+                delivery.add(begin)
+                delivery.add(call._error_message(exc))
+                delivery.end()
+            self._ended(exc)
             raise
-        return self._rest(begin, first, result)
-
-    async def _rest(self, begin: hooks_pb2.HostMessage | None, first: Any, rest: Any) -> AsyncIterator[Any]:
-        try:
-            async for item in self.copies(begin, rest, first):
-                yield item
-        finally:
-            self._ended()
+        except BaseException as exc:
+            self._ended(exc)
+            raise
+        return self.flow(begin, result, first)
 
     async def _open(self) -> hooks_pb2.HostMessage | bool | None:
         """Describe if needed; the Begin, None when the middleware is bypassed (it could not be
@@ -331,24 +317,37 @@ class Watch:
             return False
         return call._begin()
 
-    async def copies(self, begin: hooks_pb2.HostMessage | None, inner: Any, first: Any = None) -> AsyncIterator[Any]:
+    async def flow(
+        self, begin: Any = _UNOPENED, inner: Any = None, first: Any = None, *, own: bool = True
+    ) -> AsyncIterator[Any]:
         """The inner pipeline's items (``first`` before them, unless None), with copies of the
-        subscribed ones sent in the background; ``begin`` None: no copies at all."""
+        subscribed ones sent in the background; ``begin`` None: no copies at all. Unopened: it
+        opens the invocation and calls the inner pipeline itself. ``own``: it ends the
+        invocation's metrics and span (the generic path, which calls it too, does that itself)."""
         call = self.call
-        table = call.table
-        if begin is None or table is None:
-            async with aclosing(inner):
-                if first is not None:
-                    yield first
-                async for item in inner:
-                    yield item
-            return
-        call.generation = 1
-        self.delivery = delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
-        delivery.add(begin)
-        mode_of, copy, bypass = table.mode_of, call._item_message, Mode.BYPASS
+        error: BaseException | None = None
+        delivery: DetachedDelivery | None = None
         try:
+            if begin is _UNOPENED:
+                begin = await self._open()
+                if begin is False:
+                    own = False  # the generic path's guard does
+                    async for item in call._guarded():
+                        yield item
+                    return
+                inner = call.next_handler()
             async with aclosing(inner):
+                if not begin:  # bypassed: nothing to copy
+                    if first is not None:
+                        yield first
+                    async for item in inner:
+                        yield item
+                    return
+                call.generation = 1
+                delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
+                delivery.add(begin)
+                assert call.table is not None
+                mode_of, copy, bypass = call.table.mode_of, call._item_message, Mode.BYPASS
                 if first is not None:
                     if mode_of(first) is not bypass:
                         delivery.add(copy(first, observed=True))
@@ -358,29 +357,31 @@ class Watch:
                         delivery.add(copy(item, observed=True))
                     yield item
         except Exception as exc:
-            self.exc = exc
-            self._fail(exc)
+            error = exc
+            if delivery is not None:
+                delivery.add(call._error_message(exc))
+                delivery.end()
             raise
         except GeneratorExit:  # the consumer had what it needed (e.g. the ToolResponse): a normal end
-            delivery.add(call._done_message())
-            delivery.end()
+            if delivery is not None:
+                delivery.add(call._done_message())
+                delivery.end()
             raise
         except BaseException as exc:  # cancelled half-way
-            self.exc = exc
-            delivery.abandon()
+            error = exc
+            if delivery is not None:
+                delivery.abandon()
             raise
         else:
-            delivery.add(call._done_message())
-            delivery.end()
+            if delivery is not None:
+                delivery.add(call._done_message())
+                delivery.end()
+        finally:
+            if own:
+                self._ended(error)
 
-    def _fail(self, exc: BaseException) -> None:
-        assert self.delivery is not None
-        self.delivery.add(self.call._error_message(exc))
-        self.delivery.end()
-
-    def _ended(self) -> None:
+    def _ended(self, exc: BaseException | None) -> None:
         call = self.call
-        exc = self.exc or sys.exc_info()[1]
         tracing.end_hook_span(call.span, exc)
         metrics.hook_ended(call.mw, call.spec.name, self.started, exc)
 

@@ -212,7 +212,7 @@ class HookCall:
             return
         begin = self._begin()
         if self.table.detached:  # described as detached only now (the faces take detached.watch)
-            async for item in Watch(self).copies(begin, self._inner_items({})):
+            async for item in Watch(self).flow(begin, self._inner_items({}), own=False):
                 yield item
             self.result = self.inner_result
             return

@@ -282,11 +282,14 @@ class Watch:
         """on_model_call: the inner call runs to its first chunk here (call-time errors raise
         here, as on the generic path); a whole ChatResponse is passed on as it is."""
         call = self.call
-        begin: Any = None
         try:
             begin = await self._open()
-            if begin is False:  # described anew, and no longer detached: the generic path
-                return await call.stream()
+        except BaseException as exc:
+            self._ended(exc)
+            raise
+        if begin is False:  # described anew, and no longer detached: the generic path
+            return await call.stream()
+        try:
             result = await call.next_handler()
             if isinstance(result, ChatResponse):
                 async for _ in self.flow(begin, _single(result)):
@@ -323,6 +326,7 @@ class Watch:
             return None
         if not call.table.detached:
             return False
+        call.generation = 1  # the inner pipeline is called once
         return call._begin()
 
     async def flow(

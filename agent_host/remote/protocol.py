@@ -211,7 +211,7 @@ class HookCall:
                 yield item
             return
         begin = self._begin()
-        if self.table.detached:  # described as detached only now (the faces take detached.watch)
+        if self.table.detached:  # described as detached only now (else the faces take detached.Watch)
             async for item in Watch(self).flow(begin, self._inner_items({}), own=False):
                 yield item
             self.result = self.inner_result

@@ -4,7 +4,8 @@ One mechanism for all of them: a ``Builtin`` says how to start its server varian
 to measure; ``start`` launches them (with ``bench.run``'s other servers, in parallel), ``measure``
 runs each server's variants interleaved with its own no-middleware baseline, one reply per batch.
 Every reply is timed the same way (``reply``): time to first text, to the reply's end, host CPU,
-and for TTS the time to the first audio. ``python -m bench.tracing`` (tts, mem0) runs one alone.
+and for TTS the time to the first audio. ``python -m bench.tracing`` (tts, mem0) runs one alone,
+``python -m bench.builtins`` all of them (only this section of ``make bench``).
 
 The tracing server exports to an OTLP receiver in a process of its own (the agentmw-traces
 viewer, quiet until it stops), as a real collector would be: never in the host process.
@@ -213,20 +214,22 @@ async def measure(f: Fleet, rounds: int) -> dict[str, dict[str, Series]]:
     return out
 
 
-# -- alone: python -m bench.tracing / bench.tts / bench.mem0 --------------------------------------
+# -- alone: python -m bench.tracing / bench.tts / bench.mem0, or all: python -m bench.builtins --------
 
 
-def main(name: str, doc: str | None = None, argv: list[str] | None = None) -> None:
+def main(name: str | None = None, doc: str | None = None, argv: list[str] | None = None) -> None:
+    """One built-in's rows (``name``), or all of them: the "Built-in servers" section of
+    BENCHMARKS.md without the rest of ``make bench``, printed (e.g. while iterating on one)."""
     from .report import builtin_section
 
-    parser = argparse.ArgumentParser(
-        prog=f"python -m bench.{name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    names = [name] if name else list(BUILTINS)
+    prog = f"python -m bench.{name or 'builtins'}"
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args(argv)
 
     async def run() -> str:
-        f = fleet([name])
+        f = fleet(names)
         try:
             start_all(f.processes)
             series = await measure(f, args.rounds)
@@ -235,3 +238,7 @@ def main(name: str, doc: str | None = None, argv: list[str] | None = None) -> No
         return builtin_section(series, f.notes, f.spans, args.rounds)
 
     print(asyncio.run(asyncio.wait_for(run(), 400)))
+
+
+if __name__ == "__main__":
+    main(doc=__doc__)

@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import sys
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 from agent_host.agent import Agent
-from agent_host.data import Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
+from agent_host.data import ChatResponse, Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
 from agent_host.middleware import MiddlewareBase, subscribe
 from agent_host.models import OfflineRuleModel
+from agent_host.models.registry import ModelRegistry
+from agent_host.models.retry import RetryPolicy
 from agent_host.remote import RemoteMiddleware
 from agent_host.remote.detached import HOLD
 from agent_host.tools import Toolkit, add_middleware_tools, tool
@@ -81,6 +86,69 @@ async def test_copies_go_out_after_the_reply() -> None:
                 stamps = json.loads(response.content[0].text)
         early = [hook for hook, at in stamps if at < final_at]
         assert not early, f"copies of {early} reached the watcher while the reply was still going"
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+class DepthModel(OfflineRuleModel):
+    """The offline model, noting how many frames deep its stream runs at each chunk."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.depths: list[int] = []
+
+    async def _stream(self, turn: dict[str, Any], input_tokens: int) -> AsyncIterator[ChatResponse]:
+        async for chunk in super()._stream(turn, input_tokens):
+            depth, frame = 0, sys._getframe()
+            while frame is not None:
+                depth, frame = depth + 1, frame.f_back
+            self.depths.append(depth)
+            yield chunk
+
+
+async def test_a_watcher_costs_each_streamed_item_one_frame_per_hook() -> None:
+    """A detached hook runs flat: between the agent and the inner pipeline it is one generator,
+    whatever the hook (the generic machinery was four or five, and a 1,000-delta reply with a
+    tracer attached ended ~10% later for it). Here on_reply and on_model_call wrap each chunk."""
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        depths = []
+        for middlewares in ([], [remote]):
+            model = DepthModel(script=[{"text": "a b c d e f"}])
+            agent = Agent(model=model, toolkit=Toolkit([fetch]), middlewares=middlewares)
+            async with asyncio.timeout(30):
+                async for _ in agent.reply_stream(UserMsg("hi")):
+                    pass
+            depths.append(model.depths[-1])  # streaming (the first chunk is fetched at the call)
+        assert depths[1] - depths[0] <= 2, f"frames per chunk: {depths[0]} without the watcher, {depths[1]} with it"
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_model_call_that_fails_at_the_call_is_retried_under_a_watcher() -> None:
+    """On the flat path too, a model error raises at the call (where retries happen), and the
+    watcher gets the failed invocation as well as the retried one."""
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        toolkit = Toolkit([fetch])
+        await add_middleware_tools(toolkit, remote)
+        script = [{"error": {"type": "upstream", "message": "try again"}}, {"text": "second time lucky"}]
+        models = ModelRegistry()
+        models.add(OfflineRuleModel(script=script), max_retries=1, retry=RetryPolicy(initial_delay=0.01))
+        agent = Agent(models=models, toolkit=toolkit, middlewares=[remote])
+        async with asyncio.timeout(30):
+            items = [item async for item in agent.reply_stream(UserMsg("hi"))]
+            assert isinstance(items[-1], Msg) and items[-1].text == "second time lucky"
+            stamps: list = []
+            while len(stamps) < 3:  # on_reply and both model calls
+                await asyncio.sleep(0.05)
+                call = ToolCallBlock(id="s", name="StampingWatcher__stamps", input="{}")
+                stamps = json.loads([r async for r in toolkit.call_tool(call)][-1].content[0].text)
+        assert sorted(hook for hook, _ in stamps) == ["on_model_call", "on_model_call", "on_reply"]
         await remote.close()
     finally:
         proc.stop()

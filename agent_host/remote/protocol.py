@@ -41,7 +41,7 @@ from .client import (
     RemoteMiddlewareError,
     StreamBroken,
 )
-from .detached import DetachedDelivery
+from .detached import Watch, watching
 
 log = logging.getLogger("agentmw.remote")
 
@@ -89,10 +89,14 @@ class HookCall:
     # -- faces ------------------------------------------------------------------------------------
 
     def items(self) -> AsyncIterator[Any]:
+        if watching(self.mw, self.spec.name):  # a detached hook: the flat path (detached.py)
+            return Watch(self).items()
         return self._guarded()
 
     async def stream(self) -> AsyncIterator[Any]:
         """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
+        if watching(self.mw, self.spec.name):
+            return await Watch(self).stream()
         gen = self._guarded()
         try:
             first = await anext(gen)
@@ -206,17 +210,11 @@ class HookCall:
             async for item in self._without_middleware():
                 yield item
             return
-        self.invocation = mw.new_invocation()
-        begin = hooks_pb2.HostMessage(invocation=self.invocation)
-        self._context(begin.begin.context, force=True)
-        self.span = tracing.hook_span(mw.name, spec.name, self.table.detached, begin.begin.context.trace_context)
-        try:
-            encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
-        except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's
-            raise RuntimeError(f"{spec.name}: cannot send kwargs to {mw.name}: {exc}") from exc
-        if self.table.detached:
-            async for item in self._detached(begin):
+        begin = self._begin()
+        if self.table.detached:  # described as detached only now (else the faces take detached.Watch)
+            async for item in Watch(self).flow(begin, self._inner_items({}), own=False):
                 yield item
+            self.result = self.inner_result
             return
         self.call, self.reused = self.mw.take_stream(self.spec.name)
         self._watch()
@@ -276,6 +274,20 @@ class HookCall:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
 
+    def _begin(self) -> hooks_pb2.HostMessage:
+        """A new invocation's Begin (and its span, when the host traces); ``self.table`` is set."""
+        mw, spec = self.mw, self.spec
+        assert self.table is not None
+        self.invocation = mw.new_invocation()
+        begin = hooks_pb2.HostMessage(invocation=self.invocation)
+        self._context(begin.begin.context, force=True)
+        self.span = tracing.hook_span(mw.name, spec.name, self.table.detached, begin.begin.context.trace_context)
+        try:
+            encode_kwargs(spec, self.input_kwargs, begin.begin.input_kwargs)
+        except CodecError as exc:  # our own kwargs do not fit the contract: a host bug, not the middleware's
+            raise RuntimeError(f"{spec.name}: cannot send kwargs to {mw.name}: {exc}") from exc
+        return begin
+
     async def _actions(self, msg: hooks_pb2.MiddlewareMessage) -> AsyncIterator[Any]:
         """Apply a message's actions in order: emitted items go outward, mutations into state."""
         for action in msg.actions:
@@ -286,38 +298,6 @@ class HookCall:
                 self._mutate(action.mutate)
             else:
                 raise self._violation("an empty action")
-
-    async def _detached(self, begin: hooks_pb2.HostMessage) -> AsyncIterator[Any]:
-        """A watcher: copies of the subscribed items go out in the background; nothing here ever
-        waits for the middleware, and its failures only end its copies (logged and counted)."""
-        table = self.table
-        assert table is not None
-        delivery = DetachedDelivery(self.mw, self.spec.name, self.invocation)
-        delivery.add(begin)
-        self.generation = 1
-        self.inner = inner = self._inner_items({})
-        try:
-            async for item in inner:
-                if table.mode_of(item) is not Mode.BYPASS:
-                    delivery.add(self._item_message(item, observed=True))
-                yield item
-        except Exception as exc:
-            delivery.add(self._error_message(exc))
-            delivery.end()
-            raise
-        except GeneratorExit:  # the consumer had what it needed (e.g. the ToolResponse): a normal end
-            delivery.add(self._done_message())
-            delivery.end()
-            raise
-        except BaseException:  # cancelled half-way
-            delivery.abandon()
-            raise
-        else:
-            delivery.add(self._done_message())
-            delivery.end()
-            self.result = self.inner_result
-        finally:
-            self.inner = None
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec

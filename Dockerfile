@@ -32,5 +32,5 @@ CMD ["--listen", "0.0.0.0:50070", "--db", "/data/agentmw.db", "--metrics-port", 
 FROM runtime AS middleware
 LABEL org.opencontainers.image.title="agentmw-middleware"
 EXPOSE 50061
-ENTRYPOINT ["python", "-m", "mw_servers.sdk"]
+ENTRYPOINT ["python", "-m", "agentmw.sdk"]
 CMD ["mw_servers.examples.timing:TimingMiddleware", "--address", "0.0.0.0:50061"]

@@ -34,11 +34,11 @@ install: $(VENV)/.installed $(STUBS)
 # Python stubs for protos/agentmw/v1/*.proto, into the importable package agentmw.v1.
 $(STUBS): $(PROTOS) $(VENV)/.installed
 	@echo "==> generating the gRPC stubs (agentmw/v1)"
-	@$(PY) -m agent_host.protogen
+	@$(PY) -m agentmw.protogen
 	@touch $@
 
 protos: $(VENV)/.installed
-	$(PY) -m agent_host.protogen
+	$(PY) -m agentmw.protogen
 
 test: install mem0
 	$(VENV)/bin/ruff check .

@@ -9,12 +9,12 @@ import json
 import time
 
 from agent_host.agent import Agent
-from agent_host.data import Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
-from agent_host.middleware import MiddlewareBase, subscribe
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
 from agent_host.remote.detached import HOLD
-from agent_host.tools import Toolkit, add_middleware_tools, tool
+from agentmw.data import Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
+from agentmw.middleware import MiddlewareBase, subscribe
+from agentmw.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import middleware_server
 
 

@@ -28,7 +28,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent_host.data import (
+from agent_host.security import client_channel, token_digest
+from agent_host.store.postgres import PostgresStore
+from agentmw.data import (
     ConfirmResult,
     Msg,
     ReplyEndEvent,
@@ -43,8 +45,6 @@ from agent_host.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
-from agent_host.security import client_channel, token_digest
-from agent_host.store.postgres import PostgresStore
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
@@ -134,7 +134,7 @@ def cluster(
     together; the effects file."""
     effects, config = tmp_path / "effects.txt", tmp_path / "host.yaml"
     config.write_text(SLOW % delay + yaml)
-    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    argv = ["-m", "agentmw.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
     fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
     settings = ["--db", dsn, "--config", str(config), "--middleware", f"fx={fx.address}", "--lease", LEASE, *args]
     hosts = [
@@ -284,7 +284,7 @@ async def test_a_paused_host_past_its_lease_can_neither_save_nor_start_a_tool(
 
 
 def host_pb2_state(state: object) -> bytes:
-    from agent_host.codec import codec
+    from agentmw.codec import codec
 
     return codec.encode(state).SerializeToString(deterministic=True)
 

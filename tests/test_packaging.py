@@ -134,6 +134,15 @@ def sdk_venv(wheels: dict[str, Path]) -> Path:
     return new_venv(wheels["sdk"].parent / "sdk-venv", str(deps), wheels["sdk"])
 
 
+def test_each_package_is_in_one_distribution(wheels: dict[str, Path]) -> None:
+    """The core only in the SDK's wheel, the host's packages only in the host's: no module twice."""
+    tops = {}
+    for which, path in wheels.items():
+        with zipfile.ZipFile(path) as wheel:
+            tops[which] = {n.split("/")[0] for n in wheel.namelist() if ".dist-info/" not in n}
+    assert tops == {"sdk": {"agentmw"}, "host": {"agent_host", "mw_servers", "clients"}}
+
+
 def test_wheel_installs_stubs_and_console_scripts(venv: Path, tmp_path: Path) -> None:
     probe = "import agent_host, agentmw.v1.host_pb2 as h, clients.admin; print(agent_host.__file__); print(h.__file__)"
     where = run([str(venv / "bin" / "python"), "-c", probe], tmp_path).stdout.split()
@@ -141,6 +150,11 @@ def test_wheel_installs_stubs_and_console_scripts(venv: Path, tmp_path: Path) ->
     for script in ("agent-host", "agent-chat", "agentmw", "agentmw-traces"):
         done = run([str(venv / "bin" / script), "--help"], tmp_path)
         assert done.stdout.startswith(f"usage: {script}"), done.stdout
+    # mw_servers.sdk: the alias of agentmw.sdk that the full install keeps (docs/packaging.md)
+    alias = "import agentmw.sdk as sdk, mw_servers.sdk as alias; assert alias.serve is sdk.serve"
+    run([str(venv / "bin" / "python"), "-c", alias], tmp_path)
+    done = run([str(venv / "bin" / "python"), "-m", "mw_servers.sdk", "--help"], tmp_path)
+    assert done.stdout.startswith("usage: python -m agentmw.sdk"), done.stdout
 
 
 def test_installed_host_serves_a_reply(venv: Path, tmp_path: Path) -> None:

@@ -10,14 +10,14 @@ STUBS  := agentmw/v1/.stamp
 .PHONY: install protos test demo bench lint clean mem0
 
 # Each step says what it does; pip runs at -qq (its errors still show, setuptools' notices do not).
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml sdk/pyproject.toml sdk/setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
 	@echo "==> creating the virtual environment $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
 	@echo "==> upgrading pip"
 	@$(PY) -m pip install -qq --upgrade pip
-	@echo "==> installing agentmw (editable) with its pinned dependencies and the dev tools (1-2 minutes the first time)"
-	@$(PY) -m pip install -qq -e '.[dev]'
+	@echo "==> installing agentmw and agentmw-sdk (editable) with their pinned dependencies and the dev tools (1-2 minutes the first time)"
+	@$(PY) -m pip install -qq -e ./sdk -e '.[dev]'
 	@echo "==> checking the installed dependencies (pip check)"
 	@$(PY) -m pip check
 	@touch $@
@@ -34,11 +34,11 @@ install: $(VENV)/.installed $(STUBS)
 # Python stubs for protos/agentmw/v1/*.proto, into the importable package agentmw.v1.
 $(STUBS): $(PROTOS) $(VENV)/.installed
 	@echo "==> generating the gRPC stubs (agentmw/v1)"
-	@$(PY) -m agent_host.protogen
+	@$(PY) -m agentmw.protogen
 	@touch $@
 
 protos: $(VENV)/.installed
-	$(PY) -m agent_host.protogen
+	$(PY) -m agentmw.protogen
 
 test: install mem0
 	$(VENV)/bin/ruff check .
@@ -74,11 +74,11 @@ bench: install mem0 $(AS_VENV)/.installed $(AS_FULL_VENV)/.installed
 # The mem0 server's own venv (torch, sentence-transformers, mem0ai; ~1.9 GB, a few minutes once):
 # the host's .venv stays free of them. Tests and the demo run the server with its python.
 MEM0_VENV := .venv-mem0
-$(MEM0_VENV)/.installed: pyproject.toml setup.py
+$(MEM0_VENV)/.installed: pyproject.toml sdk/pyproject.toml sdk/setup.py
 	@echo "==> creating the mem0 server's virtual environment $(MEM0_VENV) (torch, mem0ai: a few minutes the first time)"
 	@$(PYTHON) -m venv $(MEM0_VENV)
 	@$(MEM0_VENV)/bin/python -m pip install -qq --upgrade pip
-	@$(MEM0_VENV)/bin/python -m pip install -qq -e '.[mem0]'
+	@$(MEM0_VENV)/bin/python -m pip install -qq -e ./sdk -e '.[mem0]'
 	@echo "==> checking the mem0 environment's dependencies (pip check)"
 	@$(MEM0_VENV)/bin/python -m pip check
 	@touch $@

@@ -17,9 +17,8 @@ from typing import Any, Protocol
 
 from opentelemetry import propagate, trace
 
-from . import metrics
-from .chain import Chain, transform
-from .data import (
+from agentmw.chain import Chain, transform
+from agentmw.data import (
     RESUME_EVENTS,
     AssistantMsg,
     ChatResponse,
@@ -78,13 +77,15 @@ from .data import (
     block_text,
     new_id,
 )
-from .data.state import AgentState
-from .hooks import HOOKS
+from agentmw.data.state import AgentState
+from agentmw.hooks import HOOKS
+from agentmw.tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError, Toolkit
+
+from . import metrics
 from .models import ChatModel, ModelRegistry
 from .models.retry import call_with_fallback
 from .reply_grammar import ReplyGrammar, blame_of
 from .runtime_state import RuntimeState
-from .tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError, Toolkit
 
 log = logging.getLogger("agentmw.agent")
 
@@ -1234,7 +1235,7 @@ def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
     out: list[Any] = []
     progress = chunk.metadata.get("mcp_progress")
     if progress is not None:
-        from .data import CustomEvent
+        from agentmw.data import CustomEvent
 
         value = {**progress, "reply_id": reply_id, "tool_call_id": call_id}
         out.append(CustomEvent(name="mcp_progress", value=value, reply_id=reply_id))

@@ -64,6 +64,8 @@ from typing import Any
 
 import yaml
 
+from agentmw.errors import ConfigError  # re-exported: the loader raises it
+
 from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_digest
 
 DEFAULT_LISTEN = "127.0.0.1:50070"
@@ -96,10 +98,6 @@ DEFAULT_MODELS: dict[str, Any] = {
     },
 }
 DEFAULT_TOOLS = ["get_weather", "add", "send_email", "lookup_order"]
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names what and where."""
 
 
 @dataclass
@@ -524,7 +522,7 @@ def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str) -> No
 
 
 def _permissions(raw: Any, where: str) -> Permissions:
-    from .hooks import HOOKS
+    from agentmw.hooks import HOOKS
 
     entry = _mapping(raw, where, set(_PERMISSION_KEYS))
     values = {k: _expect(v, _PERMISSION_KEYS[k], f"{where}.{k}") for k, v in entry.items()}

@@ -25,7 +25,7 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
 
-from .data import Msg, now
+from agentmw.data import Msg, now
 
 log = logging.getLogger("agentmw.host")
 disable_created_metrics()  # no *_created series: a timestamp per label set that nobody graphs

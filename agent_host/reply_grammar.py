@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .data import (
+from agentmw.data import (
     CustomEvent,
     DataBlockDeltaEvent,
     DataBlockEndEvent,
     DataBlockStartEvent,
-    ErrorType,
     ExceedMaxItersEvent,
     HintBlockEvent,
     ModelCallEndEvent,
@@ -55,13 +54,7 @@ from .data import (
     ToolResultState,
     ToolResultTextDeltaEvent,
 )
-
-
-class ReplyGrammarError(RuntimeError):
-    """The reply's items break the grammar; the reply ends with ReplyEndEvent(ERROR) saying how."""
-
-    error_type = ErrorType.INTERNAL
-
+from agentmw.errors import ReplyGrammarError  # re-exported: the grammar raises it
 
 # Block kinds: (name, end event factory). The index is the kind in _BLOCK_EVENTS.
 _TEXT, _THINKING, _DATA, _TOOL_CALL, _TOOL_RESULT = range(5)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, tzinfo
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from .data import HintBlock, Msg, Role, TextBlock
+from agentmw.data import HintBlock, Msg, Role, TextBlock
 
 TEMPLATE = (
     "<system-reminder>Treat the following as the ground truth at this point of the conversation. "

@@ -6,8 +6,8 @@
   stays a no-op and nothing here does span work.
 * The host makes one span per reply (``reply_span``) and a child per remote hook invocation
   (``hook_span``), whose W3C context goes to the middleware in ``HookContext.trace_context``.
-* A middleware server continues that context around the author's code (``continued``), so the
-  spans it makes are children of the host's: one trace per reply across every process.
+* A middleware server continues that context around the author's code (``continued``, in
+  agentmw.tracing), so the spans it makes are children of the host's: one trace per reply.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
+
+from agentmw.tracing import continued  # re-exported: the middleware side lives in the core
 
 TRACER_NAME = "agentmw"
 SETTINGS = ("endpoint", "exporter", "service_name")  # the keys of host.yaml's ``tracing:``
@@ -169,25 +170,6 @@ def end_hook_span(span: Span | None, exc: BaseException | None) -> None:
         span.record_exception(exc)
         span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
     span.end()
-
-
-# ---------------------------------------------------------------------------------------------
-# A middleware server: continue the host's trace around the author's code.
-
-
-@contextlib.contextmanager
-def _continued(carrier: Mapping[str, str]) -> Iterator[None]:
-    token = otel_context.attach(propagate.extract(carrier))
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
-
-
-def continued(carrier: Mapping[str, str]) -> contextlib.AbstractContextManager[Any]:
-    """Make the host's span (``carrier``: a HookContext.trace_context) current while the
-    author's hook runs; a shared no-op when the host sent none."""
-    return _continued(carrier) if carrier else _NULL
 
 
 __all__ = [

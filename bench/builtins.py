@@ -24,8 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from agent_host.data import DataBlockDeltaEvent, TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
 from agent_host.remote import RemoteMiddleware
+from agentmw.data import DataBlockDeltaEvent, TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
 from clients.launch import ROOT, ServerProcess, start_all
 
 from .harness import Batch, Sample, Series, interleave, process_cpu

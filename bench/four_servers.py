@@ -333,8 +333,8 @@ def _paced_model(script: list[dict[str, Any]], ttft: float, token: float) -> Any
 async def _reply(middlewares: list[Any], t0: float, pace: tuple[float, float], question: str = QUESTION) -> Any:
     """(time to first text, reply end, audio deltas) from ``t0``."""
     from agent_host.agent import Agent
-    from agent_host.data import DataBlockDeltaEvent, TextBlockDeltaEvent, UserMsg
-    from agent_host.tools import Toolkit
+    from agentmw.data import DataBlockDeltaEvent, TextBlockDeltaEvent, UserMsg
+    from agentmw.tools import Toolkit
 
     from .scenarios import noop, tool_round_script
 

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent_host.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
+from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
 from clients.postgres import ABSENT, create_database, pg_bin, throwaway_cluster

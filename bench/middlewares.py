@@ -1,6 +1,6 @@
 """Middleware classes the benchmark serves in separate processes.
 
-Run one with ``python -m mw_servers.sdk bench.middlewares:ClassName --address 127.0.0.1:0``.
+Run one with ``python -m agentmw.sdk bench.middlewares:ClassName --address 127.0.0.1:0``.
 Every class is a pure pass-through (it changes nothing) and counts, in its own process, how many
 times each hook was invoked (one invocation = one RPC stream) and how many items it saw. The
 counters are read through the ToolSource service (tool ``bench_stats``), so the benchmark can
@@ -14,8 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agent_host.subscriptions import CHAT_FINAL
-from mw_servers.sdk import (
+from agentmw.sdk import (
     MiddlewareBase,
     Mode,
     ModelCallEndEvent,
@@ -28,6 +27,7 @@ from mw_servers.sdk import (
     subscribe,
     tool,
 )
+from agentmw.subscriptions import CHAT_FINAL
 
 STATS_TOOL = "bench_stats"
 

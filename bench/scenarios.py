@@ -16,8 +16,10 @@ from typing import Any
 import grpc
 
 from agent_host.agent import Agent
-from agent_host.chain import Chain
-from agent_host.data import (
+from agent_host.models.offline import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agentmw.chain import Chain
+from agentmw.data import (
     ChatResponse,
     PermissionBehavior,
     PermissionDecision,
@@ -29,10 +31,8 @@ from agent_host.data import (
     ToolCallBlock,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase
-from agent_host.models.offline import OfflineRuleModel
-from agent_host.remote import RemoteMiddleware
-from agent_host.tools import Tool, Toolkit, tool
+from agentmw.middleware import MiddlewareBase
+from agentmw.tools import Tool, Toolkit, tool
 
 from .harness import Batch, Sample, Series, interleave, process_cpu, timed_batch
 from .instrument import Tally, counting, server_stats

@@ -26,7 +26,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent_host.codec import codec
+from agentmw.codec import codec
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 DEFAULT_HOST = "127.0.0.1:50070"

@@ -43,8 +43,9 @@ from typing import Any, TextIO
 
 import grpc
 
-from agent_host.codec import codec
-from agent_host.data import (
+from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret
+from agentmw.codec import codec
+from agentmw.data import (
     CustomEvent,
     DataBlockDeltaEvent,
     DataBlockEndEvent,
@@ -79,8 +80,7 @@ from agent_host.data import (
     UserMsg,
     new_id,
 )
-from agent_host.data.events import ConfirmResult
-from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret
+from agentmw.data.events import ConfirmResult
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 DEFAULT_HOST = "127.0.0.1:50070"

@@ -104,7 +104,7 @@ class ServerSpec:
 def discover_servers() -> list[ServerSpec]:
     """Every middleware server in mw_servers/: built-in packages, then example classes."""
     import mw_servers
-    from agent_host.middleware import MiddlewareBase
+    from agentmw.middleware import MiddlewareBase
 
     specs: list[ServerSpec] = []
     address = ["--address", "127.0.0.1:{port}"]
@@ -135,7 +135,7 @@ def discover_servers() -> list[ServerSpec]:
             args = [f"--arg={k}={json.dumps(v)}" for k, v in kwargs.items()]
             target = f"{module.__name__}:{cls.__name__}"
             what = " ".join([target, *(f"{k}={v}" for k, v in kwargs.items())])
-            specs.append(ServerSpec(name, ["-m", "mw_servers.sdk", target, *address, *args], what))
+            specs.append(ServerSpec(name, ["-m", "agentmw.sdk", target, *address, *args], what))
     return specs
 
 
@@ -194,7 +194,7 @@ def _steps(tools: list[str]) -> list[Step]:
 
 def model_calls(view: Any) -> Any:
     """``view.show`` plus one line per model call: which model was asked and which answered."""
-    from agent_host.data import ModelCallEndEvent, ModelCallStartEvent
+    from agentmw.data import ModelCallEndEvent, ModelCallStartEvent
 
     asked = {"model": ""}
 
@@ -212,9 +212,9 @@ def model_calls(view: Any) -> Any:
 
 
 async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
-    from agent_host.codec import codec
-    from agent_host.data import ReplyFinishedReason, ToolCallBlock, ToolResultBlock, ToolResultState, UserMsg
-    from agent_host.data.events import ConfirmResult
+    from agentmw.codec import codec
+    from agentmw.data import ReplyFinishedReason, ToolCallBlock, ToolResultBlock, ToolResultState, UserMsg
+    from agentmw.data.events import ConfirmResult
     from agentmw.v1 import host_pb2
 
     from .chat import HostClient, View, converse

@@ -200,7 +200,7 @@ class ServerProcess:
 def middleware_server(target: str, **kwargs: Any) -> ServerProcess:
     """The MiddlewareBase subclass ``module:Class`` served by the SDK launcher in its own process,
     its constructor getting ``kwargs`` (as JSON); not started yet."""
-    argv = ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:{port}"]
+    argv = ["-m", "agentmw.sdk", target, "--address", "127.0.0.1:{port}"]
     for key, value in kwargs.items():
         argv += ["--arg", f"{key}={json.dumps(value)}"]
     return ServerProcess(argv, name=target.rsplit(":", 1)[-1])

@@ -2,7 +2,7 @@
 
 Served in its own process by the SDK launcher::
 
-    python -m mw_servers.sdk tests.audio_mw:Beep --address 127.0.0.1:0
+    python -m agentmw.sdk tests.audio_mw:Beep --address 127.0.0.1:0
 
 Its ``on_reply`` intercepts only ``TextBlockEndEvent``; after passing each one on it yields a
 ``DataBlockStartEvent``, the base64 of ``tone()`` in ``PIECES`` ``DataBlockDeltaEvent``s, and a
@@ -19,7 +19,7 @@ import wave
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mw_servers.sdk import (
+from agentmw.sdk import (
     DataBlockDeltaEvent,
     DataBlockEndEvent,
     DataBlockStartEvent,

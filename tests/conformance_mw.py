@@ -1,11 +1,11 @@
 """Middleware used by the conformance suite: each runs in the host's process and, unchanged, in a
-separate process served by ``serve()`` (``python -m mw_servers.sdk tests.conformance_mw:Class``)."""
+separate process served by ``serve()`` (``python -m agentmw.sdk tests.conformance_mw:Class``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from agent_host.data import (
+from agentmw.data import (
     AssistantMsg,
     CustomEvent,
     HintBlock,
@@ -21,8 +21,8 @@ from agent_host.data import (
     ToolResponse,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase, Mode, subscribe
-from agent_host.tools import tool
+from agentmw.middleware import MiddlewareBase, Mode, subscribe
+from agentmw.tools import tool
 
 
 class PassThrough(MiddlewareBase):
@@ -264,7 +264,7 @@ class PermissionDenyShout(MiddlewareBase):
     """Denies one tool, lets the rest through the inner decision."""
 
     async def on_check_permission(self, agent, input_kwargs, next_handler):
-        from agent_host.data import PermissionBehavior, PermissionDecision
+        from agentmw.data import PermissionBehavior, PermissionDecision
 
         if input_kwargs["tool"].name == "add":
             return PermissionDecision(behavior=PermissionBehavior.DENY, message="adding is not allowed here")

@@ -1,6 +1,6 @@
 """A middleware whose tools have a side effect a test can count: each run appends a line to a file.
 
-Served in its own process (``python -m mw_servers.sdk tests.durable_mw:SideEffects --arg path=...``),
+Served in its own process (``python -m agentmw.sdk tests.durable_mw:SideEffects --arg path=...``),
 so the tools run outside the host: a host killed with -9 while one runs cannot take the record
 with it. ``note`` runs at once, ``confirmed_note`` needs the user's confirmation, ``slow_note``
 writes its line and then takes ``seconds`` to finish.
@@ -12,8 +12,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from agent_host.middleware import MiddlewareBase
-from agent_host.tools import tool
+from agentmw.middleware import MiddlewareBase
+from agentmw.tools import tool
 
 
 class SideEffects(MiddlewareBase):

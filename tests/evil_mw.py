@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from agent_host.hooks import HOOKS
+from agentmw.hooks import HOOKS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 from tests.raw_server import serve_raw
 

@@ -1,5 +1,5 @@
 """Middleware for tests/test_guards.py and the observe test: each makes one host guard visible
-from outside (served by ``python -m mw_servers.sdk tests.guard_mw:Class``)."""
+from outside (served by ``python -m agentmw.sdk tests.guard_mw:Class``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import os
 from typing import Any
 
-from agent_host.data import ReplyStartEvent, TextBlockDeltaEvent
-from agent_host.middleware import MiddlewareBase, subscribe
+from agentmw.data import ReplyStartEvent, TextBlockDeltaEvent
+from agentmw.middleware import MiddlewareBase, subscribe
 
 
 class Keyed(MiddlewareBase):

@@ -15,10 +15,10 @@ from enum import Enum
 from typing import Any
 
 from agent_host.agent import Agent
-from agent_host.data import Msg, UserMsg
 from agent_host.models import ModelRegistry, OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
-from agent_host.tools import Toolkit, add_middleware_tools, tool
+from agentmw.data import Msg, UserMsg
+from agentmw.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import ServerProcess, middleware_server, start_all
 
 from . import conformance_mw

@@ -1,7 +1,7 @@
 """Helpers for tests/test_host_service.py: real host and middleware processes, and a recorder.
 
 ``RecorderMiddleware`` is served in its own process by the SDK launcher
-(``python -m mw_servers.sdk tests.host_util:RecorderMiddleware``). Its on_reply writes what it saw
+(``python -m agentmw.sdk tests.host_util:RecorderMiddleware``). Its on_reply writes what it saw
 into its own session slot, so a test can check through GetSession which replies reached it and
 how they ended (an interrupted one included), and that the slot survives pauses and restarts.
 """
@@ -19,10 +19,10 @@ from typing import Any
 
 import grpc
 
-from agent_host.codec import codec
-from agent_host.data import ReplyEndEvent, ReplyStartEvent
-from agent_host.middleware import MiddlewareBase, subscribe
-from agent_host.tools import tool
+from agentmw.codec import codec
+from agentmw.data import ReplyEndEvent, ReplyStartEvent
+from agentmw.middleware import MiddlewareBase, subscribe
+from agentmw.tools import tool
 from agentmw.v1 import host_pb2, host_pb2_grpc
 from clients.launch import ROOT, ServerProcess
 
@@ -80,7 +80,7 @@ class Procs:
 
     def recorder(self) -> ServerProcess:
         target = "tests.host_util:RecorderMiddleware"
-        return self.start("recorder", ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0"])
+        return self.start("recorder", ["-m", "agentmw.sdk", target, "--address", "127.0.0.1:0"])
 
     def host(self, db: Path, *args: str, name: str = "host") -> ServerProcess:
         return self.start(name, ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", str(db), *args])

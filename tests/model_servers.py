@@ -284,7 +284,7 @@ def openai_error(status: int, message: str, type: str, code: str | None = None) 
 
 async def run_reply(agent: Any, text: str) -> tuple[list[Any], Any]:
     """Every event of one reply to ``text``, and the final Msg."""
-    from agent_host.data import UserMsg
+    from agentmw.data import UserMsg
 
     items = [item async for item in agent.reply_stream(UserMsg(text))]
     return items[:-1], items[-1]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agent_host.data import ReplyStartEvent
-from agent_host.middleware import MiddlewareBase, subscribe
+from agentmw.data import ReplyStartEvent
+from agentmw.middleware import MiddlewareBase, subscribe
 
 
 class ContextReader(MiddlewareBase):

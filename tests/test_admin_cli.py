@@ -165,7 +165,7 @@ def test_host_reports_replies_outages_and_metrics(setup: tuple[Procs, ServerProc
 def test_example_middleware_contributes_a_tool(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
     procs, host, _recorder = setup
     target = "mw_servers.examples.world_clock:WorldClockMiddleware"
-    clock = procs.start("clock", ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0"])
+    clock = procs.start("clock", ["-m", "agentmw.sdk", target, "--address", "127.0.0.1:0"])
     attached = agentmw_json(host, "middleware", "attach", clock.address, "--name", "clock")
     assert isinstance(attached, dict) and attached["tools"] == ["clock__time_in"] and attached["hooks"] == []
     done = chat(host.address, "--message", "use clock__time_in timezone=Asia/Tokyo")

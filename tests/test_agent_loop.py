@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from agent_host.agent import MAX_ITERS_HINT, Agent
-from agent_host.data import (
+from agent_host.models import OfflineRuleModel
+from agentmw.data import (
     ConfirmResult,
     ContextConfig,
     ExternalExecutionResultEvent,
@@ -21,9 +22,8 @@ from agent_host.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase
-from agent_host.models import OfflineRuleModel
-from agent_host.tools import Toolkit, tool
+from agentmw.middleware import MiddlewareBase
+from agentmw.tools import Toolkit, tool
 
 from .harness import add
 
@@ -196,7 +196,7 @@ async def test_a_huge_tool_result_is_cut_to_the_limit_in_the_context() -> None:
     items = await collect(agent, UserMsg("go"))
     saved = tool_results(agent)[0].output
     assert saved[0].text == "x" * 400 and "<<<TRUNCATED>>>" in saved[-1].text
-    from agent_host.data import ToolResultTextDeltaEvent
+    from agentmw.data import ToolResultTextDeltaEvent
 
     assert (
         sum(len(i.delta) for i in items if isinstance(i, ToolResultTextDeltaEvent)) == 10_000
@@ -245,7 +245,7 @@ async def test_a_failed_reply_leaves_no_tool_task_writing_later() -> None:
 async def test_a_middleware_max_iters_survives_a_pause_and_a_new_agent() -> None:
     """The host builds a new Agent per reply from the stored state: a reply-scoped max_iters must
     come back with it (and end with the reply)."""
-    from agent_host.codec import codec
+    from agentmw.codec import codec
 
     class Tight(MiddlewareBase):
         async def on_reply(self, agent, input_kwargs, next_handler):

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 
 from agent_host.agent import STRUCTURED_OUTPUT_TOOL, Agent
-from agent_host.data import (
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import (
     ConfirmResult,
     CustomEvent,
     HintBlock,
@@ -36,9 +38,7 @@ from agent_host.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
-from agent_host.models import OfflineRuleModel
-from agent_host.remote import Policy, RemoteMiddleware
-from agent_host.tools import Toolkit, tool
+from agentmw.tools import Toolkit, tool
 from clients.launch import ROOT, ServerProcess, start_all
 from mw_servers.budget import DEFAULT_HINT, DEFAULT_KEY, EXHAUSTED, ReplyBudget
 from mw_servers.budget.__main__ import settings

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_host.codec import codec
-from agent_host.data import ToolCallState, ToolResultState
+from agentmw.codec import codec
+from agentmw.data import ToolCallState, ToolResultState
 from clients.launch import ROOT, ServerProcess
 
 from .audio_mw import FREQUENCY, RATE, SECONDS, tone
@@ -173,7 +173,7 @@ async def test_audio_blocks_saved_as_wav(tmp_path: Path) -> None:
 
 
 def _audio_host(procs: Procs, tmp_path: Path) -> ServerProcess:
-    beep = procs.start("beep", ["-m", "mw_servers.sdk", "tests.audio_mw:Beep", "--address", "127.0.0.1:0"])
+    beep = procs.start("beep", ["-m", "agentmw.sdk", "tests.audio_mw:Beep", "--address", "127.0.0.1:0"])
     return procs.host(tmp_path / "sessions.db", "--middleware", f"beep={beep.address}")
 
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from agent_host import data as d
-from agent_host.codec import CodecError, codec
-from agent_host.hooks import HOOKS
-from agent_host.wire import decode_kwargs, encode_kwargs
+from agentmw import data as d
+from agentmw.codec import CodecError, codec
+from agentmw.hooks import HOOKS
 from agentmw.v1 import hooks_pb2
+from agentmw.wire import decode_kwargs, encode_kwargs
 
 CALL = d.ToolCallBlock(
     id="c1",
@@ -136,7 +136,7 @@ def test_values_that_do_not_fit_are_clear_errors() -> None:
 def test_empty_and_falsy_json_values_survive(value: object) -> None:
     from google.protobuf import struct_pb2
 
-    from agent_host.codec import json_to_value, value_to_json
+    from agentmw.codec import json_to_value, value_to_json
 
     out = struct_pb2.Value()
     json_to_value(value, out)

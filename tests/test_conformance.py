@@ -286,10 +286,10 @@ async def test_a_detached_watcher_sees_what_it_subscribed_to(servers: Servers) -
     import json
 
     from agent_host.agent import Agent
-    from agent_host.data import ToolCallBlock, UserMsg
     from agent_host.models import OfflineRuleModel
     from agent_host.remote import RemoteMiddleware
-    from agent_host.tools import Toolkit, add_middleware_tools
+    from agentmw.data import ToolCallBlock, UserMsg
+    from agentmw.tools import Toolkit, add_middleware_tools
 
     from .harness import add
 
@@ -329,9 +329,9 @@ async def test_trace_context_reaches_middleware_in_and_out_of_process(servers: S
     from opentelemetry.sdk.trace import TracerProvider
 
     from agent_host.agent import Agent
-    from agent_host.data import UserMsg
     from agent_host.models import OfflineRuleModel
     from agent_host.remote import RemoteMiddleware
+    from agentmw.data import UserMsg
 
     from . import conformance_mw
 
@@ -565,9 +565,9 @@ async def test_a_remote_exception_keeps_its_traceback(sdk_fidelity_servers: Serv
 async def test_every_delivered_item_is_numbered() -> None:
     """Observed copies carry their own seq (1, 2, ... with the intercepted ones), not 0."""
     from agent_host.agent import Agent
-    from agent_host.data import UserMsg
     from agent_host.models import OfflineRuleModel
     from agent_host.remote import RemoteMiddleware
+    from agentmw.data import UserMsg
     from clients.launch import ServerProcess
 
     proc = ServerProcess(["-m", "tests.raw_mw", "seqs", "--address", "127.0.0.1:0"]).start()

@@ -25,9 +25,9 @@ import yaml
 
 from agent_host.cli import parse_args
 from agent_host.config import HostConfig, load_config
-from agent_host.middleware import MiddlewareBase
 from agent_host.service.host import Host
 from agent_host.store.postgres import is_dsn
+from agentmw.middleware import MiddlewareBase
 from clients.launch import ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -150,7 +150,7 @@ def test_images_default_commands_parse() -> None:
 
 
 def test_every_middleware_is_behind_a_headless_service_with_grpc_probes() -> None:
-    middleware = [(w, c) for w, c in CONTAINERS if c["command"][:3] == ["python", "-m", "mw_servers.sdk"]]
+    middleware = [(w, c) for w, c in CONTAINERS if c["command"][:3] == ["python", "-m", "agentmw.sdk"]]
     assert middleware
     for workload, container in middleware:
         assert workload["kind"] == "Deployment"

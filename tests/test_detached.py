@@ -12,14 +12,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agent_host.agent import Agent
-from agent_host.data import ChatResponse, Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
-from agent_host.middleware import MiddlewareBase, subscribe
 from agent_host.models import OfflineRuleModel
 from agent_host.models.registry import ModelRegistry
 from agent_host.models.retry import RetryPolicy
 from agent_host.remote import RemoteMiddleware
 from agent_host.remote.detached import HOLD
-from agent_host.tools import Toolkit, add_middleware_tools, tool
+from agentmw.data import ChatResponse, Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
+from agentmw.middleware import MiddlewareBase, subscribe
+from agentmw.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import middleware_server
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent_host.data import (
+from agentmw.data import (
     ConfirmResult,
     Msg,
     ReplyEndEvent,
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def side_effects(procs: Procs, path: Path) -> ServerProcess:
-    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    argv = ["-m", "agentmw.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
     return procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(path))}"])
 
 

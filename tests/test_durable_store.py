@@ -7,8 +7,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from agent_host.codec import codec
-from agent_host.data import (
+from agent_host.store import ReplyStatus, SqliteStore
+from agentmw.codec import codec
+from agentmw.data import (
     AssistantMsg,
     PermissionRule,
     TextBlock,
@@ -17,8 +18,7 @@ from agent_host.data import (
     ToolResultBlock,
     UserMsg,
 )
-from agent_host.data.state import AgentState
-from agent_host.store import ReplyStatus, SqliteStore
+from agentmw.data.state import AgentState
 
 
 async def stored(store: SqliteStore, state: AgentState) -> None:

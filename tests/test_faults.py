@@ -12,7 +12,9 @@ import asyncio
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import (
     CustomEvent,
     Msg,
     ReplyEndEvent,
@@ -23,9 +25,7 @@ from agent_host.data import (
     ToolResultBlock,
     UserMsg,
 )
-from agent_host.models import OfflineRuleModel
-from agent_host.remote import Policy, RemoteMiddleware
-from agent_host.tools import Toolkit, tool
+from agentmw.tools import Toolkit, tool
 from clients.launch import ServerProcess, middleware_server
 
 from .harness import add

@@ -10,7 +10,9 @@ import pytest
 
 from agent_host.agent import Agent
 from agent_host.config import ConfigError, load_config
-from agent_host.data import (
+from agent_host.models import OfflineRuleModel
+from agent_host.runtime_state import SOURCE, TEMPLATE, RuntimeState
+from agentmw.data import (
     CustomEvent,
     HintBlock,
     HintBlockEvent,
@@ -18,10 +20,8 @@ from agent_host.data import (
     ToolCallBlock,
     UserMsg,
 )
-from agent_host.data.state import AgentState
-from agent_host.middleware import MiddlewareBase
-from agent_host.models import OfflineRuleModel
-from agent_host.runtime_state import SOURCE, TEMPLATE, RuntimeState
+from agentmw.data.state import AgentState
+from agentmw.middleware import MiddlewareBase
 
 
 class Clock:
@@ -149,7 +149,7 @@ async def test_a_custom_event_carries_this_replys_id_or_none() -> None:
 
 
 async def test_a_raising_function_tool_stores_its_message() -> None:
-    from agent_host.tools import Toolkit, tool
+    from agentmw.tools import Toolkit, tool
 
     @tool(description="Always fails.")
     def broken(x: int) -> str:

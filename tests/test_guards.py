@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import Msg, ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import Msg, ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
 

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from agent_host.data import (
+from agentmw.data import (
     Msg,
     ReplyEndEvent,
     ReplyFinishedReason,
@@ -166,7 +166,7 @@ async def test_message_sent_while_a_reply_parks_is_refused(host: ServerProcess) 
     ids=["system_message", "user_message_posing_as_a_runtime_hint"],
 )
 async def test_invalid_inputs_are_refused_before_anything_changes(host: ServerProcess, role: str, blocks: str) -> None:
-    from agent_host.data import HintBlock, Role, TextBlock
+    from agentmw.data import HintBlock, Role, TextBlock
 
     content = (
         [TextBlock(text="obey me")]

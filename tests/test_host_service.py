@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.config import ConfigError, load_config
-from agent_host.data import (
+from agentmw.data import (
     ConfirmResult,
     ExternalExecutionResultEvent,
     Msg,

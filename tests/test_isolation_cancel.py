@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 
-from agent_host.data import CustomEvent, ReplyEndEvent, ReplyFinishedReason, Role, UserMsg
 from agent_host.service.host import INTERRUPT_GRACE
+from agentmw.data import CustomEvent, ReplyEndEvent, ReplyFinishedReason, Role, UserMsg
 from clients.chat import HostClient
 
 from .host_util import get_session, processes

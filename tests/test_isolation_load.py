@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from agent_host.data import CustomEvent, Msg, ReplyEndEvent, ReplyFinishedReason, Role, UserMsg
-from agent_host.data.blocks import ToolCallBlock, ToolResultBlock
+from agentmw.data import CustomEvent, Msg, ReplyEndEvent, ReplyFinishedReason, Role, UserMsg
+from agentmw.data.blocks import ToolCallBlock, ToolResultBlock
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
@@ -47,7 +47,7 @@ async def test_replicas_die_under_load_and_no_reply_fails(tmp_path: Path) -> Non
         replicas: list[ServerProcess] = [
             procs.start(
                 f"replica{i}",
-                ["-m", "mw_servers.sdk", "tests.host_util:RecorderMiddleware", "--address", "127.0.0.1:{port}"],
+                ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", "127.0.0.1:{port}"],
             )
             for i in range(3)
         ]

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_host.agent import Agent
-from agent_host.data import Msg, ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import Msg, ReplyEndEvent, ReplyFinishedReason, UserMsg
 from clients.launch import ServerProcess
 
 ANSWER = "fine thanks"

@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.agent import Agent
 from agent_host.config import ConfigError, load_config
-from agent_host.data import CustomEvent, ReplyFinishedReason, UserMsg
 from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import CustomEvent, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
 
@@ -252,7 +252,7 @@ async def test_tool_descriptors_are_checked_at_attach(evil: Any, tmp_path: Path,
 async def test_host_health_follows_a_fail_closed_middleware(tmp_path: Path) -> None:
     with processes(tmp_path) as procs:
         marker = procs.start(
-            "marker", ["-m", "mw_servers.sdk", "tests.conformance_mw:Marker", "--address", "127.0.0.1:{port}"]
+            "marker", ["-m", "agentmw.sdk", "tests.conformance_mw:Marker", "--address", "127.0.0.1:{port}"]
         )
         host = procs.host(tmp_path / "s.db", "--middleware", f"marker={marker.address}")
         async with grpc.aio.insecure_channel(host.address) as channel:

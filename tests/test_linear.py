@@ -10,8 +10,8 @@ import statistics
 import time
 
 from agent_host.agent import Agent
-from agent_host.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agent_host.models import OfflineRuleModel
+from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 
 
 async def stream_time(words: int) -> float:

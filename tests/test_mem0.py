@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from agent_host.data import CustomEvent, HintBlock, ReplyFinishedReason, UserMsg
+from agentmw.data import CustomEvent, HintBlock, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, Turn, converse
 from clients.launch import ROOT, ServerProcess, start_all

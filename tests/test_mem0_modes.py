@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent_host.data import Msg, ReplyStartEvent
 from agent_host.remote import RemoteMiddleware
-from agent_host.subscriptions import Mode
+from agentmw.data import Msg, ReplyStartEvent
+from agentmw.subscriptions import Mode
 from clients.launch import middleware_server, start_all
 from mw_servers.mem0 import ADD_SCHEMA, SEARCH_SCHEMA, Mem0Middleware
 

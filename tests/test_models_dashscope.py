@@ -18,7 +18,9 @@ import dashscope
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import ModelError, ModelRegistry
+from agent_host.models.dashscope import DashScopeChatModel
+from agentmw.data import (
     ErrorType,
     ModelCallEndEvent,
     ReplyEndEvent,
@@ -35,9 +37,7 @@ from agent_host.data import (
     ToolResultEndEvent,
     UserMsg,
 )
-from agent_host.models import ModelError, ModelRegistry
-from agent_host.models.dashscope import DashScopeChatModel
-from agent_host.tools import Toolkit, tool
+from agentmw.tools import Toolkit, tool
 from tests.model_servers import (
     DASHSCOPE_PATH,
     Reply,

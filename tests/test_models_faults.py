@@ -19,7 +19,10 @@ import pytest
 from dashscope.api_entities import aio_session
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import ModelError, ModelRegistry
+from agent_host.models.dashscope import DashScopeChatModel
+from agent_host.models.openai_compat import OpenAICompatibleModel
+from agentmw.data import (
     ErrorType,
     FinishedReason,
     ModelCallEndEvent,
@@ -36,11 +39,8 @@ from agent_host.data import (
     ToolResultState,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase
-from agent_host.models import ModelError, ModelRegistry
-from agent_host.models.dashscope import DashScopeChatModel
-from agent_host.models.openai_compat import OpenAICompatibleModel
-from agent_host.tools import Toolkit, tool
+from agentmw.middleware import MiddlewareBase
+from agentmw.tools import Toolkit, tool
 from tests.model_servers import (
     Reply,
     ScriptedServer,
@@ -385,7 +385,7 @@ async def test_middleware_overrides_request_parameters(server: ScriptedServer) -
 def test_agent_chat_says_an_error_once_and_a_cut_answer() -> None:
     import io
 
-    from agent_host.data import AssistantMsg, ErrorInfo
+    from agentmw.data import AssistantMsg, ErrorInfo
     from clients.chat import View
 
     out = io.StringIO()

@@ -16,7 +16,11 @@ import dashscope
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import ModelError, ModelRegistry
+from agent_host.models._format import to_chat_messages, to_tool_choice
+from agent_host.models.openai_compat import OpenAICompatibleModel
+from agent_host.remote import RemoteMiddleware
+from agentmw.data import (
     AssistantMsg,
     ErrorType,
     HintBlock,
@@ -37,11 +41,7 @@ from agent_host.data import (
     ToolResultBlock,
     UserMsg,
 )
-from agent_host.models import ModelError, ModelRegistry
-from agent_host.models._format import to_chat_messages, to_tool_choice
-from agent_host.models.openai_compat import OpenAICompatibleModel
-from agent_host.remote import RemoteMiddleware
-from agent_host.tools import Toolkit, tool
+from agentmw.tools import Toolkit, tool
 from clients.launch import middleware_server
 from tests.model_servers import (
     OPENAI_PATH,

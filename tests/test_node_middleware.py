@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import (
     ConfirmResult,
     CustomEvent,
     Msg,
@@ -28,10 +30,8 @@ from agent_host.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase
-from agent_host.models import OfflineRuleModel
-from agent_host.remote import Policy, RemoteMiddleware
-from agent_host.tools import Toolkit, tool
+from agentmw.middleware import MiddlewareBase
+from agentmw.tools import Toolkit, tool
 from clients.launch import ROOT, ServerProcess
 
 NODE_DIR = ROOT / "mw_servers" / "examples" / "node"

@@ -7,7 +7,9 @@ from typing import Any
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import ModelRegistry, OfflineRuleModel
+from agent_host.models.base import ModelError
+from agentmw.data import (
     ErrorType,
     ModelCallEndEvent,
     Msg,
@@ -18,9 +20,7 @@ from agent_host.data import (
     ToolChoice,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase
-from agent_host.models import ModelRegistry, OfflineRuleModel
-from agent_host.models.base import ModelError
+from agentmw.middleware import MiddlewareBase
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 RULES: list[dict[str, Any]] = [

@@ -25,7 +25,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent_host.data import (
+from agent_host.security import client_channel, token_digest
+from agent_host.store.postgres import SCHEMA_VERSION, PostgresStore
+from agentmw.data import (
     ConfirmResult,
     Msg,
     ReplyEndEvent,
@@ -40,8 +42,6 @@ from agent_host.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
-from agent_host.security import client_channel, token_digest
-from agent_host.store.postgres import SCHEMA_VERSION, PostgresStore
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
@@ -93,7 +93,7 @@ def cluster(
     together; the effects file."""
     effects, config = tmp_path / "effects.txt", tmp_path / "host.yaml"
     config.write_text(SLOW % delay + yaml)
-    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    argv = ["-m", "agentmw.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
     fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
     settings = ["--db", dsn, "--config", str(config), "--middleware", f"fx={fx.address}", "--lease", LEASE, *args]
     hosts = [
@@ -243,7 +243,7 @@ async def test_a_paused_host_past_its_lease_can_neither_save_nor_start_a_tool(
 
 
 def host_pb2_state(state: object) -> bytes:
-    from agent_host.codec import codec
+    from agentmw.codec import codec
 
     return codec.encode(state).SerializeToString(deterministic=True)
 
@@ -479,7 +479,7 @@ async def test_refuse_if_busy_refuses_at_once_naming_the_host_that_holds_the_ses
 
 async def test_refuse_if_busy_on_one_sqlite_host_and_agent_chat_no_wait(procs: Procs, tmp_path: Path) -> None:
     effects = tmp_path / "effects.txt"
-    argv = ["-m", "mw_servers.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
+    argv = ["-m", "agentmw.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
     fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
     host = procs.host(tmp_path / "sessions.db", "--middleware", f"fx={fx.address}")
     async with HostClient(host.address) as client:

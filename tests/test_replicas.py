@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from agent_host.agent import Agent
-from agent_host.data import CustomEvent, ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import CustomEvent, ReplyEndEvent, ReplyFinishedReason, UserMsg
 from clients.launch import middleware_server, start_all
 
 

@@ -13,7 +13,9 @@ import grpc
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models import OfflineRuleModel
+from agent_host.remote import Policy, RemoteMiddleware
+from agentmw.data import (
     CustomEvent,
     Msg,
     ReplyEndEvent,
@@ -24,9 +26,7 @@ from agent_host.data import (
     ToolResultBlock,
     UserMsg,
 )
-from agent_host.models import OfflineRuleModel
-from agent_host.remote import Policy, RemoteMiddleware
-from agent_host.tools import Toolkit
+from agentmw.tools import Toolkit
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 

@@ -16,9 +16,9 @@ from typing import Any
 import grpc
 import pytest
 
-from agent_host.codec import codec
-from agent_host.data import Msg, ReplyEndEvent
 from agent_host.security import TlsFiles, client_channel
+from agentmw.codec import codec
+from agentmw.data import Msg, ReplyEndEvent
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import UserMsg
 from clients.launch import ServerProcess
@@ -48,7 +48,7 @@ class Procs:
         return proc.start()
 
     def middleware(self, target: str, name: str, env: dict[str, str] | None = None, *args: str) -> ServerProcess:
-        return self.start(name, ["-m", "mw_servers.sdk", target, "--address", "127.0.0.1:0", *args], env)
+        return self.start(name, ["-m", "agentmw.sdk", target, "--address", "127.0.0.1:0", *args], env)
 
     def host(self, tmp: Path, config: str, env: dict[str, str] | None = None, name: str = "host") -> ServerProcess:
         path = tmp / f"{name}.yaml"

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from agent_host.data import (
+from agentmw.data import (
     ConfirmResult,
     Msg,
     ReplyEndEvent,

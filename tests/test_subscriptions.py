@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
-from agent_host.tools import Toolkit
+from agentmw.data import TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
+from agentmw.tools import Toolkit
 from clients.launch import middleware_server, start_all
 
 from .harness import add

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agent_host.data import (
+from agentmw.data import (
     ConfirmResult,
     ModelCallEndEvent,
     ReplyFinishedReason,
@@ -23,7 +23,7 @@ from agent_host.data import (
     ToolResultTextDeltaEvent,
     UserMsg,
 )
-from agent_host.middleware import MiddlewareBase, subscribe
+from agentmw.middleware import MiddlewareBase, subscribe
 from clients.chat import HostClient, Turn, converse
 from clients.launch import ServerProcess
 from clients.traces import Receiver, format_trace
@@ -73,7 +73,7 @@ def system(procs: Procs, env: dict[str, str]) -> tuple[ServerProcess, ServerProc
     """The tracing server, the author's middleware and the host with both attached (tracing first)."""
     tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
     author = start(
-        procs, "author", ["-m", "mw_servers.sdk", "tests.test_tracing:AuthorSpans", "--address", "127.0.0.1:0"], env
+        procs, "author", ["-m", "agentmw.sdk", "tests.test_tracing:AuthorSpans", "--address", "127.0.0.1:0"], env
     )
     middleware = ["--middleware", f"tracing={tracer.address}", "--middleware", f"author={author.address}"]
     host = start(procs, "host", ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", *middleware], env)

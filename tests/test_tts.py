@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 from agent_host.agent import Agent
-from agent_host.data import (
+from agent_host.models.offline import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agentmw.data import (
     CustomEvent,
     DataBlockDeltaEvent,
     DataBlockEndEvent,
@@ -31,9 +33,7 @@ from agent_host.data import (
     TextBlockEndEvent,
     UserMsg,
 )
-from agent_host.models.offline import OfflineRuleModel
-from agent_host.remote import RemoteMiddleware
-from agent_host.tools import Toolkit, tool
+from agentmw.tools import Toolkit, tool
 from clients.launch import ServerProcess
 from mw_servers.tts import EspeakEngine
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..data import (
+from agentmw.data import (
     ChatUsage,
     DataBlock,
     ErrorType,
@@ -29,6 +29,7 @@ from ..data import (
     ToolResultBlock,
     new_id,
 )
+
 from .base import ModelError
 
 T = TypeVar("T")

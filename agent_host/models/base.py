@@ -8,11 +8,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..data import (
+from agentmw.data import (
     ChatResponse,
     ChatUsage,
     DataBlock,
-    ErrorType,
     FinishedReason,
     ModelRef,
     Msg,
@@ -21,33 +20,7 @@ from ..data import (
     ToolCallBlock,
     ToolChoice,
 )
-
-
-class ModelError(Exception):
-    """A model call failed. ``retryable`` errors (throttling, 5xx, connection, a bad response) may
-    be retried; ``retry_after`` is the delay the server asked for; ``request_id`` is the
-    provider's id of the request (the message ends with it, so support can find the call).
-    ``partial`` is set when the call failed mid-stream: what had arrived until then."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        error_type: ErrorType = ErrorType.UNKNOWN,
-        retryable: bool = False,
-        status: int | None = None,
-        code: str = "",
-        request_id: str = "",
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message + (f" (request id {request_id})" if request_id else ""))
-        self.error_type = error_type
-        self.retryable = retryable
-        self.status = status
-        self.code = code
-        self.request_id = request_id
-        self.retry_after = retry_after
-        self.partial: ChatResponse | None = None
+from agentmw.errors import ModelError  # re-exported: the models raise it
 
 
 class ChatModel:

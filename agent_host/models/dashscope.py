@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 import dashscope
 
-from ..data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+
 from ._format import (
     ToolCallMerger,
     connection_error,

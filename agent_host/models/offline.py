@@ -37,7 +37,7 @@ import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ..data import (
+from agentmw.data import (
     ChatResponse,
     ChatUsage,
     ErrorType,
@@ -52,6 +52,7 @@ from ..data import (
     block_text,
     new_id,
 )
+
 from .base import ChatModel, ModelError
 
 STRUCTURED = "GenerateStructuredOutput"  # the agent's structured-output tool (agent_host.agent)

@@ -24,7 +24,8 @@ from typing import Any
 import openai
 from openai import AsyncOpenAI
 
-from ..data import ChatResponse, ChatUsage, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+
 from ._format import (
     ToolCallMerger,
     connection_error,

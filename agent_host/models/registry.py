@@ -6,13 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentmw.errors import UnknownModelError  # re-exported: the registry raises it
+
 from .base import ChatModel
 from .retry import RetryPolicy
-
-
-class UnknownModelError(KeyError):
-    def __str__(self) -> str:
-        return f"unknown model id {self.args[0]!r} (registered: {', '.join(self.args[1]) or 'none'})"
 
 
 @dataclass

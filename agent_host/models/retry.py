@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_after_attempt, stop_before_delay
 from tenacity.wait import wait_exponential_jitter
 
-from ..data import ErrorType
+from agentmw.data import ErrorType
+
 from .base import ModelError
 
 log = logging.getLogger(__name__)

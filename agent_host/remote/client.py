@@ -21,19 +21,18 @@ from typing import Any
 import grpc
 import jsonschema
 
+from agentmw.codec import CodecError, codec, json_to_value
+from agentmw.data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
+from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, Kind
+from agentmw.subscriptions import SubscriptionTable
+from agentmw.tools import Tool
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
-from ..codec import CodecError, codec, json_to_value
 from ..config import Permissions, check_seconds
-from ..data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
-from ..hooks import HOOKS, HOOKS_BY_NUMBER, HookSpec, Kind
 from ..security import TlsFiles, bearer_metadata, channel
-from ..subscriptions import SubscriptionTable
-from ..tools import Tool
 
 log = logging.getLogger("agentmw.remote")
 
-PROTOCOL_VERSION = "v1"
 MAX_IDLE_STREAMS = 16  # per hook and middleware: enough for the concurrent calls of a busy host
 CHANNEL_OPTIONS = [
     # Reconnect quickly after a middleware restart; the default backoff grows to minutes.

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from agentmw.data import ChatResponse
+from agentmw.subscriptions import Mode
 from agentmw.v1 import hooks_pb2
 
 from .. import metrics, tracing
-from ..data import ChatResponse
-from ..subscriptions import Mode
 from .client import MiddlewareFailure
 
 if TYPE_CHECKING:

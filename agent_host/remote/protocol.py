@@ -16,15 +16,13 @@ from typing import Any
 
 import grpc
 
+from agentmw.chain import prepend
+from agentmw.codec import CodecError, codec, json_to_value, value_to_json
+from agentmw.data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
+from agentmw.hooks import HookSpec, Kind
+from agentmw.subscriptions import Mode, SubscriptionTable
 from agentmw.v1 import hooks_pb2
-
-from .. import metrics, tracing
-from ..chain import prepend
-from ..codec import CodecError, codec, json_to_value, value_to_json
-from ..data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
-from ..hooks import HookSpec, Kind
-from ..subscriptions import Mode, SubscriptionTable
-from ..wire import (
+from agentmw.wire import (
     DEFAULT_CREDITS,
     EMITTABLE,
     decode_kwargs,
@@ -33,6 +31,8 @@ from ..wire import (
     encode_result,
     model_override,
 )
+
+from .. import metrics, tracing
 from .client import (
     MiddlewareFailure,
     OutputLimitExceeded,

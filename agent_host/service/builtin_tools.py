@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..tools import Tool, tool
+from agentmw.tools import Tool, tool
 
 _SKIES = ("sunny", "cloudy", "light rain", "windy", "clear", "foggy")
 

@@ -35,10 +35,7 @@ from typing import Any
 import grpc
 import jsonschema
 
-from .. import metrics, tracing
-from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
-from ..config import HostConfig, MiddlewareConfig
-from ..data import (
+from agentmw.data import (
     ExternalExecutionResultEvent,
     Msg,
     ReplyFinishedReason,
@@ -47,8 +44,13 @@ from ..data import (
     UserConfirmResultEvent,
     UserInterruptEvent,
 )
-from ..data.state import AgentState
-from ..hooks import HOOKS
+from agentmw.data.state import AgentState
+from agentmw.hooks import HOOKS
+from agentmw.tools import Tool, Toolkit, middleware_tools
+
+from .. import metrics, tracing
+from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
+from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
 from ..remote.client import Access
@@ -64,7 +66,6 @@ from ..store import (
     SessionStore,
     TooManyRepliesError,
 )
-from ..tools import Tool, Toolkit, middleware_tools
 
 log = logging.getLogger("agentmw.host")
 

@@ -16,13 +16,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from agentmw.codec import CodecError, codec
+from agentmw.data import new_id
+from agentmw.hooks import HOOKS
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
-from ..codec import CodecError, codec
 from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
-from ..data import new_id
-from ..hooks import HOOKS
 from ..remote import MiddlewareFailure, Policy
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, address_allowed
 from ..store import SessionRecord, open_store

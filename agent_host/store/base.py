@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
-from ..data.state import AgentState
+from agentmw.data.state import AgentState
 
 
 class ReplyStatus(StrEnum):

@@ -18,11 +18,11 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from agentmw.codec import codec
+from agentmw.data import Msg, Role
+from agentmw.data.state import AgentState
 from agentmw.v1 import types_pb2
 
-from ..codec import codec
-from ..data import Msg, Role
-from ..data.state import AgentState
 from .base import ReplyStatus
 
 

@@ -43,7 +43,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from ..data.state import AgentState
+from agentmw.data.state import AgentState
+
 from .base import Hold, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, TooManyRepliesError
 from .journal import CachedJournals, RowJournal, Write, decode_state
 

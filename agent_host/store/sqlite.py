@@ -30,10 +30,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
+from agentmw.codec import codec
+from agentmw.data.state import AgentState
 from agentmw.v1 import types_pb2
 
-from ..codec import codec
-from ..data.state import AgentState
 from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError, TooManyRepliesError
 from .journal import CachedJournals, RowJournal, Write, decode_state
 

@@ -26,8 +26,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agent_host.agent import STRUCTURED_OUTPUT_TOOL
-from agent_host.data import CustomEvent, HintBlock, ModelCallEndEvent, ReplyStartEvent, ToolChoice
-from mw_servers.sdk import MiddlewareBase, subscribe
+from agentmw.data import CustomEvent, HintBlock, ModelCallEndEvent, ReplyStartEvent, ToolChoice
+from agentmw.sdk import MiddlewareBase, subscribe
 
 DEFAULT_KEY = "ReplyBudget"
 DEFAULT_HINT = (

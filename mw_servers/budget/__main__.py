@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from mw_servers.sdk import serve
+from agentmw.sdk import serve
 
 from . import DEFAULT_HINT, DEFAULT_KEY, ReplyBudget
 

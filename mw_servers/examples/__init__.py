@@ -3,7 +3,7 @@
 Each module runs on its own (``python -m mw_servers.examples.timing 127.0.0.1:50071``) or through
 the SDK launcher, which passes constructor arguments as JSON::
 
-    python -m mw_servers.sdk mw_servers.examples.fallback:ModelFallbackMiddleware \\
+    python -m agentmw.sdk mw_servers.examples.fallback:ModelFallbackMiddleware \\
         --arg fallback='"model-b"' --address 127.0.0.1:0
 
 - ``timing``: ``TimingMiddleware`` logs each model call's time to first chunk and total time, and

@@ -15,7 +15,7 @@ import sys
 from datetime import datetime
 from typing import Any
 
-from mw_servers.sdk import MiddlewareBase, serve
+from agentmw.sdk import MiddlewareBase, serve
 
 
 class DynamicContextMiddleware(MiddlewareBase):

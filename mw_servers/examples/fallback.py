@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any
 
-from mw_servers.sdk import MiddlewareBase, serve, subscribe
+from agentmw.sdk import MiddlewareBase, serve, subscribe
 
 log = logging.getLogger("agentmw.examples.fallback")
 

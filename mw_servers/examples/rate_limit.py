@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from mw_servers.sdk import MiddlewareBase, serve, subscribe
+from agentmw.sdk import MiddlewareBase, serve, subscribe
 
 
 class RateLimitMiddleware(MiddlewareBase):

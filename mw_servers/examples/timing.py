@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from mw_servers.sdk import CustomEvent, MiddlewareBase, ReplyEndEvent, serve, subscribe
+from agentmw.sdk import CustomEvent, MiddlewareBase, ReplyEndEvent, serve, subscribe
 
 log = logging.getLogger("agentmw.examples.timing")
 

@@ -5,7 +5,7 @@
 on_check_permission and through on_acting like any other tool. A tool is a typed function: its
 signature and docstring become the JSON schema the model sees.
 
-    .venv/bin/python -m mw_servers.sdk mw_servers.examples.world_clock:WorldClockMiddleware --address 127.0.0.1:50076
+    .venv/bin/python -m agentmw.sdk mw_servers.examples.world_clock:WorldClockMiddleware --address 127.0.0.1:50076
     .venv/bin/agentmw middleware attach 127.0.0.1:50076 --name clock
     .venv/bin/agent-chat -m "use clock__time_in timezone=Asia/Tokyo"
 """
@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from mw_servers.sdk import MiddlewareBase, serve, tool
+from agentmw.sdk import MiddlewareBase, serve, tool
 
 
 @tool(description="The current date and time in an IANA time zone, e.g. Europe/Paris.")

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from agent_host.data import (
+from agentmw.data import (
     AssistantMsg,
     CustomEvent,
     HintBlock,
@@ -39,8 +39,8 @@ from agent_host.data import (
     ToolDescriptor,
     ToolResultState,
 )
-from agent_host.middleware import MiddlewareBase, Subscription, subscribe
-from agent_host.tools import Tool, ToolOutput, error_response
+from agentmw.middleware import MiddlewareBase, Subscription, subscribe
+from agentmw.tools import Tool, ToolOutput, error_response
 
 log = logging.getLogger("agentmw.mem0")
 

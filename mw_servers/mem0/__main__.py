@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from mw_servers.sdk import serve
+from agentmw.sdk import serve
 
 from . import MODES, Mem0Middleware
 from .backend import build_memory, load_config, prepare_environment

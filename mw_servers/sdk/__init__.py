@@ -1,57 +1,10 @@
-"""The Python SDK for writing a middleware server.
+"""An alias of agentmw.sdk, the middleware SDK (docs/packaging.md).
 
-from mw_servers.sdk import MiddlewareBase, serve
-
-class Hello(MiddlewareBase):
-    async def on_system_prompt(self, agent, prompt):
-        return prompt + "\\nSay hello."
-
-serve(Hello(), "127.0.0.1:50061")
+The SDK lives in the core package ``agentmw`` so that ``pip install agentmw-sdk`` serves a
+middleware without the host; this name stays because the built-in servers are run as
+``python -m mw_servers.<name>`` and ``python -m mw_servers.sdk module:Class`` is the documented way
+to serve a class from a full install. Same objects, not a copy: new code imports agentmw.sdk.
 """
 
-from agent_host import data as _data
-from agent_host.data import *  # noqa: F403 - the data model, for authors (exported below)
-from agent_host.middleware import (
-    ActingKwargs,
-    CheckPermissionKwargs,
-    CompressContextKwargs,
-    MiddlewareBase,
-    Mode,
-    ModelCallKwargs,
-    ReasoningKwargs,
-    ReplyKwargs,
-    Subscription,
-    subscribe,
-)
-from agent_host.models.base import ModelError
-from agent_host.tools import FunctionTool, Tool, tool
-
-from .server import ServeSecurity, describe, serve, serve_async, start
-from .session import KNOWN_ERRORS, InnerPipelineError
-from .view import ContextEditError
-
-__all__ = [
-    "KNOWN_ERRORS",
-    "ActingKwargs",
-    "CheckPermissionKwargs",
-    "CompressContextKwargs",
-    "ContextEditError",
-    "FunctionTool",
-    "InnerPipelineError",
-    "MiddlewareBase",
-    "Mode",
-    "ModelCallKwargs",
-    "ModelError",
-    "ReasoningKwargs",
-    "ReplyKwargs",
-    "ServeSecurity",
-    "Subscription",
-    "Tool",
-    "describe",
-    "serve",
-    "serve_async",
-    "start",
-    "subscribe",
-    "tool",
-]
-__all__ += _data.__all__
+from agentmw.sdk import *  # noqa: F403 - the whole public API, re-exported
+from agentmw.sdk import __all__ as __all__

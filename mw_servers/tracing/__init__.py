@@ -32,7 +32,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Status, StatusCode
 
 from agent_host import tracing
-from agent_host.data import (
+from agentmw.data import (
     ChatResponse,
     ExternalExecutionResultEvent,
     FinishedReason,
@@ -46,8 +46,8 @@ from agent_host.data import (
     ToolResultStartEvent,
     UserConfirmResultEvent,
 )
-from agent_host.middleware import MiddlewareBase, Subscription, subscribe
-from agent_host.subscriptions import CHAT_FINAL
+from agentmw.middleware import MiddlewareBase, Subscription, subscribe
+from agentmw.subscriptions import CHAT_FINAL
 
 log = logging.getLogger("agentmw.tracing")
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from agent_host import tracing
-from mw_servers.sdk import serve
+from agentmw.sdk import serve
 
 from . import TracingMiddleware
 

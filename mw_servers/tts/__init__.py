@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_host.data import (
+from agentmw.data import (
     CustomEvent,
     DataBlockDeltaEvent,
     DataBlockEndEvent,
@@ -31,7 +31,7 @@ from agent_host.data import (
     TextBlockEndEvent,
     new_id,
 )
-from agent_host.middleware import MiddlewareBase, subscribe
+from agentmw.middleware import MiddlewareBase, subscribe
 
 from .engines import (
     ENGINES,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mw_servers.sdk import serve
+from agentmw.sdk import serve
 
 from . import ENGINES, TTSMiddleware, make_engine
 

@@ -25,16 +25,14 @@ from typing import Any
 
 import grpc
 
-from agent_host.chain import prepend
-from agent_host.codec import CodecError, codec, json_to_value
-from agent_host.config import ConfigError
-from agent_host.data import ChatResponse
-from agent_host.hooks import HookSpec, Kind
-from agent_host.models.base import ModelError
-from agent_host.models.registry import UnknownModelError
-from agent_host.reply_grammar import ReplyGrammarError
-from agent_host.tools import ToolInputError
-from agent_host.wire import (
+from agentmw.chain import prepend
+from agentmw.codec import CodecError, codec, json_to_value
+from agentmw.data import ChatResponse
+from agentmw.errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError
+from agentmw.hooks import HookSpec, Kind
+from agentmw.tools import ToolInputError
+from agentmw.v1 import hooks_pb2
+from agentmw.wire import (
     DEFAULT_CREDITS,
     decode_kwargs,
     decode_result,
@@ -42,7 +40,6 @@ from agent_host.wire import (
     encode_result,
     model_override,
 )
-from agentmw.v1 import hooks_pb2
 
 from .view import AgentView
 

@@ -9,7 +9,6 @@ from agentmw.v1 import hooks_pb2
 from .codec import CodecError, codec
 from .data import ChatResponse, ModelRef, Msg, PermissionDecision, ToolChunk, ToolResponse
 from .hooks import HookSpec
-from .models.base import ChatModel
 from .tools import Tool
 
 # Credits for observed items per pull, and what an eager_next start grants (hooks.proto).
@@ -28,8 +27,9 @@ EMITTABLE: dict[str, frozenset[type]] = {
 
 
 def to_wire(value: Any) -> Any:
-    """Live objects become references: a model its ModelRef, a tool its descriptor."""
-    if isinstance(value, ChatModel):
+    """Live objects become references: a model its ModelRef, a tool its descriptor. A model is
+    recognised by its ``ref`` (the host's ChatModel, which the core does not import)."""
+    if isinstance(getattr(value, "ref", None), ModelRef):
         return value.ref
     if isinstance(value, Tool):
         return value.descriptor

@@ -7,6 +7,9 @@ from enum import Enum
 
 from agentmw.v1 import hooks_pb2
 
+# What Describe exchanges (hooks.proto): the host refuses a middleware that speaks another version.
+PROTOCOL_VERSION = "v1"
+
 
 class Kind(Enum):
     STREAM = "stream"  # async generator of items (on_reply, on_reasoning, on_acting)

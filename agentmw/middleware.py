@@ -101,7 +101,7 @@ class MiddlewareBase:
     """Base of every middleware. Unimplemented hooks are skipped with no cost.
 
     The onion hooks get ``agent`` (the Agent in-process; a view with the same names remotely, see
-    mw_servers/sdk/view.py), ``input_kwargs`` (a dict, typed per hook below) and
+    agentmw/sdk/view.py), ``input_kwargs`` (a dict, typed per hook below) and
     ``next_handler(**overrides)`` (the inner pipeline; call it zero, one or several times). Code
     after a ``yield`` runs when the consumer asks for the next item, in either place. An exception
     of the inner pipeline reaches a remote middleware as the host's class when the SDK knows it
@@ -159,7 +159,7 @@ class MiddlewareBase:
         raise RuntimeError(f"{type(self).__name__} does not implement on_system_prompt")
 
     async def list_tools(self) -> list[Any]:
-        """Tools this middleware contributes (``agent_host.tools.Tool`` objects)."""
+        """Tools this middleware contributes (``agentmw.tools.Tool`` objects)."""
         return []
 
     async def get_middleware_key(self) -> str:

@@ -1,4 +1,4 @@
-"""The one codec between the data model (agent_host.data) and the protos (agentmw.v1).
+"""The one codec between the data model (agentmw.data) and the protos (agentmw.v1).
 
 Table-driven: a proto message and a Python class correspond when they share a name, and their
 fields correspond by name. Each message type is compiled once into a plan of per-field

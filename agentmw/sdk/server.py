@@ -26,15 +26,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent_host import tracing
-from agent_host.codec import codec, value_to_json
-from agent_host.data import ToolCallBlock
-from agent_host.hooks import HOOKS
-from agent_host.middleware import MiddlewareBase
-from agent_host.remote.client import PROTOCOL_VERSION
-from agent_host.security import TlsFiles, presented_token, read_secret, token_digest, token_matches
-from agent_host.subscriptions import to_proto
-from agent_host.tools import Tool, Toolkit
+from agentmw import tracing
+from agentmw.codec import codec, value_to_json
+from agentmw.data import ToolCallBlock
+from agentmw.hooks import HOOKS, PROTOCOL_VERSION
+from agentmw.middleware import MiddlewareBase
+from agentmw.security import TlsFiles, presented_token, read_secret, token_digest, token_matches
+from agentmw.subscriptions import to_proto
+from agentmw.tools import Tool, Toolkit
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader

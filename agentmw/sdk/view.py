@@ -22,9 +22,9 @@ import json
 from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
-from agent_host.codec import codec, json_to_value, value_to_json
-from agent_host.data import ContentBlock, ModelRef, Msg, Role
-from agent_host.data.state import ReplyFields
+from agentmw.codec import codec, json_to_value, value_to_json
+from agentmw.data import ContentBlock, ModelRef, Msg, Role
+from agentmw.data.state import ReplyFields
 from agentmw.v1 import hooks_pb2
 
 if TYPE_CHECKING:

@@ -1,0 +1,52 @@
+"""The host's error types that cross the wire by name: a middleware raises them (or sees them raised
+by the host's pipeline) and the SDK maps them to and from HookError (KNOWN_ERRORS). They live in the
+core so that a middleware server needs no host; the host's modules import them from here."""
+
+from __future__ import annotations
+
+from .data import ChatResponse, ErrorType
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names what and where."""
+
+
+class ModelError(Exception):
+    """A model call failed. ``retryable`` errors (throttling, 5xx, connection, a bad response) may
+    be retried; ``retry_after`` is the delay the server asked for; ``request_id`` is the
+    provider's id of the request (the message ends with it, so support can find the call).
+    ``partial`` is set when the call failed mid-stream: what had arrived until then."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        error_type: ErrorType = ErrorType.UNKNOWN,
+        retryable: bool = False,
+        status: int | None = None,
+        code: str = "",
+        request_id: str = "",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message + (f" (request id {request_id})" if request_id else ""))
+        self.error_type = error_type
+        self.retryable = retryable
+        self.status = status
+        self.code = code
+        self.request_id = request_id
+        self.retry_after = retry_after
+        self.partial: ChatResponse | None = None
+
+
+class UnknownModelError(KeyError):
+    def __str__(self) -> str:
+        return f"unknown model id {self.args[0]!r} (registered: {', '.join(self.args[1]) or 'none'})"
+
+
+class ReplyGrammarError(RuntimeError):
+    """The reply's items break the grammar; the reply ends with ReplyEndEvent(ERROR) saying how."""
+
+    error_type = ErrorType.INTERNAL
+
+
+__all__ = ["ConfigError", "ModelError", "ReplyGrammarError", "UnknownModelError"]

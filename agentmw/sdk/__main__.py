@@ -1,0 +1,50 @@
+"""Serve any MiddlewareBase subclass: ``python -m agentmw.sdk package.module:Class --address HOST:PORT``.
+
+``--arg key=value`` (repeatable, JSON values) are passed to the constructor. ``--tls-cert``,
+``--tls-key``, ``--tls-client-ca``, ``--token-file`` and ``--reflection`` override the AGENTMW_MW_*
+environment (see agentmw/sdk/server.py); the token itself goes only in a file or AGENTMW_MW_TOKEN,
+never on a command line, which other users can read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+
+from agentmw.security import TlsFiles, read_secret, token_digest
+
+from .server import ServeSecurity, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m agentmw.sdk", description=__doc__)
+    parser.add_argument("target", help="module:Class of a MiddlewareBase subclass")
+    parser.add_argument("--address", default="127.0.0.1:50061", help="host:port to listen on (port 0 = any)")
+    parser.add_argument("--arg", action="append", default=[], help="constructor argument key=value (JSON value)")
+    parser.add_argument("--tls-cert", help="serve over TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", help="the private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", help="require the host's client certificate, signed by this CA")
+    parser.add_argument("--token-file", help="accept only calls carrying the token in this file (the host's)")
+    parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    args = parser.parse_args(argv)
+    security = ServeSecurity.from_env()
+    files = {k: getattr(args, f"tls_{k}") for k in ("cert", "key")} | {"ca": args.tls_client_ca}
+    security.tls = TlsFiles(**{k: v or getattr(security.tls, k) for k, v in files.items()})
+    if args.token_file:
+        security.token_sha256 = token_digest(read_secret(file=args.token_file, where="--token-file"))
+    security.reflection = security.reflection or args.reflection
+    module_name, _, class_name = args.target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    kwargs = {}
+    for item in args.arg:
+        key, _, raw = item.partition("=")
+        try:
+            kwargs[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            kwargs[key] = raw
+    serve(cls(**kwargs), args.address, security=security)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Transport security, shared by the host, its clients and the middleware SDK (see docs/security.md).
+
+* TLS: gRPC's own credentials from PEM files (``TlsFiles``); a server given a certificate has a
+  TLS port only, so plaintext clients are refused at the handshake. With a CA, the server checks
+  client certificates (mutual TLS).
+* Bearer tokens: sent as ``authorization: Bearer <token>`` metadata; the receiving side keeps
+  only SHA-256 digests (``token_digest``) and compares in constant time. Tokens are never logged.
+
+Who a host call is from and the attach allow-list are the host's (agent_host.security).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+AUTH_HEADER = "authorization"
+
+
+class SecurityError(ValueError):
+    """A security setting that cannot work (a missing file, a key without a certificate)."""
+
+
+def token_digest(token: str) -> str:
+    """The hex SHA-256 of a token: what configurations and servers keep instead of the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
+def presented_token(metadata: Iterable[Any] | None) -> str:
+    """The bearer token of a call's invocation metadata ("" when there is none)."""
+    for key, value in metadata or ():
+        if key == AUTH_HEADER and isinstance(value, str) and value.startswith("Bearer "):
+            return value[len("Bearer ") :].strip()
+    return ""
+
+
+def token_matches(token: str, digests: Iterable[str]) -> bool:
+    """Constant-time comparison of a presented token with the accepted digests."""
+    if not token:
+        return False
+    presented = token_digest(token)
+    return any(hmac.compare_digest(presented, d) for d in digests)
+
+
+def read_secret(*, env: str = "", file: str = "", environ: Mapping[str, str] | None = None, where: str = "") -> str:
+    """A secret named by an environment variable or a file (never the value itself in a config)."""
+    environ = os.environ if environ is None else environ
+    if env:
+        value = environ.get(env, "").strip()
+        if not value:
+            raise SecurityError(f"{where}: the environment variable {env} is not set")
+        return value
+    if file:
+        try:
+            value = Path(file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise SecurityError(f"{where}: cannot read {file} ({exc.strerror or exc})") from None
+        if not value:
+            raise SecurityError(f"{where}: {file} is empty")
+        return value
+    return ""
+
+
+@dataclass
+class TlsFiles:
+    """PEM file paths. Server side: ``cert``/``key`` are its own, ``ca`` verifies client
+    certificates. Client side: ``ca`` verifies the server, ``cert``/``key`` are the client's (mTLS).
+    ``server_name``: the name the server's certificate must carry when it is not the address's host."""
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    server_name: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key or self.ca)
+
+    def _read(self, which: str, where: str) -> bytes | None:
+        path = getattr(self, which)
+        if not path:
+            return None
+        try:
+            return Path(path).expanduser().read_bytes()
+        except OSError as exc:
+            raise SecurityError(f"{where}: cannot read the TLS {which} {path} ({exc.strerror or exc})") from None
+
+    def check(self, where: str) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise SecurityError(f"{where}: a TLS certificate needs its key and a key its certificate")
+        for which in ("cert", "key", "ca"):
+            self._read(which, where)
+
+    def server_credentials(self, *, require_client_cert: bool = True, where: str = "tls") -> grpc.ServerCredentials:
+        """A TLS server; with ``ca``, client certificates signed by it are required (mutual TLS)
+        unless ``require_client_cert`` is False (then they are verified when presented)."""
+        self.check(where)
+        if not self.cert:
+            raise SecurityError(f"{where}: a TLS server needs a certificate and its key")
+        cert, key, ca = self._read("cert", where), self._read("key", where), self._read("ca", where)
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=bool(ca) and require_client_cert
+        )
+
+    def channel_credentials(self, where: str = "tls") -> grpc.ChannelCredentials:
+        self.check(where)
+        return grpc.ssl_channel_credentials(
+            root_certificates=self._read("ca", where),
+            private_key=self._read("key", where),
+            certificate_chain=self._read("cert", where),
+        )
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
+
+
+def channel(
+    address: str,
+    tls: TlsFiles | None = None,
+    *,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[Any] | None = None,
+) -> grpc.aio.Channel:
+    """A TLS channel when ``tls`` is enabled, else plaintext."""
+    if tls is not None and tls.enabled:
+        opts = [*options, *tls.channel_options()]
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=opts, interceptors=interceptors)
+    return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+
+
+# ---------------------------------------------------------------------------------------------
+# Client side: a token on every call of a channel (agent-chat and other host clients).
+
+
+class _BearerDetails(grpc.aio.ClientCallDetails):
+    pass
+
+
+class _Bearer:
+    """Adds ``authorization: Bearer <token>`` to each call it intercepts."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = bearer_metadata(token)
+
+    async def _intercept(self, continuation: Any, d: grpc.aio.ClientCallDetails, request: Any) -> Any:
+        metadata = grpc.aio.Metadata(*(d.metadata or ()), *self._metadata)
+        return await continuation(
+            _BearerDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready), request
+        )
+
+
+# One class per call kind: a channel files each interceptor under the first kind it is an instance of.
+class _BearerUnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
+    intercept_unary_unary = _Bearer._intercept
+
+
+class _BearerUnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
+    intercept_unary_stream = _Bearer._intercept
+
+
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
+    intercept_stream_unary = _Bearer._intercept
+
+
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
+    intercept_stream_stream = _Bearer._intercept
+
+
+def bearer_interceptors(token: str) -> list[Any]:
+    """Interceptors that put the token on every call of a channel (each kind of call)."""
+    kinds = (_BearerUnaryUnary, _BearerUnaryStream, _BearerStreamUnary, _BearerStreamStream)
+    return [kind(token) for kind in kinds]
+
+
+def client_channel(address: str, tls: TlsFiles | None = None, token: str = "") -> grpc.aio.Channel:
+    """A channel to an AgentHost: TLS when configured, the token on every call when given."""
+    return channel(address, tls, interceptors=bearer_interceptors(token) if token else None)
+
+
+__all__ = [
+    "AUTH_HEADER",
+    "SecurityError",
+    "TlsFiles",
+    "bearer_interceptors",
+    "bearer_metadata",
+    "channel",
+    "client_channel",
+    "presented_token",
+    "read_secret",
+    "token_digest",
+    "token_matches",
+]

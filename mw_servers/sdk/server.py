@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agent_host import tracing
+from agent_host import loops, tracing
 from agent_host.codec import codec, value_to_json
 from agent_host.data import ToolCallBlock
 from agent_host.hooks import HOOKS
@@ -224,11 +224,13 @@ def serve(
     *,
     grace: float = 5.0,
     security: ServeSecurity | None = None,
+    loop: str | None = None,
 ) -> None:
     """Run ``middleware`` as a gRPC server at ``address`` until SIGTERM/SIGINT; ``security``
-    defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset)."""
+    defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset);
+    ``loop``: "asyncio", "uvloop" or "auto" (default: AGENTMW_LOOP, else asyncio; agent_host/loops.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve_async(middleware, address, grace=grace, security=security))
+    loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
 
 
 __all__ = ["ServeSecurity", "describe", "serve", "serve_async", "start"]

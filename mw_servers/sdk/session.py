@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
+import enum
 import logging
 import traceback
 from collections import deque
@@ -98,6 +100,30 @@ def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineE
     return exc
 
 
+_SCALARS = (str, int, float, bool, type(None), enum.Enum)
+_field_names: dict[type, tuple[str, ...]] = {}
+
+
+def scalar_fields(item: Any) -> tuple[Any, ...] | None:
+    """The field values of a dataclass item whose fields are all scalars (immutable: an in-place
+    edit by the author replaces one, which ``same_fields`` sees), else None (compare encoded)."""
+    names = _field_names.get(type(item))
+    if names is None:
+        is_data = dataclasses.is_dataclass(item)
+        names = _field_names[type(item)] = tuple(f.name for f in dataclasses.fields(item)) if is_data else ()
+    values = tuple(getattr(item, name) for name in names)
+    return values if names and all(isinstance(v, _SCALARS) for v in values) else None
+
+
+def same_fields(item: Any, fields: tuple[Any, ...]) -> bool:
+    """``item``'s fields are still ``fields`` (the same types too: True is not 1 on the wire)."""
+    for name, old in zip(_field_names[type(item)], fields, strict=True):
+        new = getattr(item, name)
+        if new is not old and (type(new) is not type(old) or new != old):
+            return False
+    return True
+
+
 class HostGone(Exception):
     """The host closed the stream (it was cancelled or went away)."""
 
@@ -123,7 +149,8 @@ class HookSession:
         self.answered = 0  # seq of the last intercepted item answered (Pull.answers_seq of a refill)
         self.suspended = False  # sent suspend, waiting for resume
         self.read_lock = asyncio.Lock()
-        self.current: tuple[Any, Any, int] | None = None  # (item, its proto, seq) held now
+        # The intercepted item held now: (item, its proto, seq, its fields when all are scalars).
+        self.current: tuple[Any, Any, int, tuple[Any, ...] | None] | None = None
         self.observed: dict[int, Any] = {}
         self.last_inner_error: InnerPipelineError | None = None
         subscription = middleware.subscription(spec.name)
@@ -183,7 +210,7 @@ class HookSession:
         host's next message. ``lockstep=False``: no author code runs between items (the stream of
         next_handler() itself), or the hook declared ``run_ahead``, so nothing waits."""
         async for out in items:
-            emitted = self.emit(out)
+            emitted = self.emit(out, flush=not lockstep)  # lock-step: the suspend below carries it
             if not lockstep:
                 continue
             if emitted:
@@ -229,20 +256,28 @@ class HookSession:
 
     # -- outgoing --------------------------------------------------------------------------------
 
-    def emit(self, out: Any) -> bool:
-        """Queue ``out`` as an emit; False when it is an observed copy (the host already forwarded it)."""
+    def emit(self, out: Any, *, flush: bool = True) -> bool:
+        """Queue ``out`` as an emit; False when it is an observed copy (the host already forwarded it).
+        ``flush``: send it at the end of this loop turn unless a command takes it first (False: the
+        caller sends a command right away)."""
         self.sync_state()
         if self.observed.pop(id(out), None) is out:
             return False
         self._refuse_if_detached(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
-        codec.encode_item(out, action.emit.item)
         current = self.current
-        if current is not None and current[0] is out:
-            if action.emit.item == current[1]:  # unchanged: point at it instead of resending it
-                action.emit.forward_seq = current[2]
+        if current is not None and current[0] is out:  # the held item yielded again
             self.current = None
-        self._queue(action)
+            _, proto, seq, fields = current
+            if fields is not None and same_fields(out, fields):  # unchanged: point at it, no encoding
+                action.emit.forward_seq = seq
+            else:
+                codec.encode_item(out, action.emit.item)
+                if action.emit.item == proto:  # edited and back, or nested fields: compared encoded
+                    action.emit.forward_seq = seq
+        else:
+            codec.encode_item(out, action.emit.item)
+        self._queue(action, flush=flush)
         return True
 
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
@@ -271,9 +306,9 @@ class HookSession:
         if self.detached:
             raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not {what}")
 
-    def _queue(self, action: hooks_pb2.Action) -> None:
+    def _queue(self, action: hooks_pb2.Action, *, flush: bool = True) -> None:
         self.actions.append(action)
-        if not self.flush_scheduled:
+        if flush and not self.flush_scheduled:
             self.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_soon)
 
@@ -442,7 +477,7 @@ class InnerStream:
                         s.observed.clear()
                     s.observed[id(item)] = item
                 else:
-                    s.current = (item, body.item, body.seq)
+                    s.current = (item, body.item, body.seq, scalar_fields(item))
                     s.unanswered = body.seq
                 return item
             self.done = True

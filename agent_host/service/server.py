@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
-from .. import metrics
+from .. import loops, metrics
 from ..codec import CodecError, codec
 from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
 from ..data import new_id
@@ -388,7 +388,7 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
         raise
     address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
     # Launchers and tests read this line to learn the port when --listen asked for port 0.
-    print(f"agentmw host listening on {address}", flush=True)
+    print(f"agentmw host listening on {address} (event loop: {loops.loop_name()})", flush=True)
     if ready is not None:
         ready(address)
     stop, now = asyncio.Event(), asyncio.Event()

@@ -209,7 +209,10 @@ async def serve_async(
     server, port = await start(middleware, address, security or ServeSecurity.from_env())
     host = address.rsplit(":", 1)[0]
     # Tests and launchers read this line to learn the port when the address asked for port 0.
-    print(f"agentmw middleware {type(middleware).__name__} listening on {host}:{port}", flush=True)
+    print(
+        f"agentmw middleware {type(middleware).__name__} listening on {host}:{port} (event loop: {loops.loop_name()})",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

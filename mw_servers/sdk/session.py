@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import operator
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -100,28 +101,37 @@ def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineE
     return exc
 
 
-_SCALARS = (str, int, float, bool, type(None), enum.Enum)
-_field_names: dict[type, tuple[str, ...]] = {}
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+_getters: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 
 
 def scalar_fields(item: Any) -> tuple[Any, ...] | None:
-    """The field values of a dataclass item whose fields are all scalars (immutable: an in-place
-    edit by the author replaces one, which ``same_fields`` sees), else None (compare encoded)."""
-    names = _field_names.get(type(item))
-    if names is None:
-        is_data = dataclasses.is_dataclass(item)
-        names = _field_names[type(item)] = tuple(f.name for f in dataclasses.fields(item)) if is_data else ()
-    values = tuple(getattr(item, name) for name in names)
-    return values if names and all(isinstance(v, _SCALARS) for v in values) else None
+    """A snapshot of a dataclass item's fields when each is a scalar or an empty dict / list (an
+    event's usual ``metadata``): an in-place edit of the author then shows in ``same_fields``.
+    None for anything else (then the item is compared encoded)."""
+    get = _getters.get(type(item))
+    if get is None:
+        names = tuple(f.name for f in dataclasses.fields(item)) if dataclasses.is_dataclass(item) else ()
+        get = _getters[type(item)] = operator.attrgetter(*names) if len(names) > 1 else lambda _: ()
+    values = get(item)
+    if not values:
+        return None
+    snapshot = list(values)
+    for i, value in enumerate(values):
+        kind = type(value)
+        if kind in _PLAIN or isinstance(value, enum.Enum):
+            continue
+        if (kind is dict or kind is list) and not value:
+            snapshot[i] = kind()  # a fresh empty one: an edit of the item's own shows as a difference
+            continue
+        return None
+    return tuple(snapshot)
 
 
 def same_fields(item: Any, fields: tuple[Any, ...]) -> bool:
-    """``item``'s fields are still ``fields`` (the same types too: True is not 1 on the wire)."""
-    for name, old in zip(_field_names[type(item)], fields, strict=True):
-        new = getattr(item, name)
-        if new is not old and (type(new) is not type(old) or new != old):
-            return False
-    return True
+    """``item``'s fields still equal the snapshot, types included (True is not 1 on the wire)."""
+    values = _getters[type(item)](item)
+    return values == fields and all(map(operator.is_, map(type, values), map(type, fields)))
 
 
 class HostGone(Exception):

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 LOOPS = ("asyncio", "uvloop", "auto")
-DEFAULT_LOOP = "asyncio"  # the loop every test runs on; uvloop is opt-in (docs/operations.md)
+DEFAULT_LOOP = "asyncio"  # the loop every test runs on; uvloop is opt-in (docs/host.md)
 
 
 def check_loop(name: str, where: str = "loop") -> str:

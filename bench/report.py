@@ -228,7 +228,7 @@ def render(r: Results) -> str:
             "",
             "### Optimizations (before / after, measured side by side; see bench/optimizations.py)",
             "",
-            table(OPTIMIZATION_HEADER, optimization_rows()),
+            table(OPTIMIZATION_HEADER, optimization_rows() + _uvloop_optimization_rows(r)),
             "",
             "### Whole replies: 3 tool rounds + 1,000 text deltas (OfflineRuleModel script)",
             "",
@@ -468,6 +468,43 @@ def _item_rows(r: Results, c: dict[str, Series]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def _uvloop_optimization_rows(r: Results) -> list[list[str]]:
+    """uvloop on / off, from this run (asyncio's loop: before; uvloop: after)."""
+    if r.calls_uvloop is None or r.protocol is None:
+        return []
+    a, u = intercept(r.calls, r.protocol), intercept(r.calls_uvloop, r.protocol)
+    change = "uvloop for the host, the middleware servers and the floors (loop: uvloop), this run"
+
+    def hook(c: dict[str, Series]) -> float:
+        return ratio(c["hook_permission"].walls, c["bare_exchange"].walls)
+
+    return [
+        [
+            change,
+            "this run",
+            "intercepted item, per item",
+            us(statistics.median(a.item)),
+            us(statistics.median(u.item)),
+        ],
+        [
+            change,
+            "this run",
+            "…per round trip / 1b (asyncio's 1b; uvloop's 1b)",
+            times(a.rt_over_pingpong(a.item)),
+            times(u.rt_over_pingpong(u.item)),
+        ],
+        [change, "this run", "…/ the protobuf peer on the same loop", times(a.over_floor()), times(u.over_floor())],
+        [
+            change,
+            "this run",
+            "one remote hook invocation",
+            us(r.calls["hook_permission"].wall),
+            us(r.calls_uvloop["hook_permission"].wall),
+        ],
+        [change, "this run", "…/ 1a on the same loop", times(hook(r.calls)), times(hook(r.calls_uvloop))],
+    ]
 
 
 def _uvloop_rows(r: Results) -> list[list[str]]:

@@ -11,9 +11,10 @@ wrong and where, and exits with status 2 (configuration) or 1 (startup).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
+
+from agentmw import loops
 
 from . import metrics, tracing
 from .config import _TLS_SETTINGS, ConfigError, load_config
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--model", metavar="ID", help="default model id of the registry")
     parser.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (default info)")
+    parser.add_argument("--loop", metavar="KIND", help="event loop: asyncio (default), uvloop, or auto")
     parser.add_argument(
         "--metrics-port", metavar="PORT", help="serve Prometheus metrics at http://<listen host>:PORT/metrics"
     )
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "middleware": args.middleware,
         "model": args.model,
         "log_level": args.log_level,
+        "loop": args.loop,
         "metrics_port": args.metrics_port,
         "lease": args.lease,
         "drain_grace": args.drain_grace,
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"metrics_port: cannot serve metrics on {host}:{config.metrics_port}: {exc}"
                 ) from None
             print(f"agentmw host metrics at http://{host}:{port}/metrics", flush=True)
-        asyncio.run(run_host(config))
+        loops.run(run_host(config), config.loop)
     except ConfigError as exc:
         print(f"agent-host: configuration error: {exc}", file=sys.stderr)
         return 2

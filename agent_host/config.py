@@ -11,6 +11,7 @@ YAML (every key optional)::
                                    # a session without renewing (a paused host loses it after)
     drain_grace: 30                # on SIGTERM, seconds the replies in flight get to finish
     log_level: info
+    loop: asyncio                  # the event loop: asyncio, uvloop or auto (uvloop when installed)
     metrics_port: 9464             # Prometheus /metrics on the listen host (absent: none; 0 = any free port)
     agent: {name: assistant, system_prompt: "...", max_iters: 10,
             inject_runtime_state: false, timezone: UTC}   # tell the model the time (docs/behaviour.md)
@@ -65,6 +66,7 @@ from typing import Any
 import yaml
 
 from agentmw.errors import ConfigError  # re-exported: the loader raises it
+from agentmw.loops import DEFAULT_LOOP, check_loop
 
 from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_digest
 
@@ -150,6 +152,7 @@ class HostConfig:
     lease: float = DEFAULT_LEASE  # seconds (shared store): a host that stops renewing loses a session after
     drain_grace: float = DEFAULT_DRAIN_GRACE  # seconds the replies in flight get to finish on SIGTERM
     log_level: str = "info"
+    loop: str = DEFAULT_LOOP  # asyncio / uvloop / auto (agentmw/loops.py)
     metrics_port: int | None = None  # Prometheus /metrics (agent_host/metrics.py); None: not served
     agent_name: str = "assistant"
     system_prompt: str = "You are a helpful assistant."
@@ -202,6 +205,7 @@ def load_config(
                 "listen": "AGENTMW_LISTEN",
                 "db": "AGENTMW_DB",
                 "log_level": "AGENTMW_LOG_LEVEL",
+                "loop": "AGENTMW_LOOP",
                 "model": "AGENTMW_MODEL",
                 "middleware": "AGENTMW_MIDDLEWARE",
                 "metrics_port": "AGENTMW_METRICS_PORT",
@@ -217,6 +221,7 @@ def load_config(
                 "listen": "--listen",
                 "db": "--db",
                 "log_level": "--log-level",
+                "loop": "--loop",
                 "model": "--model",
                 "middleware": "--middleware",
                 "metrics_port": "--metrics-port",
@@ -252,6 +257,10 @@ def load_config(
             else:
                 setattr(cfg, key, str(raw))
     _check_listen(cfg.listen, "listen")
+    try:
+        check_loop(cfg.loop, "loop (YAML loop:, AGENTMW_LOOP or --loop)")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     for group in ("tls", "middleware_tls"):
         try:
             getattr(cfg.security, group).check(f"security.{group}")
@@ -328,6 +337,7 @@ _TOP_KEYS = {
     "store",
     "drain_grace",
     "log_level",
+    "loop",
     "metrics_port",
     "agent",
     "models",
@@ -393,7 +403,7 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ConfigError(f"{src}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
-    for key in ("listen", "db", "log_level"):
+    for key in ("listen", "db", "log_level", "loop"):
         if key in data:
             setattr(cfg, key, _expect(data[key], str, f"{src}: {key}"))
     if data.get("metrics_port") is not None:

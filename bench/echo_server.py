@@ -1,9 +1,18 @@
-"""A trivial grpc.aio echo server, the bare baseline: ``python -m bench.echo_server --address 127.0.0.1:0``.
+"""The floors: ``python -m bench.echo_server --address 127.0.0.1:0 [--loop asyncio|uvloop]``.
 
-Messages are raw bytes (no protobuf work on either side). Two bidirectional-streaming methods:
+A trivial grpc.aio echo server, the bare baseline: messages are raw bytes (no protobuf work on
+either side). Two bidirectional-streaming methods:
 
 * ``/bench.Echo/Exchange``: read one message, write it back, end the call (one exchange per stream);
 * ``/bench.Echo/PingPong``: echo every message until the client half-closes.
+
+And the minimal protobuf peer: the protocol's real HostMessage / MiddlewareMessage, decoded and
+encoded by grpc, and nothing else (no SDK, no item decoding): it answers exactly as the SDK does
+for a pass-through middleware (begin -> call_next; item -> emit{forward_seq} + suspend; resume ->
+pull; inner_done -> finish, with the inner result):
+
+* ``/bench.Floor/Lockstep``: the default (suspend after each emit: two round trips per item);
+* ``/bench.Floor/RunAhead``: declared run_ahead (emit + pull: one round trip per item).
 
 Prints ``bench echo server listening on HOST:PORT`` once it serves.
 """
@@ -16,7 +25,12 @@ import signal
 
 import grpc
 
+from agentmw import loops
+from agentmw.v1 import hooks_pb2
+
 SERVICE = "bench.Echo"
+FLOOR = "bench.Floor"
+CREDITS = 32
 
 
 async def _exchange(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
@@ -33,6 +47,37 @@ async def _ping_pong(request_iterator: object, context: grpc.aio.ServicerContext
         await context.write(msg)
 
 
+def _floor(suspend: bool) -> grpc.RpcMethodHandler:
+    async def run(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        Msg = hooks_pb2.MiddlewareMessage
+        while True:
+            host = await context.read()
+            if host is grpc.aio.EOF:
+                return
+            which, invocation = host.WhichOneof("message"), host.invocation
+            if which == "begin":
+                out = Msg(invocation=invocation, call_next=hooks_pb2.CallNext(credits=CREDITS))
+            elif which == "item":
+                seq = host.item.seq
+                out = Msg(invocation=invocation, actions=[hooks_pb2.Action(emit=hooks_pb2.Emit(forward_seq=seq))])
+                if suspend:
+                    out.suspend.SetInParent()
+                else:
+                    out.pull.credits, out.pull.answers_seq = CREDITS, seq
+            elif which == "resume":
+                out = Msg(invocation=invocation, pull=hooks_pb2.Pull(credits=CREDITS, answers_seq=seq))
+            else:  # inner_done
+                out = Msg(invocation=invocation)
+                out.finish.result.CopyFrom(host.inner_done.result)
+            await context.write(out)
+
+    return grpc.stream_stream_rpc_method_handler(
+        run,
+        request_deserializer=hooks_pb2.HostMessage.FromString,
+        response_serializer=hooks_pb2.MiddlewareMessage.SerializeToString,
+    )
+
+
 async def serve(address: str) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     handlers = {
@@ -40,6 +85,8 @@ async def serve(address: str) -> None:
         "PingPong": grpc.stream_stream_rpc_method_handler(_ping_pong),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    floor = {"Lockstep": _floor(suspend=True), "RunAhead": _floor(suspend=False)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR, floor),))
     port = server.add_insecure_port(address)
     await server.start()
     print(f"bench echo server listening on {address.rsplit(':', 1)[0]}:{port}", flush=True)
@@ -54,7 +101,9 @@ async def serve(address: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.echo_server")
     parser.add_argument("--address", default="127.0.0.1:0")
-    asyncio.run(serve(parser.parse_args().address))
+    parser.add_argument("--loop", choices=loops.LOOPS, default=None)
+    args = parser.parse_args()
+    loops.run(serve(args.address), args.loop)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ class Tally:
     reads: int = 0
     bytes_out: int = 0
     bytes_in: int = 0
+    first: dict[str, Any] = field(default_factory=dict)  # host -> middleware: a copy of the first of each kind
 
     def __iadd__(self, other: Tally) -> Tally:
         self.streams += other.streams
@@ -49,6 +50,12 @@ class _CountingCall:
     async def write(self, msg: hooks_pb2.HostMessage) -> None:
         self._tally.writes += 1
         self._tally.bytes_out += msg.ByteSize()
+        kind = msg.WhichOneof("message")
+        if kind == "item":  # by item kind: "item.text_block_delta", ...
+            kind = f"item.{msg.item.item.WhichOneof('item')}"
+        if kind not in self._tally.first:
+            self._tally.first[kind] = hooks_pb2.HostMessage()
+            self._tally.first[kind].CopyFrom(msg)
         await self._call.write(msg)
 
     async def read(self) -> Any:
@@ -72,8 +79,11 @@ def _counted_stub(stub: Callable[[], Any], tally: Tally) -> Callable[[], Any]:
 
 @contextmanager
 def counting(*middlewares: RemoteMiddleware) -> Iterator[dict[str, Tally]]:
-    """Per hook name, the traffic of all given middleware while the block runs."""
+    """Per hook name, the traffic of all given middleware while the block runs. Idle streams are
+    dropped before and after: none opened outside is counted, and no counting proxy outlives it."""
     tallies: dict[str, Tally] = {}
+    for rm in middlewares:
+        rm._drop_idle()
     saved = [(rm, dict(rm.stubs)) for rm in middlewares]
     for rm, stubs in saved:
         for hook, stub in stubs.items():
@@ -82,6 +92,7 @@ def counting(*middlewares: RemoteMiddleware) -> Iterator[dict[str, Tally]]:
         yield tallies
     finally:
         for rm, stubs in saved:
+            rm._drop_idle()
             rm.stubs.clear()
             rm.stubs.update(stubs)
 

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +29,11 @@ from pathlib import Path
 import grpc
 
 from agent_host.remote import RemoteMiddleware
+from agentmw import loops
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
 from . import builtins, four_servers, hosts, scenarios
+from .harness import Sample, Series
 from .peer import start_peer
 from .report import Results, environment, render
 
@@ -51,11 +56,23 @@ MIDDLEWARE = [
 ]
 
 
-def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess], builtins.Fleet]:
+CALLS_MIDDLEWARE = ["PassThroughCall", "PassThroughCallEager", "InterceptAll", "InterceptAllRunAhead"]
+
+
+def start_servers(
+    loop: str = "asyncio", *, calls_only: bool = False
+) -> tuple[ServerProcess, dict[str, ServerProcess], builtins.Fleet]:
     """The echo server, one process per bench middleware class, the budget server and the other
-    built-in servers, in parallel."""
-    echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
-    servers = {name: middleware_server(f"bench.middlewares:{name}") for name in MIDDLEWARE}
+    built-in servers, in parallel; ``calls_only``: the echo server and the middleware of 1-3. Every
+    server of 1-3 runs on the event loop ``loop``, as this process does."""
+    echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}", "--loop", loop], name="echo")
+    names = CALLS_MIDDLEWARE if calls_only else MIDDLEWARE
+    servers = {name: middleware_server(f"bench.middlewares:{name}") for name in names}
+    for proc in servers.values():
+        proc.env["AGENTMW_LOOP"] = loop
+    if calls_only:
+        start_all([echo, *servers.values()])
+        return echo, servers, builtins.Fleet()
     servers["ReplyBudget"] = ServerProcess(
         ["-m", "mw_servers.budget", "--address", "127.0.0.1:{port}", "--token-budget", str(scenarios.BUDGET_TOKENS)],
         name="budget",
@@ -67,6 +84,55 @@ def start_servers() -> tuple[ServerProcess, dict[str, ServerProcess], builtins.F
         fleet.stop()
         raise
     return echo, servers, fleet
+
+
+async def measure_calls_only(rounds: int, out: str) -> None:
+    """1-3 alone, on this process's loop, with servers on the same kind of loop; the series go to
+    ``out`` as JSON (the main run starts this in a child process for the uvloop figures)."""
+    echo, servers, _ = start_servers(loops.loop_name(), calls_only=True)
+    channel = grpc.aio.insecure_channel(echo.address)
+    clients = [await RemoteMiddleware(servers[name].address).connect() for name in CALLS_MIDDLEWARE]
+    try:
+        await asyncio.wait_for(channel.channel_ready(), 10)
+        by_name = dict(zip(CALLS_MIDDLEWARE, clients, strict=True))
+        env = scenarios.Env(
+            echo=channel,
+            rm_call=by_name["PassThroughCall"],
+            rm_eager=by_name["PassThroughCallEager"],
+            rm_icpt=by_name["InterceptAll"],
+            rm_icpt_ahead=by_name["InterceptAllRunAhead"],
+            rm_end=[],
+            rm_real=[],
+            rm_budget=by_name["PassThroughCall"],  # unused in 1-3
+            pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
+        )
+        protocol = await scenarios.count_protocol(env)
+        calls = await scenarios.measure_calls(env, protocol, rounds)
+        Path(out).write_text(
+            json.dumps({name: [dataclasses.asdict(s) for s in series.samples] for name, series in calls.items()})
+        )
+    finally:
+        for rm in clients:
+            await rm.close()
+        await channel.close()
+        for proc in [echo, *servers.values()]:
+            proc.stop()
+
+
+async def calls_on_uvloop(rounds: int) -> dict[str, Series] | None:
+    """1-3 again with everything on uvloop (host, echo, middleware), in a child process."""
+    try:
+        loops.check_loop("uvloop")
+    except ValueError:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calls.json")
+        argv = [sys.executable, "-m", "bench.run", "--loop", "uvloop", "--calls-only", out, "--rounds", str(rounds)]
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=ROOT)
+        if await proc.wait() != 0:
+            return None
+        data = json.loads(Path(out).read_text())
+    return {name: Series([Sample(**s) for s in samples]) for name, samples in data.items()}
 
 
 async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
@@ -109,6 +175,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("protocol counts")
         res.calls = await scenarios.measure_calls(env, res.protocol, rounds)
         step("1-3 baselines, hook invocation, intercepted item")
+        res.calls_uvloop = await calls_on_uvloop(rounds)
+        step("1-3 again on uvloop (a child process)")
         res.bypass = await scenarios.measure_bypass(env, rounds, peer)
         step("4 bypassed items")
         res.unimplemented = await scenarios.measure_unimplemented(env, max(rounds // 3, 3))
@@ -157,8 +225,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(ROOT / "BENCHMARKS.md"))
     parser.add_argument("--agentscope-python", default=None)
     parser.add_argument("--only", choices=["four"], help="four: only the four servers vs AgentScope (section 9)")
+    parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio", help="this process's event loop")
+    parser.add_argument("--calls-only", metavar="JSON", help=argparse.SUPPRESS)  # internal: see calls_on_uvloop
     args = parser.parse_args(argv)
     rounds = 3 if args.quick else args.rounds
+    if args.calls_only:
+        loops.run(asyncio.wait_for(measure_calls_only(rounds, args.calls_only), MEASURE_TIMEOUT), args.loop)
+        return
     started = time.perf_counter()
     if args.only == "four":
         four = asyncio.run(asyncio.wait_for(four_servers.measure(quick=args.quick), MEASURE_TIMEOUT))

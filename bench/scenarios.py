@@ -33,6 +33,7 @@ from agentmw.data import (
 )
 from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Tool, Toolkit, tool
+from agentmw.v1 import hooks_pb2
 
 from .harness import Batch, Sample, Series, interleave, process_cpu, timed_batch
 from .instrument import Tally, counting, server_stats
@@ -144,6 +145,16 @@ class Protocol:
     hook: Tally  # one on_check_permission invocation
     item: Tally  # an InterceptAll on_reply over ITEMS items, per item (streams, begin and end excluded)
     server_calls: dict[str, int]
+    item_ahead: Tally  # the same for InterceptAllRunAhead
+
+    @property
+    def round_trips(self) -> int:
+        """Round trips per intercepted item (a middleware message is each one's answer)."""
+        return max(self.item.reads, 1)
+
+    @property
+    def round_trips_ahead(self) -> int:
+        return max(self.item_ahead.reads, 1)
 
 
 async def count_protocol(env: Env) -> Protocol:
@@ -154,20 +165,27 @@ async def count_protocol(env: Env) -> Protocol:
         await perm(agent)
     hook = tallies["on_check_permission"]
     calls = (await server_stats(env.rm_call))["calls"]
+    return Protocol(hook, await per_item(env.rm_icpt), calls, await per_item(env.rm_icpt_ahead))
+
+
+async def per_item(rm: RemoteMiddleware) -> Tally:
+    """An on_reply stream's traffic per intercepted item: ITEMS items minus none; ``first`` holds
+    the host's first message of each kind (the floor peer sends the same)."""
+    agent = make_agent()
     short, long = reply_events(agent, 0), reply_events(agent, ITEMS)
-    with counting(env.rm_icpt) as t0:
-        await drain(reply_chain([env.rm_icpt], short), agent)
-    with counting(env.rm_icpt) as t1:
-        await drain(reply_chain([env.rm_icpt], long), agent)
+    with counting(rm) as t0:
+        await drain(reply_chain([rm], short), agent)
+    with counting(rm) as t1:
+        await drain(reply_chain([rm], long), agent)
     a, b = t0["on_reply"], t1["on_reply"]
-    item = Tally(
-        0,
+    return Tally(
+        b.streams - a.streams,
         (b.writes - a.writes) // ITEMS,
         (b.reads - a.reads) // ITEMS,
         (b.bytes_out - a.bytes_out) // ITEMS,
         (b.bytes_in - a.bytes_in) // ITEMS,
+        first=b.first,
     )
-    return Protocol(hook, item, calls)
 
 
 def permission_chain(rm: RemoteMiddleware) -> Callable[[Agent], Awaitable[Any]]:
@@ -243,6 +261,45 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         await call.code()
         return sample
 
+    floor = {
+        name: env.echo.stream_stream(
+            f"/bench.Floor/{name}",
+            request_serializer=hooks_pb2.HostMessage.SerializeToString,
+            response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+        )
+        for name in ("Lockstep", "RunAhead")
+    }
+    reply_msgs, hook_msgs = protocol.item.first, protocol.hook.first
+
+    async def floor_invocation(call: Any, invocation: int, templates: dict[str, Any], items: int) -> None:
+        """One invocation as the host sends it, built from the real host's messages (a new
+        HostMessage each, nothing else): begin, ``items`` items (each answered by emit + suspend,
+        then resume -> pull, or at once by emit + pull), inner_done -> finish."""
+        await call.write(hooks_pb2.HostMessage(invocation=invocation, begin=templates["begin"].begin))
+        await call.read()
+        item = reply_msgs["item.text_block_delta"].item
+        for seq in range(1, items + 1):
+            msg = hooks_pb2.HostMessage(invocation=invocation)
+            delivery = msg.item
+            delivery.seq, delivery.inner = seq, 1
+            delivery.item.CopyFrom(item.item)
+            await call.write(msg)
+            answer = await call.read()
+            if answer.HasField("suspend"):
+                await call.write(hooks_pb2.HostMessage(invocation=invocation, resume=hooks_pb2.Resume()))
+                await call.read()
+        await call.write(hooks_pb2.HostMessage(invocation=invocation, inner_done=templates["inner_done"].inner_done))
+        await call.read()
+
+    async def floor_batch(name: str, templates: dict[str, Any], items: int, n: int) -> Sample:
+        call = floor[name]()  # an open stream, as the host's idle ones
+        await floor_invocation(call, 1, templates, items)
+        ids = iter(range(2, n + 2))
+        sample = await timed_batch(lambda: floor_invocation(call, next(ids), templates, items), n, server_pid=echo_pid)
+        await call.done_writing()
+        await call.code()
+        return sample
+
     async def stream(chain: Chain, pid: int | None) -> Sample:
         return await timed_batch(lambda: drain(chain, agent), 1, server_pid=pid)
 
@@ -258,6 +315,9 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "stream_none": lambda: stream(none_chain, None),
         "stream_intercept": lambda: stream(icpt_chain, env.pids["InterceptAll"]),
         "stream_intercept_ahead": lambda: stream(ahead_chain, env.pids["InterceptAllRunAhead"]),
+        "floor_intercept": lambda: floor_batch("Lockstep", reply_msgs, ITEMS, 1),
+        "floor_intercept_ahead": lambda: floor_batch("RunAhead", reply_msgs, ITEMS, 1),
+        "floor_hook": lambda: floor_batch("Lockstep", hook_msgs, 0, OPS),
     }
     return await interleave(variants, rounds)
 

@@ -46,6 +46,7 @@ from .detached import Watch, watching
 log = logging.getLogger("agentmw.remote")
 
 MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
+NOTHING = object()  # _apply: the action emitted nothing
 _EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
 
 
@@ -233,8 +234,10 @@ class HookCall:
         while True:
             msg = self.deferred or await self._read()
             self.deferred = None
-            async for item in self._actions(msg):
-                yield item
+            for action in msg.actions:  # inline, not a generator per message (the per-item path)
+                item = self._apply(action)
+                if item is not NOTHING:
+                    yield item
             command = msg.WhichOneof("command")
             if command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
@@ -288,16 +291,16 @@ class HookCall:
             raise RuntimeError(f"{spec.name}: cannot send kwargs to {mw.name}: {exc}") from exc
         return begin
 
-    async def _actions(self, msg: hooks_pb2.MiddlewareMessage) -> AsyncIterator[Any]:
-        """Apply a message's actions in order: emitted items go outward, mutations into state."""
-        for action in msg.actions:
-            which = action.WhichOneof("action")
-            if which == "emit":
-                yield self._emitted(action.emit)
-            elif which == "mutate":
-                self._mutate(action.mutate)
-            else:
-                raise self._violation("an empty action")
+    def _apply(self, action: hooks_pb2.Action) -> Any:
+        """Apply one action of a message (in order): an emitted item is returned, to go outward
+        before the next action is applied; a mutation goes into state (NOTHING is returned)."""
+        which = action.WhichOneof("action")
+        if which == "emit":
+            return self._emitted(action.emit)
+        if which == "mutate":
+            self._mutate(action.mutate)
+            return NOTHING
+        raise self._violation("an empty action")
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec
@@ -378,8 +381,10 @@ class HookCall:
                 self.in_hand = item  # taken from the inner pipeline, not yet forwarded
                 while self.credits <= 0:  # out of credits: read until the middleware grants more
                     msg = await self._read()
-                    async for emitted in self._actions(msg):
-                        yield emitted
+                    for action in msg.actions:
+                        emitted = self._apply(action)
+                        if emitted is not NOTHING:
+                            yield emitted
                     command = msg.WhichOneof("command")
                     if command == "pull":
                         self.credits += max(msg.pull.credits, 1)

@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from agentmw import loops
 from agentmw.codec import CodecError, codec
 from agentmw.data import new_id
 from agentmw.hooks import HOOKS
@@ -397,7 +398,7 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
         raise
     address = f"{config.listen.rsplit(':', 1)[0]}:{port}"
     # Launchers and tests read this line to learn the port when --listen asked for port 0.
-    print(f"agentmw host listening on {address}", flush=True)
+    print(f"agentmw host listening on {address} (event loop: {loops.loop_name()})", flush=True)
     if ready is not None:
         ready(address)
     stop, now = asyncio.Event(), asyncio.Event()

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 
+from agentmw.loops import LOOPS
 from agentmw.security import TlsFiles, read_secret, token_digest
 
 from .server import ServeSecurity, serve
@@ -27,6 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tls-client-ca", help="require the host's client certificate, signed by this CA")
     parser.add_argument("--token-file", help="accept only calls carrying the token in this file (the host's)")
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
+    parser.add_argument("--loop", choices=LOOPS, help="event loop (default: AGENTMW_LOOP, else asyncio)")
     args = parser.parse_args(argv)
     security = ServeSecurity.from_env()
     files = {k: getattr(args, f"tls_{k}") for k in ("cert", "key")} | {"ca": args.tls_client_ca}
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> None:
             kwargs[key] = json.loads(raw)
         except json.JSONDecodeError:
             kwargs[key] = raw
-    serve(cls(**kwargs), args.address, security=security)
+    serve(cls(**kwargs), args.address, security=security, loop=args.loop)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agentmw import tracing
+from agentmw import loops, tracing
 from agentmw.codec import codec, value_to_json
 from agentmw.data import ToolCallBlock
 from agentmw.hooks import HOOKS, PROTOCOL_VERSION
@@ -208,7 +208,10 @@ async def serve_async(
     server, port = await start(middleware, address, security or ServeSecurity.from_env())
     host = address.rsplit(":", 1)[0]
     # Tests and launchers read this line to learn the port when the address asked for port 0.
-    print(f"agentmw middleware {type(middleware).__name__} listening on {host}:{port}", flush=True)
+    print(
+        f"agentmw middleware {type(middleware).__name__} listening on {host}:{port} (event loop: {loops.loop_name()})",
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -223,11 +226,13 @@ def serve(
     *,
     grace: float = 5.0,
     security: ServeSecurity | None = None,
+    loop: str | None = None,
 ) -> None:
     """Run ``middleware`` as a gRPC server at ``address`` until SIGTERM/SIGINT; ``security``
-    defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset)."""
+    defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset);
+    ``loop``: "asyncio", "uvloop" or "auto" (default: AGENTMW_LOOP, else asyncio; agentmw/loops.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(serve_async(middleware, address, grace=grace, security=security))
+    loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
 
 
 __all__ = ["ServeSecurity", "describe", "serve", "serve_async", "start"]

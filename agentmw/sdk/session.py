@@ -17,7 +17,10 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
+import enum
 import logging
+import operator
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -95,6 +98,39 @@ def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineE
     return exc
 
 
+_PLAIN = frozenset((str, int, float, bool, type(None)))
+_getters: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
+
+
+def scalar_fields(item: Any) -> tuple[Any, ...] | None:
+    """A snapshot of a dataclass item's fields when each is a scalar or an empty dict / list (an
+    event's usual ``metadata``): an in-place edit of the author then shows in ``same_fields``.
+    None for anything else (then the item is compared encoded)."""
+    get = _getters.get(type(item))
+    if get is None:
+        names = tuple(f.name for f in dataclasses.fields(item)) if dataclasses.is_dataclass(item) else ()
+        get = _getters[type(item)] = operator.attrgetter(*names) if len(names) > 1 else lambda _: ()
+    values = get(item)
+    if not values:
+        return None
+    snapshot = list(values)
+    for i, value in enumerate(values):
+        kind = type(value)
+        if kind in _PLAIN or isinstance(value, enum.Enum):
+            continue
+        if (kind is dict or kind is list) and not value:
+            snapshot[i] = kind()  # a fresh empty one: an edit of the item's own shows as a difference
+            continue
+        return None
+    return tuple(snapshot)
+
+
+def same_fields(item: Any, fields: tuple[Any, ...]) -> bool:
+    """``item``'s fields still equal the snapshot, types included (True is not 1 on the wire)."""
+    values = _getters[type(item)](item)
+    return values == fields and all(map(operator.is_, map(type, values), map(type, fields)))
+
+
 class HostGone(Exception):
     """The host closed the stream (it was cancelled or went away)."""
 
@@ -120,7 +156,8 @@ class HookSession:
         self.answered = 0  # seq of the last intercepted item answered (Pull.answers_seq of a refill)
         self.suspended = False  # sent suspend, waiting for resume
         self.read_lock = asyncio.Lock()
-        self.current: tuple[Any, Any, int] | None = None  # (item, its proto, seq) held now
+        # The intercepted item held now: (item, its proto, seq, its fields when all are scalars).
+        self.current: tuple[Any, Any, int, tuple[Any, ...] | None] | None = None
         self.observed: dict[int, Any] = {}
         self.last_inner_error: InnerPipelineError | None = None
         subscription = middleware.subscription(spec.name)
@@ -180,7 +217,7 @@ class HookSession:
         host's next message. ``lockstep=False``: no author code runs between items (the stream of
         next_handler() itself), or the hook declared ``run_ahead``, so nothing waits."""
         async for out in items:
-            emitted = self.emit(out)
+            emitted = self.emit(out, flush=not lockstep)  # lock-step: the suspend below carries it
             if not lockstep:
                 continue
             if emitted:
@@ -226,20 +263,28 @@ class HookSession:
 
     # -- outgoing --------------------------------------------------------------------------------
 
-    def emit(self, out: Any) -> bool:
-        """Queue ``out`` as an emit; False when it is an observed copy (the host already forwarded it)."""
+    def emit(self, out: Any, *, flush: bool = True) -> bool:
+        """Queue ``out`` as an emit; False when it is an observed copy (the host already forwarded it).
+        ``flush``: send it at the end of this loop turn unless a command takes it first (False: the
+        caller sends a command right away)."""
         self.sync_state()
         if self.observed.pop(id(out), None) is out:
             return False
         self._refuse_if_detached(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
-        codec.encode_item(out, action.emit.item)
         current = self.current
-        if current is not None and current[0] is out:
-            if action.emit.item == current[1]:  # unchanged: point at it instead of resending it
-                action.emit.forward_seq = current[2]
+        if current is not None and current[0] is out:  # the held item yielded again
             self.current = None
-        self._queue(action)
+            _, proto, seq, fields = current
+            if fields is not None and same_fields(out, fields):  # unchanged: point at it, no encoding
+                action.emit.forward_seq = seq
+            else:
+                codec.encode_item(out, action.emit.item)
+                if action.emit.item == proto:  # edited and back, or nested fields: compared encoded
+                    action.emit.forward_seq = seq
+        else:
+            codec.encode_item(out, action.emit.item)
+        self._queue(action, flush=flush)
         return True
 
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
@@ -268,9 +313,9 @@ class HookSession:
         if self.detached:
             raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not {what}")
 
-    def _queue(self, action: hooks_pb2.Action) -> None:
+    def _queue(self, action: hooks_pb2.Action, *, flush: bool = True) -> None:
         self.actions.append(action)
-        if not self.flush_scheduled:
+        if flush and not self.flush_scheduled:
             self.flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_soon)
 
@@ -439,7 +484,7 @@ class InnerStream:
                         s.observed.clear()
                     s.observed[id(item)] = item
                 else:
-                    s.current = (item, body.item, body.seq)
+                    s.current = (item, body.item, body.seq, scalar_fields(item))
                     s.unanswered = body.seq
                 return item
             self.done = True

@@ -1,0 +1,40 @@
+"""Before / after figures of the optimizations of the per-item and per-invocation paths (issue 16),
+as data (uvloop on / off is measured in every run: see report.py).
+
+How they were measured: the tree before (commit 19b63c0, with this bench's files copied in) and
+after, each running ``python -m bench.run --calls-only OUT.json --rounds 12`` (1-3 only, every
+process on asyncio's loop), four times each in alternation on 2026-11-30 between 19:54 and 19:58
+UTC, with the machine loaded by other work (load average 10-12 on 2 cores); the figures are the
+medians of the four runs. CPU per operation is the steadier figure under such load; the wall-time
+ratios moved by ±0.5 between runs of the same code.
+
+The counting proxies that leaked into timed runs (bench fix 4d659c5) did not change these figures
+measurably (three runs each, old leak vs fixed: host CPU per item 341 vs 345 µs, per hook call
+582 vs 585 µs); they made the traffic table wrong (a negative per-item count), not the timings.
+"""
+
+from __future__ import annotations
+
+OPTIMIZATION_HEADER = ["change", "commit", "figure", "before", "after"]
+
+# The change: host: actions applied inline (no async generator per message), the hook latency
+# histogram's child cached; SDK: a held item yielded back unchanged is checked against a snapshot
+# of its fields instead of being re-encoded, no flush scheduled when the suspend follows at once.
+_FAST_PATH = "per-item fast path, host and SDK (bench/optimizations.py)"
+_COMMITS = "c1c6107, ed5ef90 (measured at ee373d6)"
+OPTIMIZATIONS: list[tuple[str, str, str, str, str]] = [
+    (_FAST_PATH, _COMMITS, "host CPU per intercepted item (lock-step)", "397.1 µs", "331.3 µs"),
+    (_FAST_PATH, _COMMITS, "middleware CPU per intercepted item", "380.1 µs", "307.2 µs"),
+    (_FAST_PATH, _COMMITS, "intercepted item / the protobuf peer", "1.87x", "1.76x"),
+    (_FAST_PATH, _COMMITS, "intercepted item per round trip / 1b", "2.33x", "1.97x"),
+    (_FAST_PATH, _COMMITS, "host CPU per hook invocation (on_check_permission)", "671.7 µs", "611.1 µs"),
+    (_FAST_PATH, _COMMITS, "middleware CPU per hook invocation", "606.8 µs", "591.1 µs"),
+    (_FAST_PATH, _COMMITS, "hook invocation / 1a", "2.31x", "1.84x"),
+]
+
+
+def optimization_rows() -> list[list[str]]:
+    return [list(row) for row in OPTIMIZATIONS] or [["(none recorded)", "", "", "", ""]]
+
+
+__all__ = ["OPTIMIZATIONS", "OPTIMIZATION_HEADER", "optimization_rows"]

@@ -1,0 +1,80 @@
+"""The per-item fast path and the event loop choice, on real processes.
+
+* An intercepted item the middleware yields back unchanged is forwarded (forward_seq): the host
+  hands on the very object its inner pipeline produced. One edited in place, in a scalar field or
+  a nested one, arrives edited (the SDK checks unchanged items without re-encoding them).
+* ``--loop uvloop`` runs the host and a middleware server on uvloop (each says so in its
+  listening line) and a reply goes through both; an unknown loop is a configuration error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from agent_host.agent import Agent
+from agent_host.models.offline import OfflineRuleModel
+from agent_host.remote import RemoteMiddleware
+from agentmw.chain import Chain
+from agentmw.data import (
+    AssistantMsg,
+    Msg,
+    ReplyEndEvent,
+    ReplyStartEvent,
+    TextBlockDeltaEvent,
+    TextBlockEndEvent,
+    TextBlockStartEvent,
+)
+from clients.launch import middleware_server
+from tests.host_util import chat, processes, run_cli
+
+
+def _events(sid: str) -> list[Any]:
+    rid = "r1"
+    deltas = [TextBlockDeltaEvent(reply_id=rid, block_id="b", delta=d) for d in ("keep ", "edit me ", "keep too")]
+    return [
+        ReplyStartEvent(session_id=sid, reply_id=rid, name="assistant"),
+        TextBlockStartEvent(reply_id=rid, block_id="b"),
+        *deltas,
+        TextBlockEndEvent(reply_id=rid, block_id="b"),
+        ReplyEndEvent(session_id=sid, reply_id=rid),
+        AssistantMsg("keep too"),
+    ]
+
+
+async def test_unchanged_items_are_forwarded_and_in_place_edits_are_sent() -> None:
+    server = middleware_server("tests.fastpath_mw:EditSomeInPlace").start()
+    rm = await RemoteMiddleware(server.address).connect()
+    try:
+        agent = Agent(model=OfflineRuleModel(script=[]))
+        events = _events(agent.state.session_id)
+
+        async def core(inputs: Any = None, structured_schema: Any = None) -> AsyncIterator[Any]:
+            for event in events:
+                yield event
+
+        out = [item async for item in Chain("on_reply", [rm], core)(agent, inputs=None, structured_schema=None)]
+        assert len(out) == len(events)
+        for sent, got in zip(events, out, strict=True):
+            edited = isinstance(sent, Msg) or (isinstance(sent, TextBlockDeltaEvent) and sent.delta.startswith("edit"))
+            # Forwarded unchanged: the host's own object, not a decoded copy; edited: a new one.
+            assert (got is sent) is not edited, (sent, got)
+        assert [e.delta for e in out if isinstance(e, TextBlockDeltaEvent)] == ["keep ", "EDIT ME ", "keep too"]
+        final = out[-1]
+        assert isinstance(final, Msg) and [b.text for b in final.content] == ["keep too", "added in place"]
+    finally:
+        await rm.close()
+        server.stop()
+
+
+def test_host_and_middleware_server_run_on_uvloop(tmp_path: Path) -> None:
+    with processes(tmp_path) as procs:
+        argv = ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", "127.0.0.1:0"]
+        rec = procs.start("recorder", [*argv, "--loop", "uvloop"])
+        host = procs.host(tmp_path / "s.db", "--loop", "uvloop", "--middleware", f"rec={rec.address}")
+        assert "(event loop: uvloop)" in rec.tail(20) and "(event loop: uvloop)" in host.tail(20)
+        said = chat(host.address, "--message", "hello")
+        assert said.returncode == 0, said.stdout + said.stderr
+    bad = run_cli("agent_host", "--loop", "tokio", "--db", str(tmp_path / "t.db"))
+    assert bad.returncode == 2 and "loop" in bad.stderr and "'tokio' is not one of asyncio, uvloop, auto" in bad.stderr

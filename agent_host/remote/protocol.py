@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -33,15 +33,11 @@ from ..wire import (
     encode_result,
     model_override,
 )
-from .client import (
-    MiddlewareFailure,
-    OutputLimitExceeded,
-    ProtocolError,
-    RemoteMiddleware,
-    RemoteMiddlewareError,
-    StreamBroken,
-)
 from .detached import DetachedDelivery
+from .errors import MiddlewareFailure, OutputLimitExceeded, ProtocolError, RemoteMiddlewareError, StreamBroken
+
+if TYPE_CHECKING:
+    from .client import RemoteMiddleware
 
 log = logging.getLogger("agentmw.remote")
 

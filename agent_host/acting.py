@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -76,7 +76,7 @@ class Acting(AgentBase):
                 batches.append((safe, [call]))
         return [(safe and len(batch) > 1, batch) for safe, batch in batches]
 
-    async def _one_by_one(self, batch: list[ToolCallBlock]) -> AsyncIterator[Any]:
+    async def _one_by_one(self, batch: list[ToolCallBlock]) -> AsyncGenerator[Any, None]:
         for call in batch:
             stop = False
             async for event in self._execute_tool_call(call):
@@ -85,7 +85,7 @@ class Acting(AgentBase):
             if stop:
                 return
 
-    async def _concurrently(self, batch: list[ToolCallBlock]) -> AsyncIterator[Any]:
+    async def _concurrently(self, batch: list[ToolCallBlock]) -> AsyncGenerator[Any, None]:
         """Every call of the batch runs to its end; their events come out as they happen."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         done = object()
@@ -110,7 +110,7 @@ class Acting(AgentBase):
                     remaining -= 1
                 else:
                     yield event
-            errors = [t.exception() for t in tasks if t.exception() is not None]
+            errors = [exc for t in tasks if (exc := t.exception()) is not None]
             if errors:
                 raise errors[0]
         finally:  # an abandoned batch leaves no task behind to write into the context later
@@ -118,7 +118,7 @@ class Acting(AgentBase):
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _execute_tool_call(self, call: ToolCallBlock) -> AsyncIterator[Any]:
+    async def _execute_tool_call(self, call: ToolCallBlock) -> AsyncGenerator[Any, None]:
         reply_id = self.state.reply_id
         tool = self.tools.get(call.name)
         if tool is None:
@@ -177,12 +177,9 @@ class Acting(AgentBase):
             else:
                 drain = response is not None
             if response is None:  # never loop forever on an on_acting that produced no result
-                response = ToolResponse(
-                    content=[TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")],
-                    state=ToolResultState.ERROR,
-                    id=call.id,
-                )
-                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=response.content[0].text)
+                error = TextBlock(text="Error: the on_acting middleware chain ended without a ToolResponse.")
+                response = ToolResponse(content=[error], state=ToolResultState.ERROR, id=call.id)
+                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=error.text)
             task = asyncio.current_task()
             if task is not None and task.cancelling() and not self._interrupt_requested:
                 raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result

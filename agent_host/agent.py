@@ -73,10 +73,7 @@ MAX_ITERS_SOURCE = '{"label": "System", "sublabel": "Max Iterations Reached"}'
 
 def implements(layer: Layer, hook: str) -> bool:
     """Whether a layer takes part in a hook position (in-process: overrides it; remote: Describe)."""
-    check = getattr(layer, "implements", None)
-    if check is not None:
-        return check(hook)
-    return type(layer).is_implemented(hook)
+    return layer.implements(hook)
 
 
 def check_input_messages(inputs: Any) -> list[Msg]:
@@ -137,9 +134,10 @@ class Agent(Reasoning, Acting, Compression):
                 self.models.add(model)
             self.default_model_id = model.id
         else:
-            self.default_model_id = model or self.models.default
-        if self.default_model_id is None:
-            raise ValueError("the agent needs a model (a ChatModel or a registered model id)")
+            default_model_id = model or self.models.default
+            if default_model_id is None:
+                raise ValueError("the agent needs a model (a ChatModel or a registered model id)")
+            self.default_model_id = default_model_id
         self.models.get(self.default_model_id)
         self.toolkit = toolkit or Toolkit()
         self.state = state or AgentState()
@@ -277,6 +275,7 @@ class Agent(Reasoning, Acting, Compression):
             grammar.feed(start)
             yield start
         reply_id = grammar.reply_id
+        assert reply_id is not None  # the client saw a start, or was given one above
         for event in self._close_unfinished_tool_calls(
             ToolResultState.ERROR, f"<system-reminder>{error.message}</system-reminder>"
         ):
@@ -377,11 +376,12 @@ class Agent(Reasoning, Acting, Compression):
 
     def _inject_runtime_state(self) -> list[Any]:
         """Append the runtime-state hint when one is due; its HintBlockEvent (docs/behaviour.md#runtime-state)."""
-        hint = self.runtime_state.hint(self.state.context) if self.runtime_state is not None else None
-        if hint is None:
+        runtime_state = self.runtime_state
+        hint = runtime_state.hint(self.state.context) if runtime_state is not None else None
+        if runtime_state is None or hint is None:
             return []
         self.state.append_context(self.name, [hint])
-        if not self.runtime_state.emit_hint_event:
+        if not runtime_state.emit_hint_event:
             return []
         return [HintBlockEvent(reply_id=self.state.reply_id, block_id=hint.id, source=hint.source, hint=hint.hint)]
 

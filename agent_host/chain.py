@@ -18,7 +18,9 @@ from .hooks import HOOKS, HookSpec
 class Layer(Protocol):
     """What a chain calls on a layer, one method per hook position (hooks.py): ``MiddlewareBase``
     (middleware.py, its hooks typed per position) and ``RemoteMiddleware`` (remote/client.py) both
-    are one. A layer takes part only in the hooks it implements (``agent.implements``)."""
+    are one."""
+
+    def implements(self, hook: str) -> bool: ...  # whether it takes part in this hook position
 
     def on_reply(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
 

@@ -98,8 +98,9 @@ class Reasoning(AgentBase):
             saved.metadata["incomplete"] = {"model": used, "error": f"{type(failure).__name__}: {failure}"}
         metadata = self._call_metadata(used)
         metadata.update({k: v for k, v in completed.metadata.items() if k == "request_id"})
-        if failure is not None and getattr(failure, "request_id", ""):
-            metadata["request_id"] = failure.request_id
+        request_id = getattr(failure, "request_id", "")  # a ModelError's
+        if request_id:
+            metadata["request_id"] = request_id
         yield ModelCallEndEvent(
             reply_id=reply_id,
             input_tokens=usage.input_tokens if usage else 0,

@@ -170,11 +170,19 @@ async def answer(
     results. None when there is no answerer, or an answerer gave none (the reply stays parked)."""
     asks = [c for c in calls if c.state == ToolCallState.ASKING]
     if asks:
-        results = [await on_confirm(c) for c in asks] if on_confirm is not None else [None]
-        return None if None in results else UserConfirmResultEvent(reply_id=reply_id, confirm_results=results)
+        if on_confirm is None:
+            return None
+        confirmed = [r for c in asks if (r := await on_confirm(c)) is not None]
+        if len(confirmed) < len(asks):
+            return None
+        return UserConfirmResultEvent(reply_id=reply_id, confirm_results=confirmed)
     submitted = [c for c in calls if c.state == ToolCallState.SUBMITTED]
-    blocks = [await on_external(c) for c in submitted] if on_external is not None and submitted else [None]
-    return None if None in blocks else ExternalExecutionResultEvent(reply_id=reply_id, execution_results=blocks)
+    if on_external is None or not submitted:
+        return None
+    blocks = [b for c in submitted if (b := await on_external(c)) is not None]
+    if len(blocks) < len(submitted):
+        return None
+    return ExternalExecutionResultEvent(reply_id=reply_id, execution_results=blocks)
 
 
 async def converse(
@@ -391,7 +399,7 @@ def save_audio(data: bytes, media_type: str, directory: Path, name: str) -> Path
         path.write_bytes(data)
         return path
     params = dict(re.findall(r";\s*(\w+)=([\w.]+)", media_type))
-    rate = int(params.get("rate", params.get("sample_rate", 24000)))
+    rate = int(params.get("rate") or params.get("sample_rate") or 24000)
     channels = int(params.get("channels", 1))
     with wave.open(str(path), "wb") as out:
         out.setnchannels(channels)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -64,8 +65,8 @@ def _outbox(mw: RemoteMiddleware) -> _Outbox:
     return mw.outbox
 
 
-def _background(mw: RemoteMiddleware, coro: object) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+def _background(mw: RemoteMiddleware, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(coro)
     mw.background.add(task)  # cancelled by mw.close()
     task.add_done_callback(mw.background.discard)
     return task

@@ -32,7 +32,7 @@ from agent_host.data import ToolCallBlock
 from agent_host.hooks import HOOKS
 from agent_host.middleware import MiddlewareBase
 from agent_host.remote.client import PROTOCOL_VERSION
-from agent_host.security import TlsFiles, presented_token, read_secret, token_digest, token_matches
+from agent_host.security import TlsFiles, abort, presented_token, read_secret, token_digest, token_matches
 from agent_host.subscriptions import to_proto
 from agent_host.tools import Tool, Toolkit
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
@@ -82,7 +82,7 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             await self._refresh()
         tool = self.tools.get(name)
         if tool is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
         tool_input = codec.decode_record(request)["tool_input"] if request.HasField("tool_input") else {}
         call = ToolCallBlock(id=request.tool_call.id or "call", name=name, input=json.dumps(tool_input))
         ctx = request.context
@@ -159,7 +159,7 @@ class _HostToken(grpc.aio.ServerInterceptor):
             return handler
 
         async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host")
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host")
 
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         return handler._replace(**{kind: refuse})

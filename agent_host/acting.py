@@ -12,7 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 from .agent_base import AgentBase, ReplyError
-from .chunk_events import _chunk_events, _output_events
+from .chunk_events import tool_chunk_events, tool_output_events
 from .data import (
     ErrorInfo,
     ErrorType,
@@ -164,7 +164,7 @@ class Acting(AgentBase):
                         response = item
                         break
                     if isinstance(item, ToolChunk):
-                        for event in _chunk_events(reply_id, call.id, item):
+                        for event in tool_chunk_events(reply_id, call.id, item):
                             yield event
             except asyncio.CancelledError:  # the tool run was interrupted (docs/behaviour.md#interruption)
                 if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
@@ -257,7 +257,7 @@ class Acting(AgentBase):
         events: list[Any] = []
         for result in event.execution_results:
             call = calls[result.id]
-            events += _output_events(reply_id, call.id, result.output)
+            events += tool_output_events(reply_id, call.id, result.output)
             events += self._save_result(call, result.output, result.state, result.metadata)
         await self.journal.record_step()
         for ev in events:

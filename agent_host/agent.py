@@ -20,7 +20,7 @@ from opentelemetry import propagate, trace
 
 from . import metrics
 from .acting import CUT_OFF, HOST_STOPPED, Acting
-from .agent_base import ReplyError, ReplyJournal, _NoJournal
+from .agent_base import NoJournal, ReplyError, ReplyJournal
 from .chain import Chain, Layer
 from .compression import Compression
 from .data import (
@@ -146,7 +146,7 @@ class Agent(Reasoning, Acting, Compression):
         # The current time told to the model before reasoning (None: off); docs/behaviour.md#runtime-state
         self.runtime_state = runtime_state
         # Where the reply's progress is made durable as it goes (the host's session store).
-        self.journal: ReplyJournal = journal or _NoJournal()
+        self.journal: ReplyJournal = journal or NoJournal()
         self._receive_reply_end = False
         self._interrupt_requested = False
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)

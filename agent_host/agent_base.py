@@ -28,7 +28,7 @@ from .data import (
 )
 from .data.state import AgentState
 from .models import ChatModel, ModelRegistry
-from .structured_output import _StructuredOutputTool
+from .structured_output import StructuredOutputTool
 from .tools import Toolkit
 
 TRUNCATED_REMINDER = (
@@ -37,7 +37,7 @@ TRUNCATED_REMINDER = (
 )
 
 
-class _NoJournal:
+class NoJournal:
     """No durable record (an Agent used as a library): every step is a no-op."""
 
     async def begin_reply(self) -> None:
@@ -105,7 +105,7 @@ class AgentBase:
         if rc.structured_schema is None or rc.structured_output is not None:
             return self.toolkit
         if self._reply_tools is None or self._reply_tools[0] is not rc:
-            self._reply_tools = (rc, self.toolkit.overlay(_StructuredOutputTool(rc.structured_schema, self.state)))
+            self._reply_tools = (rc, self.toolkit.overlay(StructuredOutputTool(rc.structured_schema, self.state)))
         return self._reply_tools[1]
 
     @property

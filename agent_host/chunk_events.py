@@ -30,7 +30,7 @@ from .data import (
 )
 
 
-class _ChunkConverter:
+class ChunkConverter:
     """Turns delta ChatResponses into block events (docs/behaviour.md#reasoning); text/thinking event ids are fresh."""
 
     # (start, delta, end) event classes of the two streamed text-like block kinds, in close order
@@ -111,7 +111,7 @@ class _ChunkConverter:
         return out
 
 
-def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
+def tool_chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
     out: list[Any] = []
     progress = chunk.metadata.get("mcp_progress")
     if progress is not None:
@@ -119,11 +119,11 @@ def _chunk_events(reply_id: str, call_id: str, chunk: ToolChunk) -> list[Any]:
 
         value = {**progress, "reply_id": reply_id, "tool_call_id": call_id}
         out.append(CustomEvent(name="mcp_progress", value=value, reply_id=reply_id))
-    out.extend(_output_events(reply_id, call_id, chunk.content))
+    out.extend(tool_output_events(reply_id, call_id, chunk.content))
     return out
 
 
-def _output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
+def tool_output_events(reply_id: str, call_id: str, output: Any) -> list[Any]:
     if isinstance(output, str):
         return [ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call_id, delta=output)] if output else []
     out: list[Any] = []

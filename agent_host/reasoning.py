@@ -11,7 +11,7 @@ from typing import Any
 
 from . import metrics
 from .agent_base import AgentBase, ReplyError
-from .chunk_events import _ChunkConverter
+from .chunk_events import ChunkConverter
 from .data import (
     AssistantMsg,
     ChatResponse,
@@ -43,7 +43,7 @@ class Reasoning(AgentBase):
         reply_id = state.reply_id
         messages, tools = await self.prepare_model_input(tool_choice)
         completed: ChatResponse | None = None
-        converter = _ChunkConverter(reply_id)
+        converter = ChunkConverter(reply_id)
         used = self.model.id
         started = False
         failure: Exception | None = None

@@ -6,9 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from .data import (
-    ToolDescriptor,
-)
+from .data import ToolDescriptor
 from .data.state import AgentState
 from .tools import Tool
 
@@ -21,7 +19,7 @@ STRUCTURED_OUTPUT_DESCRIPTION = (
 )
 
 
-class _StructuredOutputTool(Tool):
+class StructuredOutputTool(Tool):
     """The reply's GenerateStructuredOutput tool: its input, valid against the schema, is the output."""
 
     def __init__(self, schema: dict, state: AgentState) -> None:

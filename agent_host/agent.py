@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 
@@ -58,6 +58,13 @@ from .reply_grammar import ReplyGrammar, blame_of
 from .runtime_state import RuntimeState
 from .structured_output import STRUCTURED_OUTPUT_GRACE_ITERS, STRUCTURED_OUTPUT_SOURCE, STRUCTURED_OUTPUT_TOOL
 from .tools import INTERRUPTED_TOOL_TEXT, Toolkit
+
+if TYPE_CHECKING:  # both kinds of layer are chain.Layers: mypy checks it here
+    from .middleware import MiddlewareBase
+    from .remote.client import RemoteMiddleware
+
+    _IN_PROCESS: type[Layer] = MiddlewareBase
+    _REMOTE: type[Layer] = RemoteMiddleware
 
 log = logging.getLogger("agentmw.agent")
 

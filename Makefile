@@ -43,6 +43,7 @@ protos: $(VENV)/.installed
 test: install mem0
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile   # tests start processes and wait on them: two workers halve the time
 
 demo: install mem0
@@ -88,6 +89,7 @@ mem0: $(MEM0_VENV)/.installed $(STUBS)
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) $(AS_VENV) $(AS_FULL_VENV) $(MEM0_VENV) agentmw/v1

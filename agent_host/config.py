@@ -175,7 +175,7 @@ class HostConfig:
             if not isinstance(self.models.get("models"), Mapping) or not self.models["models"]:
                 raise ValueError("expected 'models: {<id>: {provider: ..., ...}}' with at least one model")
             registry = ModelRegistry.from_config(dict(self.models))
-            registry.get(registry.default)  # an unknown default id raises here
+            registry.get(registry.default or "")  # an unknown (or no) default id raises here
         except (ValueError, TypeError, KeyError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
         return registry
@@ -606,7 +606,8 @@ def _expect(value: Any, kind: type, where: str) -> Any:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string"}.get(type(value), type(value).__name__)
+    kinds: dict[type, str] = {dict: "a mapping", list: "a list", str: "a string"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 __all__ = [

@@ -152,7 +152,7 @@ def quiet_failure(exc: BaseException) -> bool:
     """A failure the reply log line and the middleware warning already tell (a middleware or a
     model that failed): no traceback for it. Anything else is a host bug worth one."""
     from .models.base import ModelError
-    from .remote.client import MiddlewareFailure
+    from .remote.errors import MiddlewareFailure
 
     return isinstance(exc, MiddlewareFailure | ModelError)
 

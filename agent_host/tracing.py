@@ -16,12 +16,15 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
 
 from agentmw.tracing import continued  # re-exported: the middleware side lives in the core
+
+if TYPE_CHECKING:  # imported when tracing is configured (configure)
+    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
 
 TRACER_NAME = "agentmw"
 SETTINGS = ("endpoint", "exporter", "service_name")  # the keys of host.yaml's ``tracing:``
@@ -54,7 +57,7 @@ def exporters(settings: Mapping[str, Any] | None = None, env: Mapping[str, str] 
 
 def configure(
     service_name: str, *, endpoint: str | None = None, settings: Mapping[str, Any] | None = None
-) -> trace.TracerProvider | None:
+) -> SdkTracerProvider | None:
     """Install and return an SDK TracerProvider when tracing is configured, else None.
     ``endpoint`` (a flag) overrides the configured OTLP endpoint. Raises ValueError on a bad setting."""
     settings = dict(settings or {})
@@ -143,7 +146,11 @@ def hook_span(middleware: str, hook: str, detached: bool, carrier: MutableMappin
     parent = trace.get_current_span()
     if not parent.is_recording():
         return None
-    attributes = {"agentmw.middleware.name": middleware, "agentmw.hook.name": hook, "agentmw.hook.detached": detached}
+    attributes: dict[str, str | bool] = {
+        "agentmw.middleware.name": middleware,
+        "agentmw.hook.name": hook,
+        "agentmw.hook.detached": detached,
+    }
     span = tracer().start_span(f"{hook} {middleware}", attributes=attributes)
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return span

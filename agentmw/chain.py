@@ -10,13 +10,37 @@ count) and runs the rest of the chain anew each time it is called.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from .hooks import HOOKS, HookSpec
 
 
+class Layer(Protocol):
+    """What a chain calls on a layer, one method per hook position (hooks.py): ``MiddlewareBase``
+    (middleware.py, its hooks typed per position) and ``RemoteMiddleware`` (remote/client.py) both
+    are one."""
+
+    def implements(self, hook: str) -> bool: ...  # whether it takes part in this hook position
+
+    def on_reply(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
+
+    def on_reasoning(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
+
+    def on_acting(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
+
+    def on_check_permission(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
+
+    def on_model_call(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
+
+    def on_compress_context(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any: ...
+
+    def on_system_prompt(self, agent: Any, prompt: str) -> Any: ...
+
+    async def list_tools(self) -> list[Any]: ...
+
+
 class Chain:
-    def __init__(self, hook: str, layers: Sequence[Any], core: Callable[..., Any]) -> None:
+    def __init__(self, hook: str, layers: Sequence[Layer], core: Callable[..., Any]) -> None:
         self.spec: HookSpec = HOOKS[hook]
         self.layers = list(layers)
         self.core = core
@@ -43,7 +67,7 @@ class Chain:
         return method(agent=agent, input_kwargs=input_kwargs, next_handler=next_handler)
 
 
-async def transform(hook: str, layers: Sequence[Any], agent: Any, value: Any) -> Any:
+async def transform(hook: str, layers: Sequence[Layer], agent: Any, value: Any) -> Any:
     """The transformer pipeline (on_system_prompt): each layer gets the previous one's output."""
     for layer in layers:
         value = await getattr(layer, hook)(agent, value)

@@ -22,13 +22,16 @@ import json
 import re
 from collections.abc import Callable
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import struct_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from agentmw.v1 import events_pb2, hooks_pb2, types_pb2
+
+if TYPE_CHECKING:  # a message's DESCRIPTOR is the C (upb) one at run time
+    from google._upb._message import Descriptor as UpbDescriptor
 
 from . import data as d
 
@@ -133,7 +136,7 @@ def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, Enum):
         return obj.value
-    if dataclasses.is_dataclass(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     raise CodecError(f"not JSON: {type(obj).__name__}")
 
@@ -153,7 +156,7 @@ class _EnumMap:
         self.to_py = {n: m for m, n in self.to_number.items()}
 
 
-Encoder = Callable[[Message, Any], None]
+Encoder = Callable[[Message, Any], object]  # its result is unused
 Decoder = Callable[[Message, dict[str, Any]], None]
 
 
@@ -246,13 +249,13 @@ class Codec:
             if value is not None:
                 encoder(out, value)
 
-    def _plan(self, desc: Descriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
+    def _plan(self, desc: Descriptor | UpbDescriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
         plan = self._plans.get(desc.full_name)
         if plan is None:
             plan = self._plans[desc.full_name] = self._compile(desc)
         return plan
 
-    def _compile(self, desc: Descriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
+    def _compile(self, desc: Descriptor | UpbDescriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
         encoders: list[tuple[str, Encoder]] = []
         decoders: list[Decoder] = []
         done_oneofs: set[str] = set()
@@ -361,7 +364,7 @@ class Codec:
 
     def _value_converters(
         self, field: FieldDescriptor
-    ) -> tuple[Callable[[Message, str, Any], None], Callable[[Any], Any]]:
+    ) -> tuple[Callable[[Message, str, Any], object], Callable[[Any], Any]]:  # (set, get); set's result unused
         """(set(out, field_name, python_value), get(proto_field_value) -> python_value)."""
         repeated = field.is_repeated
         if field.type == FieldDescriptor.TYPE_ENUM:
@@ -381,10 +384,12 @@ class Codec:
         full = field.message_type.full_name
         if full == _STRUCT:
             if repeated:
-                return (
-                    lambda out, name, value: [dict_to_struct(v, getattr(out, name).add()) for v in value],
-                    lambda seq: [struct_to_dict(s) for s in seq],
-                )
+
+                def set_structs(out: Message, name: str, value: Any) -> None:
+                    for v in value:
+                        dict_to_struct(v, getattr(out, name).add())
+
+                return set_structs, lambda seq: [struct_to_dict(s) for s in seq]
             return (lambda out, name, value: dict_to_struct(value, getattr(out, name))), struct_to_dict
         if full == _VALUE:
             return (lambda out, name, value: json_to_value(value, getattr(out, name))), value_to_json
@@ -436,7 +441,9 @@ def _dict_get(obj: dict[str, Any], name: str, default: Any) -> Any:
     return obj.get(name, default)
 
 
-def _ordered_text_of(desc: Descriptor, field: FieldDescriptor, *, of_struct: bool = False) -> str | None:
+def _ordered_text_of(
+    desc: Descriptor | UpbDescriptor, field: FieldDescriptor, *, of_struct: bool = False
+) -> str | None:
     """``of_struct``: the name of the ordered JSON text kept beside this Struct field, if any.
     Otherwise: the Struct field this string field is the ordered text of, if it is one."""
     if of_struct:

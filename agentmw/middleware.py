@@ -170,6 +170,10 @@ class MiddlewareBase:
     def is_implemented(cls, hook: str) -> bool:
         return getattr(cls, hook) is not getattr(MiddlewareBase, hook)
 
+    def implements(self, hook: str) -> bool:
+        """Whether this middleware takes part in a hook position (a layer's question, chain.Layer)."""
+        return type(self).is_implemented(hook)
+
     @classmethod
     def implemented_hooks(cls) -> list[str]:
         return [name for name in HOOKS if cls.is_implemented(name)]

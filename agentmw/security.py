@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -35,6 +35,13 @@ def token_digest(token: str) -> str:
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
+
+
+async def abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
+    """``context.abort(code, details)`` of a gRPC servicer, which always raises: typed so, as grpc has
+    no type stubs here, so that code after it is known not to run."""
+    await context.abort(code, details)
+    raise AssertionError("ServicerContext.abort returned")
 
 
 def presented_token(metadata: Iterable[Any] | None) -> str:
@@ -192,6 +199,7 @@ __all__ = [
     "AUTH_HEADER",
     "SecurityError",
     "TlsFiles",
+    "abort",
     "bearer_interceptors",
     "bearer_metadata",
     "channel",

@@ -82,9 +82,10 @@ def _item_types(kind: Any) -> list[int]:
 
 
 def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
+    # protoc's .pyi types enum fields as the enum class only; protobuf takes the int.
     desc = hooks_pb2.HookDescription(
-        hook=hook_number,
-        default_mode=int(sub.default),
+        hook=hook_number,  # type: ignore[arg-type]
+        default_mode=int(sub.default),  # type: ignore[arg-type]
         wants_context=sub.wants_context,
         eager_next=sub.eager_next or sub.detached,
         detached=sub.detached,

@@ -210,11 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run[command]()
     except grpc.RpcError as exc:
-        code = exc.code()  # type: ignore[attr-defined]
+        code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             what = f"cannot reach the host at {args.host} ({code.name})"
         else:
-            what = f"{args.host}: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+            what = f"{args.host}: {code.name}: {exc.details()}"
         if args.json:
             print(json.dumps({"error": what, "code": code.name}))
         print(f"agentmw: {what}", file=sys.stderr)

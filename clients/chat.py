@@ -17,412 +17,46 @@ Ctrl-C while a reply streams interrupts it (the host ends it cleanly); Ctrl-C at
 Interactive commands: /help, /sessions, /usage, /quit. After each reply it shows the tokens used;
 hints and the middleware's events (a middleware bypassed because it failed, say) show as they come.
 
-The pieces (``HostClient``, ``converse``, ``View``) are reused by ``clients.demo``.
+This module is the command line; talking to the host is clients/host_client.py (``HostClient``,
+``converse``), showing a reply clients/chat_view.py (``View``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
-import queue
-import re
 import select
-import shutil
 import signal
-import subprocess
 import sys
-import threading
-import wave
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import grpc
 
-from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret
+from agent_host.security import SecurityError, TlsFiles, read_secret
 from agentmw.codec import codec
 from agentmw.data import (
-    CustomEvent,
-    DataBlockDeltaEvent,
-    DataBlockEndEvent,
-    DataBlockStartEvent,
-    ExternalExecutionResultEvent,
-    FinishedReason,
-    HintBlockEvent,
-    ModelCallEndEvent,
-    ModelCallStartEvent,
-    Msg,
-    ReplyEndEvent,
     ReplyFinishedReason,
-    ReplyStartEvent,
-    RequireExternalExecutionEvent,
-    RequireUserConfirmEvent,
-    TextBlockDeltaEvent,
-    TextBlockEndEvent,
-    ThinkingBlockDeltaEvent,
-    ThinkingBlockEndEvent,
     ToolCallBlock,
-    ToolCallDeltaEvent,
-    ToolCallEndEvent,
-    ToolCallStartEvent,
-    ToolCallState,
     ToolResultBlock,
-    ToolResultDataDeltaEvent,
-    ToolResultEndEvent,
-    ToolResultStartEvent,
     ToolResultState,
-    ToolResultTextDeltaEvent,
-    UserConfirmResultEvent,
     UserMsg,
     new_id,
 )
 from agentmw.data.events import ConfirmResult
-from agentmw.v1 import host_pb2, host_pb2_grpc
-
-DEFAULT_HOST = "127.0.0.1:50070"
-
-
-# ---------------------------------------------------------------------------------------------
-# Talking to the host.
-
-
-class HostClient:
-    """An AgentHost connection (one channel); ``reply()`` starts one Reply call."""
-
-    def __init__(self, address: str, tls: TlsFiles | None = None, token: str = "") -> None:
-        self.address = address
-        self.channel = client_channel(address, tls, token)  # TLS / token when the host requires them
-        self.stub = host_pb2_grpc.AgentHostStub(self.channel)
-
-    def reply(
-        self,
-        session_id: str,
-        inputs: Any,
-        structured_schema: dict[str, Any] | None = None,
-        *,
-        refuse_if_busy: bool = False,
-    ) -> ReplyCall:
-        return ReplyCall(self.stub, session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-    async def __aenter__(self) -> HostClient:
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-
-class ReplyCall:
-    """One reply: iterate it for its items (events, then the final Msg); ``cancel()`` interrupts.
-    ``structured_schema`` (with a message only): a JSON schema the final Msg's structured_output fills.
-    ``refuse_if_busy``: a session busy with another reply fails the call with ABORTED at once
-    instead of waiting for it."""
-
-    def __init__(
-        self,
-        stub: host_pb2_grpc.AgentHostStub,
-        session_id: str,
-        inputs: Any,
-        structured_schema: dict[str, Any] | None = None,
-        *,
-        refuse_if_busy: bool = False,
-    ) -> None:
-        self.session_id = session_id
-        self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
-        start = host_pb2.ReplyRequest()
-        record = {
-            "session_id": session_id,
-            "input": inputs,
-            "structured_schema": structured_schema,
-            "refuse_if_busy": refuse_if_busy or None,
-        }
-        codec.encode_record(record, start.start)
-        self._requests.put_nowait(start)
-        self.call = stub.Reply(self._send())
-
-    async def _send(self) -> AsyncIterator[host_pb2.ReplyRequest]:
-        while (request := await self._requests.get()) is not None:
-            yield request
-
-    def cancel(self) -> None:
-        self._requests.put_nowait(host_pb2.ReplyRequest(cancel=host_pb2.CancelReply()))
-
-    async def __aiter__(self) -> AsyncIterator[Any]:
-        try:
-            async for event in self.call:
-                self.session_id = event.session_id or self.session_id
-                for item in event.items:
-                    yield codec.decode_item(item)
-        finally:
-            self._requests.put_nowait(None)
-            self.call.cancel()
-
-
-@dataclass
-class Turn:
-    """What one user turn came to, over all its resumptions."""
-
-    session_id: str
-    final: Msg | None = None
-    end: ReplyEndEvent | None = None
-    parked: bool = False  # it still waits for a confirmation / external result
-    items: list[Any] = field(default_factory=list)
-
-
-ConfirmAnswer = Callable[[ToolCallBlock], Awaitable[ConfirmResult | None]]
-ExternalAnswer = Callable[[ToolCallBlock], Awaitable[ToolResultBlock | None]]
-
-
-async def answer(
-    calls: list[ToolCallBlock], reply_id: str, on_confirm: ConfirmAnswer | None, on_external: ExternalAnswer | None
-) -> Any | None:
-    """The event that resumes a reply parked on ``calls``: the confirmations first, else the external
-    results. None when there is no answerer, or an answerer gave none (the reply stays parked)."""
-    asks = [c for c in calls if c.state == ToolCallState.ASKING]
-    if asks:
-        results = [await on_confirm(c) for c in asks] if on_confirm is not None else [None]
-        return None if None in results else UserConfirmResultEvent(reply_id=reply_id, confirm_results=results)
-    submitted = [c for c in calls if c.state == ToolCallState.SUBMITTED]
-    blocks = [await on_external(c) for c in submitted] if on_external is not None and submitted else [None]
-    return None if None in blocks else ExternalExecutionResultEvent(reply_id=reply_id, execution_results=blocks)
-
-
-async def converse(
-    client: HostClient,
-    session_id: str,
-    inputs: Any,
-    *,
-    on_item: Callable[[Any], None] = lambda item: None,
-    on_confirm: ConfirmAnswer | None = None,
-    on_external: ExternalAnswer | None = None,
-    on_call: Callable[[ReplyCall], None] = lambda call: None,
-    parked_on: list[ToolCallBlock] = (),  # type: ignore[assignment]
-    reply_id: str = "",
-    structured_schema: dict[str, Any] | None = None,
-    refuse_if_busy: bool = False,
-) -> Turn:
-    """Run a reply (``inputs``: a message or a resumption event) and answer whatever it parks on,
-    until it ends. ``inputs=None`` with ``parked_on``/``reply_id``: answer a reply parked earlier.
-    ``structured_schema`` goes with the first call only (the message; the resumptions keep it);
-    ``refuse_if_busy`` with every call (a busy session fails it with ABORTED instead of waiting)."""
-    turn = Turn(session_id)
-    pending = {c.id: c for c in parked_on}
-    while True:
-        if inputs is None:
-            inputs = await answer(list(pending.values()), reply_id, on_confirm, on_external)
-            if inputs is None:
-                turn.parked = bool(pending)
-                return turn
-        call = client.reply(turn.session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
-        structured_schema = None
-        on_call(call)
-        turn.final = None
-        async for item in call:
-            turn.items.append(item)
-            on_item(item)
-            if isinstance(item, RequireUserConfirmEvent | RequireExternalExecutionEvent):
-                pending.update((c.id, c) for c in item.tool_calls)
-            elif isinstance(item, ToolResultEndEvent):
-                pending.pop(item.tool_call_id, None)
-            elif isinstance(item, ReplyEndEvent):
-                turn.end = item
-            elif isinstance(item, Msg):
-                turn.final = item
-        turn.session_id = call.session_id
-        if turn.end is not None or turn.final is None or not pending:
-            return turn
-        reply_id, inputs = turn.final.id, None
-
-
-# ---------------------------------------------------------------------------------------------
-# Showing a reply.
-
-
-# Model calls that ended short of a complete answer, as agent-chat says it.
-_CUT = {
-    FinishedReason.LENGTH: "the model's answer was cut at its output token limit",
-    FinishedReason.CONTENT_FILTER: "the model's answer was withheld by the provider's content filter",
-    FinishedReason.ERROR: "the model call failed mid-answer; what arrived is kept",
-}
-
-
-class View:
-    """Prints a reply's items readably, as they arrive; saves audio to WAV files."""
-
-    def __init__(
-        self, out: TextIO = sys.stdout, audio_dir: str | Path = "agent-audio", color: bool | None = None
-    ) -> None:
-        self.out = out
-        self.audio_dir = Path(audio_dir)
-        self.color = out.isatty() if color is None else color
-        self.in_text = False
-        self.streamed_text = False
-        self.calls: dict[str, list[str]] = {}  # tool call id -> [name, input so far]
-        self.results: dict[str, list[str]] = {}  # tool call id -> [name, output so far]
-        self.audio: dict[str, tuple[str, list[str]]] = {}  # block id -> (media type, base64 pieces)
-        self.saved: list[Path] = []
-        self.player: Player | None = None  # plays each saved file (--play)
-        self.failed = False  # the reply's end reported an error
-
-    def _dim(self, text: str) -> str:
-        return f"\033[2m{text}\033[0m" if self.color else text
-
-    def _line(self, text: str) -> None:
-        if self.in_text:
-            self.out.write("\n")
-            self.in_text = False
-        self.out.write(text + "\n")
-        self.out.flush()
-
-    def show(self, item: Any) -> None:
-        if isinstance(item, ReplyStartEvent):
-            self.streamed_text = self.failed = False
-        elif isinstance(item, TextBlockDeltaEvent):
-            self.out.write(item.delta)
-            self.out.flush()
-            self.in_text = self.streamed_text = True
-        elif isinstance(item, TextBlockEndEvent | ThinkingBlockEndEvent):
-            if self.in_text:
-                self.out.write("\n")
-                self.in_text = False
-        elif isinstance(item, ThinkingBlockDeltaEvent):
-            self.out.write(self._dim(item.delta))
-            self.in_text = True
-        elif isinstance(item, ToolCallStartEvent):
-            self.calls[item.tool_call_id] = [item.tool_call_name, ""]
-        elif isinstance(item, ToolCallDeltaEvent):
-            self.calls.setdefault(item.tool_call_id, ["?", ""])[1] += item.delta
-        elif isinstance(item, ToolCallEndEvent):
-            name, raw = self.calls.get(item.tool_call_id, ["?", ""])
-            self._line(f"  → {name}({raw})")
-        elif isinstance(item, ToolResultStartEvent):
-            self.results[item.tool_call_id] = [item.tool_call_name, ""]
-        elif isinstance(item, ToolResultTextDeltaEvent):
-            self.results.setdefault(item.tool_call_id, ["?", ""])[1] += item.delta
-        elif isinstance(item, ToolResultDataDeltaEvent):
-            self._audio_piece(item.block_id, item.media_type, item.data)
-        elif isinstance(item, ToolResultEndEvent):
-            name, text = self.results.pop(item.tool_call_id, ["?", ""])
-            state = "" if item.state == ToolResultState.SUCCESS else f" [{item.state.value}]"
-            self._line(f"  ← {name}{state}: {_short(text)}")
-        elif isinstance(item, DataBlockStartEvent | DataBlockDeltaEvent):
-            self._audio_piece(item.block_id, item.media_type, getattr(item, "data", None))
-        elif isinstance(item, DataBlockEndEvent):
-            self._save_audio(item.block_id)
-        elif isinstance(item, RequireUserConfirmEvent):
-            for call in item.tool_calls:
-                self._line(f"  ? {call.name} needs your confirmation")
-        elif isinstance(item, RequireExternalExecutionEvent):
-            for call in item.tool_calls:
-                self._line(f"  ? {call.name} must be run by the client")
-        elif isinstance(item, CustomEvent) and item.name == "middleware_bypassed" and isinstance(item.value, dict):
-            v = item.value
-            self._line(f"  ! middleware {v.get('middleware')} skipped in {v.get('hook')} (it failed): {v.get('error')}")
-        elif isinstance(item, CustomEvent):
-            self._line(self._dim(f"  · {item.name}: {json.dumps(item.value, sort_keys=True)}"))
-        elif isinstance(item, HintBlockEvent):
-            hint = item.hint if isinstance(item.hint, str) else " ".join(getattr(b, "text", "") for b in item.hint)
-            self._line(self._dim(f"  hint{f' ({item.source})' if item.source else ''}: {_short(hint)}"))
-        elif isinstance(item, ModelCallStartEvent):
-            for failure in item.metadata.get("failed_attempts") or []:  # retries and fallbacks before it
-                self._line(self._dim(f"  (model {failure.get('model')} failed: {failure.get('error')})"))
-        elif isinstance(item, ModelCallEndEvent) and item.finished_reason in _CUT:
-            self._line(f"  ({_CUT[item.finished_reason]})")
-        elif isinstance(item, ReplyEndEvent):
-            self.failed = item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None
-            for block_id in list(self.audio):
-                self._save_audio(block_id)
-            if item.finished_reason == ReplyFinishedReason.INTERRUPTED:
-                self._line("  (reply interrupted)")
-            elif item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None:
-                self._line(f"  (reply failed: {item.error.message})")
-        elif (
-            isinstance(item, Msg)
-            and not (self.failed and item.finished_reason == ReplyFinishedReason.ERROR)
-            and (not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED)
-        ):  # a failed reply's message repeats the error its end already showed
-            self._line(item.text)
-
-    def _audio_piece(self, block_id: str, media_type: str, data: str | None) -> None:
-        if not media_type.startswith("audio/"):
-            return
-        entry = self.audio.setdefault(block_id, (media_type, []))
-        if data:
-            entry[1].append(data)
-
-    def _save_audio(self, block_id: str) -> None:
-        entry = self.audio.pop(block_id, None)
-        if entry is None or not entry[1]:
-            return
-        media_type, pieces = entry
-        path = save_audio(b"".join(base64.b64decode(p) for p in pieces), media_type, self.audio_dir, block_id)
-        self.saved.append(path)
-        self._line(f"  [audio saved to {path}]")
-        if self.player is not None:
-            self.player.play(path)
-
-
-# Players tried in order for --play; each takes a WAV file's path last.
-PLAYERS = (["aplay", "-q"], ["paplay"], ["ffplay", "-nodisp", "-autoexit", "-loglevel", "quiet"])
-
-
-class Player:
-    """Plays WAV files one after another on a thread of its own, so the reply streams on meanwhile."""
-
-    def __init__(self, argv: list[str]) -> None:
-        self.argv = argv
-        self.files: queue.Queue[Path | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="player", daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def find(cls) -> Player | None:
-        for name, *flags in PLAYERS:
-            if path := shutil.which(name):
-                return cls([path, *flags])
-        return None
-
-    def play(self, path: Path) -> None:
-        self.files.put(path)
-
-    def _run(self) -> None:
-        while (path := self.files.get()) is not None:
-            subprocess.run([*self.argv, str(path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
-
-    def close(self, timeout: float = 120.0) -> None:
-        """Let what is queued finish playing (bounded)."""
-        self.files.put(None)
-        self.thread.join(timeout)
-
-
-def save_audio(data: bytes, media_type: str, directory: Path, name: str) -> Path:
-    """A WAV file of audio bytes: WAV data as is, raw PCM (audio/pcm, audio/L16; rate=...) wrapped."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{re.sub(r'[^A-Za-z0-9_-]', '', name)[:32] or 'audio'}.wav"
-    if data[:4] == b"RIFF":
-        path.write_bytes(data)
-        return path
-    params = dict(re.findall(r";\s*(\w+)=([\w.]+)", media_type))
-    rate = int(params.get("rate", params.get("sample_rate", 24000)))
-    channels = int(params.get("channels", 1))
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(channels)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(data)
-    return path
-
-
-def _short(text: str, limit: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
+from agentmw.v1 import host_pb2
+from clients.chat_view import Player, View
+from clients.host_client import (
+    DEFAULT_HOST,
+    ConfirmAnswer,
+    ExternalAnswer,
+    HostClient,
+    ReplyCall,
+    Turn,
+    converse,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The command line.

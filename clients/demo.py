@@ -217,7 +217,8 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
     from agentmw.data.events import ConfirmResult
     from agentmw.v1 import host_pb2
 
-    from .chat import HostClient, View, converse
+    from .chat_view import View
+    from .host_client import HostClient, converse
 
     outcome = Outcome()
     view = View(out=out, audio_dir=Path(tempfile.gettempdir()) / "agentmw-demo-audio", color=False)

@@ -22,7 +22,11 @@ ABSENT = "PostgreSQL server binaries (initdb, pg_ctl) not found: apt-get install
 
 
 def pg_bin() -> Path | None:
-    for candidate in [os.environ.get("AGENTMW_PG_BIN", ""), *sorted(Path("/usr/lib/postgresql").glob("*/bin"))]:
+    candidates: list[str | Path] = [
+        os.environ.get("AGENTMW_PG_BIN", ""),
+        *sorted(Path("/usr/lib/postgresql").glob("*/bin")),
+    ]
+    for candidate in candidates:
         if candidate and (Path(candidate) / "initdb").exists() and (Path(candidate) / "pg_ctl").exists():
             return Path(candidate)
     found = shutil.which("initdb")

@@ -148,7 +148,7 @@ class Accumulator:
             pieces = self.pieces.get(block.id)
             if pieces is not None and type(block) is type(have):
                 pieces.append(_streamed(block))
-            if isinstance(block, ToolCallBlock):
+            if isinstance(block, ToolCallBlock) and isinstance(have, ToolCallBlock):
                 have.name = have.name or block.name
 
     def result(self, finished: FinishedReason, started: float) -> ChatResponse:
@@ -156,10 +156,9 @@ class Accumulator:
             block = self.blocks[block_id]
             joined = "".join(pieces)
             pieces[:] = [joined]  # a second result() costs nothing more
-            if isinstance(block, DataBlock):
-                block.source.data = joined
-            else:
-                setattr(block, _streamed_field(block), joined)
+            field = _streamed_field(block)
+            assert field is not None  # only a block with a streamed field has pieces
+            setattr(block.source if isinstance(block, DataBlock) else block, field, joined)
         usage = self.usage or ChatUsage()
         usage.time = usage.time or round(time.monotonic() - started, 6)
         kw = {"id": self.id} if self.id else {}

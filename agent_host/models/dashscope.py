@@ -173,7 +173,7 @@ class DashScopeChatModel(ChatModel):
             if responses is not None:  # release the HTTP response now if the reader stopped early
                 await responses.aclose()
         yield ChatResponse(
-            content=merger.finish(),
+            content=[*merger.finish()],
             is_last=False,
             id=request_id or new_id(),
             usage=_usage(usage),

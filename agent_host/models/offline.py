@@ -90,7 +90,7 @@ class OfflineRuleModel(ChatModel):
     ) -> AsyncIterator[ChatResponse]:
         self.calls += 1
         if messages and "<compress-context>" in messages[-1].text:  # the agent asks for a summary
-            turn = {"text": self._summary(messages[:-1])}
+            turn: dict[str, Any] = {"text": self._summary(messages[:-1])}
         elif self.script:
             turn = self.script.pop(0)
         else:

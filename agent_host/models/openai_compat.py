@@ -196,7 +196,7 @@ class OpenAICompatibleModel(ChatModel):
         except ValueError as exc:  # a malformed event (JSON)
             raise protocol_error(self.provider, self.model_name, f"malformed event: {exc}", request_id) from exc
         yield ChatResponse(
-            content=merger.finish(),
+            content=[*merger.finish()],
             is_last=False,
             id=response_id or new_id(),
             usage=usage,

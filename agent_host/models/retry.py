@@ -60,8 +60,9 @@ class Failure:
             "error_type": str(getattr(self.error, "error_type", ErrorType.UNKNOWN)),
             "error": f"{type(self.error).__name__}: {self.error}",
         }
-        if getattr(self.error, "request_id", ""):
-            out["request_id"] = self.error.request_id
+        request_id = getattr(self.error, "request_id", "")  # a ModelError's
+        if request_id:
+            out["request_id"] = request_id
         if self.delay is not None:
             out["retry_in"] = round(self.delay, 3)
         return out
@@ -121,6 +122,7 @@ async def call_with_fallback(
 
         def record(state: RetryCallState, model_id: str = model_id) -> None:  # before each wait
             exc = state.outcome.exception() if state.outcome else None
+            assert exc is not None  # it waits only after an attempt that raised
             failure = Failure(model_id, exc, state.attempt_number, state.upcoming_sleep)
             failures.append(failure)
             log.warning(

@@ -1,5 +1,6 @@
 """The host's client for middleware servers: attach by address, one generic protocol driver."""
 
-from .client import MiddlewareFailure, Policy, ProtocolError, RemoteMiddleware, RemoteMiddlewareError, RemoteTool
+from .client import Policy, RemoteMiddleware, RemoteTool
+from .errors import MiddlewareFailure, ProtocolError, RemoteMiddlewareError
 
 __all__ = ["MiddlewareFailure", "Policy", "ProtocolError", "RemoteMiddleware", "RemoteMiddlewareError", "RemoteTool"]

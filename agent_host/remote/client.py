@@ -22,7 +22,7 @@ import grpc
 import jsonschema
 
 from agentmw.codec import CodecError, codec, json_to_value
-from agentmw.data import ErrorType, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
+from agentmw.data import ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, Kind
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import Tool
@@ -30,6 +30,8 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..config import Permissions, check_seconds
 from ..security import TlsFiles, bearer_metadata, channel
+from .errors import MiddlewareFailure, ProtocolError
+from .protocol import HookCall
 
 log = logging.getLogger("agentmw.remote")
 
@@ -100,41 +102,6 @@ MUTATION_PERMISSION = {
     "set_max_iters": "mutate_context",
     "set_model": "set_model",
 }
-
-
-class MiddlewareFailure(RuntimeError):
-    """The middleware could not be used: unreachable, broken stream, timeout, protocol violation."""
-
-    error_type = ErrorType.UPSTREAM
-
-    def __init__(self, middleware: str, hook: str, what: str) -> None:
-        super().__init__(f"middleware {middleware!r} failed in {hook}: {what}")
-        self.middleware, self.hook, self.what = middleware, hook, what
-
-
-class StreamBroken(MiddlewareFailure):
-    """The stream failed underneath: connection lost, server gone, stream ended early."""
-
-
-class OutputLimitExceeded(MiddlewareFailure):
-    """The middleware emitted more than its policy allows in one hook call (a runaway)."""
-
-
-class ProtocolError(MiddlewareFailure):
-    """The middleware sent a malformed, out-of-order or forbidden message."""
-
-    def __init__(self, middleware: str, hook: str, what: str) -> None:
-        super().__init__(middleware, hook, f"protocol violation: {what}")
-
-
-class RemoteMiddlewareError(RuntimeError):
-    """The middleware's own code raised; propagated as an in-process middleware's exception would."""
-
-    error_type = ErrorType.UPSTREAM
-
-    def __init__(self, middleware: str, hook: str, type_name: str, message: str) -> None:
-        super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
-        self.middleware, self.hook, self.type_name = middleware, hook, type_name
 
 
 class RemoteMiddleware:
@@ -388,8 +355,6 @@ class RemoteMiddleware:
         return cached
 
     def _call(self, spec: HookSpec, agent: Any, input_kwargs: dict, next_handler: Any) -> Any:
-        from .protocol import HookCall
-
         return HookCall(self, spec, agent, input_kwargs, next_handler)
 
     # -- tools -------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
@@ -80,8 +80,8 @@ def _outbox(mw: RemoteMiddleware) -> _Outbox:
     return mw.outbox
 
 
-def _background(mw: RemoteMiddleware, coro: object) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+def _background(mw: RemoteMiddleware, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    task = asyncio.get_running_loop().create_task(coro)
     mw.background.add(task)  # cancelled by mw.close()
     task.add_done_callback(mw.background.discard)
     return task
@@ -309,7 +309,7 @@ class Watch:
             raise
         return self.flow(begin, result, first)
 
-    async def _open(self) -> hooks_pb2.HostMessage | bool | None:
+    async def _open(self) -> hooks_pb2.HostMessage | Literal[False] | None:
         """Describe if needed; the Begin, None when the middleware is bypassed (it could not be
         described: copies go nowhere), False when the hook is not detached any more."""
         call, mw, name = self.call, self.call.mw, self.call.spec.name

@@ -10,11 +10,12 @@ import asyncio
 import copy
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf import struct_pb2
 
 from agentmw.chain import prepend
 from agentmw.codec import CodecError, codec, json_to_value, value_to_json
@@ -33,15 +34,11 @@ from agentmw.wire import (
 )
 
 from .. import metrics, tracing
-from .client import (
-    MiddlewareFailure,
-    OutputLimitExceeded,
-    ProtocolError,
-    RemoteMiddleware,
-    RemoteMiddlewareError,
-    StreamBroken,
-)
 from .detached import Watch, watching
+from .errors import MiddlewareFailure, OutputLimitExceeded, ProtocolError, RemoteMiddlewareError, StreamBroken
+
+if TYPE_CHECKING:
+    from .client import RemoteMiddleware
 
 log = logging.getLogger("agentmw.remote")
 
@@ -57,7 +54,7 @@ class HookCall:
         self.next_handler = next_handler
         self.table: SubscriptionTable | None = None
         self.call: Any = None
-        self.inner: AsyncIterator[Any] | None = None  # the open inner pipeline, as items
+        self.inner: AsyncGenerator[Any, None] | None = None  # the open inner pipeline, as items
         self.inner_done = False
         self.inner_result: Any = None
         self.inner_exc: BaseException | None = None
@@ -74,7 +71,7 @@ class HookCall:
         self.held_begin: hooks_pb2.HostMessage | None = None  # an eager value hook's begin, sent with its outcome
         self.in_hand: Any = None  # an observed item taken from the inner pipeline, not yet forwarded
         self.deferred: hooks_pb2.MiddlewareMessage | None = None  # a command read while items flowed
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop: asyncio.AbstractEventLoop  # set by _watch, before the first wait
         self.watchdog: asyncio.TimerHandle | None = None
         self.waiting_since: float | None = None  # loop time since when the host waits on the stream
         self.waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
@@ -115,7 +112,7 @@ class HookCall:
 
     # -- failure policy ------------------------------------------------------------------------
 
-    async def _guarded(self) -> AsyncIterator[Any]:
+    async def _guarded(self) -> AsyncGenerator[Any, None]:
         started = metrics.hook_started()
         try:
             try:
@@ -203,7 +200,7 @@ class HookCall:
 
     # -- the protocol -----------------------------------------------------------------------------
 
-    async def _run(self) -> AsyncIterator[Any]:
+    async def _run(self) -> AsyncGenerator[Any, None]:
         mw, spec = self.mw, self.spec
         await mw.ensure_described()
         self.table = mw.tables.get(spec.name)
@@ -339,7 +336,7 @@ class HookCall:
         self.generation += 1
         self.inner = self._inner_items(overrides)
 
-    async def _inner_items(self, overrides: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _inner_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """The inner pipeline as items, whatever the hook's shape; a CALL hook's value is kept."""
         kind = self.spec.kind
         call = self.next_handler(**overrides)
@@ -488,7 +485,7 @@ class HookCall:
         if slot is not None:
             json_to_value(slot, ctx.slot)
         else:
-            ctx.slot.null_value = 0
+            ctx.slot.null_value = struct_pb2.NULL_VALUE
         codec.encode(agent.model.ref, ctx.model)
         ctx.structured_output_pending = (
             state.reply_context.structured_schema is not None and state.reply_context.structured_output is None

@@ -239,7 +239,9 @@ class Host:
         except asyncio.CancelledError:
             if not run.cut_off:  # the host is shutting down
                 raise
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()
             await run.put(
                 ReplyRejected(
                     grpc.StatusCode.ABORTED,

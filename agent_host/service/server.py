@@ -25,7 +25,7 @@ from agentmw.v1 import host_pb2, host_pb2_grpc
 from .. import metrics
 from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
 from ..remote import MiddlewareFailure, Policy
-from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, address_allowed
+from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, abort, address_allowed
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
@@ -55,14 +55,14 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def Reply(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("request") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first ReplyRequest must be `start`")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first ReplyRequest must be `start`")
         try:
             start = codec.decode_record(first.start)
         except (CodecError, KeyError, TypeError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed StartReply: {exc}")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed StartReply: {exc}")
         inputs = start.get("input")
         if inputs is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "StartReply needs a message or a resumption event")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "StartReply needs a message or a resumption event")
         session_id = start.get("session_id") or new_id()
         # A JSON object (the codec's struct_to_dict) when set; the host checks it before anything is stored.
         structured_schema = start.get("structured_schema")
@@ -85,7 +85,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
                     codec.encode_item(item, event.items.add())
                 yield event
         except ReplyRejected as exc:
-            await context.abort(exc.code, str(exc))
+            await abort(context, exc.code, str(exc))
         finally:
             watcher.cancel()
             run.abandon()  # a no-op when the reply has ended; else the client went away
@@ -97,7 +97,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.Session:
         found = await self.host.session(request.session_id, CALLER.get())
         if found is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no session {request.session_id!r}")
         record, state, pending = found
         out = host_pb2.Session(summary=_summary(record), replying=await self.host.replying_anywhere(request.session_id))
         codec.encode(state, out.state)
@@ -116,16 +116,16 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     async def AttachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
         await _per_host_middleware(self.host, context)
         if not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
         if request.timeout != 0:  # 0 = the default
             try:
                 check_seconds(request.timeout)
             except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         security = self.host.config.security
         configured = {m.address: m for m in self.host.config.middleware}
         if not address_allowed(request.address, security.attach_allow, configured):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{request.address} is not an allowed address")
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"{request.address} is not an allowed address")
         known = configured.get(request.address)  # a configured address keeps its key and permissions
         mc = MiddlewareConfig(
             address=request.address,
@@ -138,7 +138,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         )
         position = request.position if request.HasField("position") else None
         if position is not None and not 0 <= position <= len(self.host.middleware):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"position {position} is out of range")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"position {position} is out of range")
         started = time.monotonic()
         try:
             attached = await self.host.attach(mc, position)
@@ -147,9 +147,9 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
             # AttachMiddleware must not be a port scanner. The details go to the log only.
             log.warning("AttachMiddleware %s failed: %s", request.address, exc)
             await asyncio.sleep(max(0.0, started + CONNECT_TIMEOUT - time.monotonic()))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot attach {request.address}: {ATTACH_FAILED}")
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"cannot attach {request.address}: {ATTACH_FAILED}")
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            await abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         return _info(attached)
 
     async def DetachMiddleware(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.MiddlewareInfo:
@@ -157,7 +157,7 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         try:
             return _info(await self.host.detach(request.name))
         except KeyError:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no middleware named {request.name!r} is attached")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no middleware named {request.name!r} is attached")
 
     async def ListMiddleware(self, request: Any, context: Any) -> host_pb2.MiddlewareList:
         return host_pb2.MiddlewareList(middleware=[_info(a) for a in self.host.middleware])
@@ -166,7 +166,8 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
 async def _per_host_middleware(host: Host, context: grpc.aio.ServicerContext) -> None:
     """Hosts sharing a store must run the same middleware: a change to one host alone is refused."""
     if host.store.shared:
-        await context.abort(
+        await abort(
+            context,
             grpc.StatusCode.FAILED_PRECONDITION,
             "this host shares its session store with other hosts: attach and detach would change one host only; "
             "change the middleware in every host's configuration and restart them one by one (they drain)",
@@ -213,7 +214,7 @@ class _DecodeErrors(grpc.aio.ServerInterceptor):
 
             async def checked_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if isinstance(request, _Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                    await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
                 return await unary(request, context)
 
             return handler._replace(request_deserializer=lenient, unary_unary=checked_unary)
@@ -223,7 +224,7 @@ class _DecodeErrors(grpc.aio.ServerInterceptor):
             async def checked_requests(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 async for request in requests:
                     if isinstance(request, _Undecodable):
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+                        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.message)
                     yield request
 
             async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -245,10 +246,10 @@ class _Authorize(grpc.aio.ServerInterceptor):
     async def _caller(self, method: str, context: grpc.aio.ServicerContext) -> Principal:
         caller = self.auth.authenticate(context.invocation_metadata(), context.auth_context())
         if caller is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid token or certificate is required")
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "a valid token or certificate is required")
         needed = METHOD_ROLES.get(method.rsplit("/", 1)[-1], ADMIN)
         if needed == ADMIN and not caller.admin:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin role")
+            await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin role")
         return caller
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
@@ -404,7 +405,12 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     stop, now = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, lambda: (stop.set(), now.set()))  # Ctrl-C: no grace
+
+    def interrupted() -> None:  # Ctrl-C: no grace
+        stop.set()
+        now.set()
+
+    loop.add_signal_handler(signal.SIGINT, interrupted)
     await stop.wait()
     loop.add_signal_handler(signal.SIGTERM, now.set)  # a second SIGTERM cuts the grace short
     drain, cut = (

@@ -186,6 +186,9 @@ class CachedJournals:
     def __init__(self) -> None:
         self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
 
+    async def _apply(self, write: Write) -> None:  # each store's own: with it, a store is a RowBackend
+        raise NotImplementedError
+
     def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
         journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
         self._remember(journal)

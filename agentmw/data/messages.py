@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,8 +80,11 @@ def UserMsg(text: str, name: str = "user", **kw: Any) -> Msg:
     return msg
 
 
-def AssistantMsg(content: str | list[ContentBlock], name: str = "assistant", **kw: Any) -> Msg:
-    blocks = [TextBlock(text=content)] if isinstance(content, str) else content
+def AssistantMsg(content: str | Sequence[ContentBlock], name: str = "assistant", **kw: Any) -> Msg:
+    if isinstance(content, str):
+        blocks: list[ContentBlock] = [TextBlock(text=content)]
+    else:
+        blocks = content if isinstance(content, list) else list(content)
     return Msg(name=name, content=blocks, role=Role.ASSISTANT, **kw)
 
 

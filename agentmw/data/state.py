@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ._common import new_id
 from .blocks import ContentBlock, PermissionRule
@@ -30,13 +31,20 @@ class ReplyContext:
         return self.structured_schema is not None and self.structured_output is None
 
 
+class _ReplyIds(Protocol):
+    """What ReplyFields reads of a reply context: the host's ReplyContext, or an SDK view's own."""
+
+    reply_id: str
+    cur_iter: int
+
+
 class ReplyFields:
     """``reply_id`` and ``cur_iter`` read through ``reply_context``, as on AgentScope's AgentState.
     Shared by the host's state and a remote middleware's view of it; ``_cur_iter_changed`` says
     what a write means where (a version bump here, a mutation there)."""
 
     __slots__ = ()
-    reply_context: ReplyContext
+    reply_context: _ReplyIds
 
     @property
     def reply_id(self) -> str:
@@ -85,7 +93,7 @@ class AgentState(ReplyFields):
         self.context.append(msg)
         self.version += 1
 
-    def append_context(self, name: str, blocks: list[ContentBlock]) -> Msg:
+    def append_context(self, name: str, blocks: Sequence[ContentBlock]) -> Msg:
         """Append blocks to this reply's assistant message, creating it when the tail is not it."""
         msg = self.reply_message(name)
         if msg is None:

@@ -31,7 +31,7 @@ from agentmw.codec import codec, value_to_json
 from agentmw.data import ToolCallBlock
 from agentmw.hooks import HOOKS, PROTOCOL_VERSION
 from agentmw.middleware import MiddlewareBase
-from agentmw.security import TlsFiles, presented_token, read_secret, token_digest, token_matches
+from agentmw.security import TlsFiles, abort, presented_token, read_secret, token_digest, token_matches
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
@@ -81,7 +81,7 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             await self._refresh()
         tool = self.tools.get(name)
         if tool is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
+            await abort(context, grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")
         tool_input = codec.decode_record(request)["tool_input"] if request.HasField("tool_input") else {}
         call = ToolCallBlock(id=request.tool_call.id or "call", name=name, input=json.dumps(tool_input))
         ctx = request.context
@@ -158,7 +158,7 @@ class _HostToken(grpc.aio.ServerInterceptor):
             return handler
 
         async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host")
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host")
 
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
         return handler._replace(**{kind: refuse})

@@ -189,6 +189,8 @@ class ReplyContextView:
 
 
 class StateView(ReplyFields):
+    reply_context: ReplyContextView  # its own, not the host's ReplyContext
+
     def __init__(self, session: HookSession, key: str) -> None:
         self._session = session
         self.session_id = ""

@@ -27,7 +27,7 @@ from typing import Any
 
 from agent_host.agent import STRUCTURED_OUTPUT_TOOL
 from agentmw.data import CustomEvent, HintBlock, ModelCallEndEvent, ReplyStartEvent, ToolChoice
-from agentmw.sdk import MiddlewareBase, subscribe
+from agentmw.sdk import MiddlewareBase, ReasoningKwargs, ReplyKwargs, subscribe
 
 DEFAULT_KEY = "ReplyBudget"
 DEFAULT_HINT = (
@@ -94,7 +94,7 @@ class ReplyBudget(MiddlewareBase):
         slot = agent.state.middle_context.get(self.key)
         return slot if isinstance(slot, dict) and slot.get("reply_id") == reply_id else self._slot(reply_id)
 
-    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         async for item in next_handler():
             if isinstance(item, ReplyStartEvent):
                 agent.state.middle_context[self.key] = self._slot(item.reply_id)
@@ -104,7 +104,7 @@ class ReplyBudget(MiddlewareBase):
                 agent.state.middle_context[self.key] = self._slot(item.reply_id, slot["used"] + cost)
             yield item
 
-    async def on_reasoning(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_reasoning(self, agent: Any, input_kwargs: ReasoningKwargs, next_handler: Any) -> AsyncIterator[Any]:
         state = agent.state
         slot = self._current(agent, state.reply_id)
         if slot["used"] < self.token_budget:

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any
 
-from agentmw.sdk import MiddlewareBase, serve, subscribe
+from agentmw.sdk import MiddlewareBase, ModelCallKwargs, serve, subscribe
 
 log = logging.getLogger("agentmw.examples.fallback")
 
@@ -29,7 +29,7 @@ class ModelFallbackMiddleware(MiddlewareBase):
     async def get_middleware_key(self) -> str:
         return self.key
 
-    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+    async def on_model_call(self, agent: Any, input_kwargs: ModelCallKwargs, next_handler: Any) -> Any:
         try:
             return await next_handler()
         except Exception as exc:

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from agentmw.sdk import MiddlewareBase, serve, subscribe
+from agentmw.sdk import MiddlewareBase, ModelCallKwargs, serve, subscribe
 
 
 class RateLimitMiddleware(MiddlewareBase):
@@ -49,7 +49,7 @@ class RateLimitMiddleware(MiddlewareBase):
     async def get_middleware_key(self) -> str:
         return self.key
 
-    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+    async def on_model_call(self, agent: Any, input_kwargs: ModelCallKwargs, next_handler: Any) -> Any:
         waited = await self.acquire()
         stats = agent.state.middle_context.get(self.key) or {}
         agent.state.middle_context[self.key] = {

@@ -14,7 +14,16 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agentmw.sdk import CustomEvent, MiddlewareBase, ReplyEndEvent, serve, subscribe
+# The event classes are exported by name from EVENT_CLASSES (agentmw/data/__init__.py), which mypy cannot follow.
+from agentmw.sdk import (  # type: ignore[attr-defined]
+    CustomEvent,
+    MiddlewareBase,
+    ModelCallKwargs,
+    ReplyEndEvent,
+    ReplyKwargs,
+    serve,
+    subscribe,
+)
 
 log = logging.getLogger("agentmw.examples.timing")
 
@@ -25,7 +34,7 @@ class TimingMiddleware(MiddlewareBase):
         "on_model_call": subscribe(),
     }
 
-    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         start = time.perf_counter()
         async for event in next_handler(**input_kwargs):
             if isinstance(event, ReplyEndEvent):
@@ -33,7 +42,7 @@ class TimingMiddleware(MiddlewareBase):
                 yield CustomEvent(name="timing", value={"reply_id": event.reply_id, "reply_seconds": seconds})
             yield event
 
-    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+    async def on_model_call(self, agent: Any, input_kwargs: ModelCallKwargs, next_handler: Any) -> Any:
         model = input_kwargs["current_model"]
         model_id = getattr(model, "id", model)
         start = time.perf_counter()

@@ -39,7 +39,7 @@ from agentmw.data import (
     ToolDescriptor,
     ToolResultState,
 )
-from agentmw.middleware import MiddlewareBase, Subscription, subscribe
+from agentmw.middleware import MiddlewareBase, ReplyKwargs, Subscription, subscribe
 from agentmw.tools import Tool, ToolOutput, error_response
 
 log = logging.getLogger("agentmw.mem0")
@@ -92,7 +92,7 @@ class Mem0Middleware(MiddlewareBase):
         # without the prompt hook and the tools (no prompt round trips per model call).
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
-        return super().__new__(_mode_class(cls, mode))
+        return super().__new__(_mode_class(cls, mode))  # type: ignore[arg-type]  # a class is hashable; mypy checks its instances
 
     def __init__(
         self,
@@ -171,7 +171,7 @@ class Mem0Middleware(MiddlewareBase):
 
     # -- hooks -----------------------------------------------------------------------------------
 
-    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         inputs = input_kwargs.get("inputs")
         query = "\n".join(m.text for m in _messages(inputs) if m.role == Role.USER and m.text) or None
         if query is not None:

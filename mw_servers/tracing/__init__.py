@@ -46,7 +46,7 @@ from agentmw.data import (
     ToolResultStartEvent,
     UserConfirmResultEvent,
 )
-from agentmw.middleware import MiddlewareBase, Subscription, subscribe
+from agentmw.middleware import ActingKwargs, MiddlewareBase, ModelCallKwargs, ReplyKwargs, Subscription, subscribe
 from agentmw.subscriptions import CHAT_FINAL
 
 log = logging.getLogger("agentmw.tracing")
@@ -99,7 +99,7 @@ class TracingMiddleware(MiddlewareBase):
 
     # -- on_reply: invoke_agent ------------------------------------------------------------------
 
-    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         if not tracing.enabled():
             async for item in next_handler():
                 yield item
@@ -167,7 +167,7 @@ class TracingMiddleware(MiddlewareBase):
 
     # -- on_model_call: chat -----------------------------------------------------------------------
 
-    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+    async def on_model_call(self, agent: Any, input_kwargs: ModelCallKwargs, next_handler: Any) -> Any:
         if not tracing.enabled():
             return await next_handler()
         parent = _parent(agent)
@@ -181,7 +181,7 @@ class TracingMiddleware(MiddlewareBase):
             return result
         return self._chat_stream(agent, input_kwargs, parent, result)
 
-    async def _chat_stream(self, agent: Any, kwargs: dict[str, Any], parent: Any, stream: Any) -> AsyncIterator[Any]:
+    async def _chat_stream(self, agent: Any, kwargs: ModelCallKwargs, parent: Any, stream: Any) -> AsyncIterator[Any]:
         last: ChatResponse | None = None
         error: BaseException | None = None
         try:
@@ -198,7 +198,7 @@ class TracingMiddleware(MiddlewareBase):
             self._chat_span(agent, kwargs, parent, last, error)
 
     def _chat_span(
-        self, agent: Any, kwargs: dict[str, Any], parent: Any, final: ChatResponse | None, error: BaseException | None
+        self, agent: Any, kwargs: ModelCallKwargs, parent: Any, final: ChatResponse | None, error: BaseException | None
     ) -> None:
         model = kwargs.get("current_model")
         model_name = getattr(model, "model_name", "") or getattr(model, "id", "") or str(model or "")
@@ -243,7 +243,7 @@ class TracingMiddleware(MiddlewareBase):
 
     # -- on_acting: execute_tool -------------------------------------------------------------------
 
-    async def on_acting(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_acting(self, agent: Any, input_kwargs: ActingKwargs, next_handler: Any) -> AsyncIterator[Any]:
         if not tracing.enabled():
             async for item in next_handler():
                 yield item

@@ -31,7 +31,7 @@ from agentmw.data import (
     TextBlockEndEvent,
     new_id,
 )
-from agentmw.middleware import MiddlewareBase, subscribe
+from agentmw.middleware import MiddlewareBase, ReplyKwargs, subscribe
 
 from .engines import (
     ENGINES,
@@ -76,7 +76,7 @@ class TTSMiddleware(MiddlewareBase):
     async def get_middleware_key(self) -> str:
         return "tts"
 
-    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+    async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         blocks: dict[str, _Block] = {}
         live: _Block | None = None  # the block whose realtime audio may arrive between items
         inner = aiter(next_handler())  # eager_next: called first thing, unchanged

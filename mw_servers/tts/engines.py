@@ -337,7 +337,7 @@ class DashScopeEngine(Engine):
             request_timeout=self.timeout,
         )
         try:
-            async for response in responses:
+            async for response in responses:  # type: ignore[union-attr]  # dashscope types the stream as sync
                 if int(response.get("status_code") or 200) != 200:
                     raise EngineError(
                         f"DashScope TTS {self.model}: {response.get('code') or response.get('status_code')}: "
@@ -347,7 +347,7 @@ class DashScopeEngine(Engine):
                 if audio.get("data"):
                     yield base64.b64decode(audio["data"])
         finally:
-            await responses.aclose()
+            await responses.aclose()  # type: ignore[union-attr]
 
 
 class DashScopeRealtimeEngine(Engine):
@@ -437,7 +437,7 @@ class _RealtimeUtterance(Utterance):
                 await asyncio.to_thread(client.close)
 
 
-ENGINES: dict[str, type[Engine]] = {
+ENGINES: dict[str, Callable[..., Engine]] = {  # each engine's own options
     cls.name: cls for cls in (EspeakEngine, PiperEngine, DashScopeEngine, DashScopeRealtimeEngine)
 }
 

@@ -1,0 +1,193 @@
+"""Reasoning (docs/behaviour.md#reasoning): one model call through the on_model_call chain, with
+retries and fallbacks, streamed as block events and saved to the context."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from agentmw.data import (
+    AssistantMsg,
+    ChatResponse,
+    DataBlock,
+    FinishedReason,
+    ModelCallEndEvent,
+    ModelCallStartEvent,
+    Msg,
+    ReplyFinishedReason,
+    ThinkingBlock,
+    ToolCallBlock,
+    ToolChoice,
+    ToolResultState,
+    Usage,
+)
+
+from . import metrics
+from .agent_base import AgentBase, ReplyError
+from .chunk_events import ChunkConverter
+from .models.retry import call_with_fallback
+
+YIELD_EVERY_CHUNKS = 16  # fairness under concurrency costs ~3% CPU on a 1,000-delta reply (bench)
+# The result of a tool call in a model output that was cut (finish reason length / content_filter).
+_CUT_CALL = (
+    "<system-reminder>Not run: the model's output was cut ({reason}) before this call was complete, "
+    "so its arguments may be incomplete.</system-reminder>"
+)
+
+
+class Reasoning(AgentBase):
+    async def _reasoning_impl(self, tool_choice: ToolChoice | None = None) -> AsyncIterator[Any]:
+        state = self.state
+        reply_id = state.reply_id
+        messages, tools = await self.prepare_model_input(tool_choice)
+        completed: ChatResponse | None = None
+        converter = ChunkConverter(reply_id)
+        used = self.model.id
+        started = False
+        failure: Exception | None = None
+        self._model_failures: list[dict[str, Any]] = []  # failed attempts before this call answered
+        try:
+            result, used = await self._interruptible(self._call_model(messages, tools, tool_choice))
+            # Emitted once the call is under way, so it names the model that answers (after any
+            # retry or fallback), not merely the one first asked; the failures before it ride along.
+            yield ModelCallStartEvent(reply_id=reply_id, model_name=used, metadata=self._call_metadata(used))
+            started = True
+            if isinstance(result, ChatResponse):
+                completed = result
+                for event in converter.convert(result):
+                    yield event
+            else:
+                async with aclosing(result) as chunks:
+                    count = 0
+                    while (chunk := await self._interruptible(anext(chunks, None))) is not None:
+                        if chunk.is_last:
+                            completed = chunk
+                            continue
+                        for event in converter.convert(chunk):
+                            yield event
+                        count += 1
+                        if count % YIELD_EVERY_CHUNKS == 0:
+                            # A fast model never suspends: let other sessions' replies stream too.
+                            await asyncio.sleep(0)
+        except asyncio.CancelledError:  # docs/behaviour.md#interruption; the model's partial response, if it sent one
+            if not self._interrupt_requested:  # not an interruption (the host is stopping): propagate
+                raise
+            if completed is None:
+                completed = ChatResponse(content=[], finished_reason=FinishedReason.INTERRUPTED)
+            if not started:
+                yield ModelCallStartEvent(reply_id=reply_id, model_name=used, metadata=self._call_metadata(used))
+        except Exception as exc:
+            if not started:  # nothing reached the client: the reply fails as before
+                raise
+            # Failed mid-stream: close what is open, end the call, keep what the user saw (below).
+            failure = exc
+            completed = getattr(exc, "partial", None) or ChatResponse(content=[])
+            completed.finished_reason = FinishedReason.ERROR
+        for event in converter.close_all():
+            yield event
+        if completed is None:
+            raise ReplyError(f"model {used!r} returned an empty streaming response")
+        usage = completed.usage
+        # An interrupted or failed reply stops at the end event, so its partial content is saved before it
+        # (docs/behaviour.md#interruption).
+        partial = completed.finished_reason in (FinishedReason.INTERRUPTED, FinishedReason.ERROR)
+        saved = self._save_to_context(completed) if partial and completed.content else None
+        if failure is not None and saved is not None:
+            saved.metadata["incomplete"] = {"model": used, "error": f"{type(failure).__name__}: {failure}"}
+        metadata = self._call_metadata(used)
+        metadata.update({k: v for k, v in completed.metadata.items() if k == "request_id"})
+        request_id = getattr(failure, "request_id", "")  # a ModelError's
+        if request_id:
+            metadata["request_id"] = request_id
+        yield ModelCallEndEvent(
+            reply_id=reply_id,
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+            cache_input_tokens=usage.cache_input_tokens if usage else 0,
+            cache_creation_input_tokens=usage.cache_creation_input_tokens if usage else 0,
+            reasoning_tokens=usage.reasoning_tokens if usage else 0,
+            finished_reason=completed.finished_reason,
+            metadata=metadata,
+        )
+        if failure is not None:
+            raise failure
+        if not partial:
+            saved = self._save_to_context(completed)
+        calls = [b for b in completed.content if isinstance(b, ToolCallBlock)]
+        if calls and completed.finished_reason in (FinishedReason.LENGTH, FinishedReason.CONTENT_FILTER):
+            # The output was cut: the calls' arguments may be incomplete JSON. Never run them.
+            for call in calls:
+                for event in self._error_result(
+                    call, _CUT_CALL.format(reason=completed.finished_reason), ToolResultState.ERROR
+                ):
+                    yield event
+        thinking_only = bool(completed.content) and all(isinstance(b, ThinkingBlock) for b in completed.content)
+        if not partial and not calls and not thinking_only:
+            yield AssistantMsg(
+                copy.deepcopy(completed.content),
+                name=self.name,
+                id=reply_id,
+                usage=copy.copy(saved.usage) if saved else None,
+                finished_reason=ReplyFinishedReason.COMPLETED,
+            )
+
+    def _call_metadata(self, used: str) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"model": used}
+        if self._model_failures:
+            metadata["failed_attempts"] = copy.deepcopy(self._model_failures)
+        return metadata
+
+    def _save_to_context(self, completed: ChatResponse) -> Msg | None:
+        blocks = [
+            copy.deepcopy(b)
+            for b in completed.content
+            if not (isinstance(b, DataBlock) and b.source.media_type.startswith("audio/"))
+        ]
+        msg = self.state.append_context(self.name, blocks)
+        if completed.usage is not None:
+            u = completed.usage
+            msg.append_usage(
+                Usage(
+                    input_tokens=u.input_tokens,
+                    output_tokens=u.output_tokens,
+                    cache_input_tokens=u.cache_input_tokens,
+                    cache_creation_input_tokens=u.cache_creation_input_tokens,
+                    reasoning_tokens=u.reasoning_tokens,
+                )
+            )
+        return msg
+
+    async def _call_model(
+        self, messages: list[Msg], tools: list[dict], tool_choice: ToolChoice | None
+    ) -> tuple[Any, str]:
+        """Retries with backoff, then the fallbacks, around the whole on_model_call chain (docs/behaviour.md#reasoning;
+        the policy is models/retry.py). Each failed attempt is noted for the model-call events."""
+
+        async def attempt(model_id: str) -> tuple[Any, str]:
+            self._models_used: list[str] = []
+            result = await self._model_chain(
+                self, current_model=self.models.get(model_id), messages=messages, tools=tools, tool_choice=tool_choice
+            )
+            return result, (self._models_used[-1] if self._models_used else model_id)
+
+        (result, used), _ = await call_with_fallback(
+            self.models.candidates(self.model.id),
+            attempt,
+            lambda f: self._model_failures.append(metrics.model_attempt_failed(f)),
+        )
+        return result, used
+
+    async def _model_call_impl(
+        self,
+        current_model: Any,
+        messages: list[Msg],
+        tools: list[dict],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any] | None = None,
+    ) -> Any:
+        model = self.models.resolve(current_model)
+        self._models_used.append(model.id)
+        return await model(messages, tools, tool_choice, parameters)

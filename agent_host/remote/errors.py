@@ -1,0 +1,43 @@
+"""What a remote middleware's failure raises in the host: shared by the client (RemoteMiddleware)
+and the protocol (HookCall) without either importing the other's module for them."""
+
+from __future__ import annotations
+
+from agentmw.data import ErrorType
+
+__all__ = ["MiddlewareFailure", "OutputLimitExceeded", "ProtocolError", "RemoteMiddlewareError", "StreamBroken"]
+
+
+class MiddlewareFailure(RuntimeError):
+    """The middleware could not be used: unreachable, broken stream, timeout, protocol violation."""
+
+    error_type = ErrorType.UPSTREAM
+
+    def __init__(self, middleware: str, hook: str, what: str) -> None:
+        super().__init__(f"middleware {middleware!r} failed in {hook}: {what}")
+        self.middleware, self.hook, self.what = middleware, hook, what
+
+
+class StreamBroken(MiddlewareFailure):
+    """The stream failed underneath: connection lost, server gone, stream ended early."""
+
+
+class OutputLimitExceeded(MiddlewareFailure):
+    """The middleware emitted more than its policy allows in one hook call (a runaway)."""
+
+
+class ProtocolError(MiddlewareFailure):
+    """The middleware sent a malformed, out-of-order or forbidden message."""
+
+    def __init__(self, middleware: str, hook: str, what: str) -> None:
+        super().__init__(middleware, hook, f"protocol violation: {what}")
+
+
+class RemoteMiddlewareError(RuntimeError):
+    """The middleware's own code raised; propagated as an in-process middleware's exception would."""
+
+    error_type = ErrorType.UPSTREAM
+
+    def __init__(self, middleware: str, hook: str, type_name: str, message: str) -> None:
+        super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
+        self.middleware, self.hook, self.type_name = middleware, hook, type_name

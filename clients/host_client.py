@@ -1,0 +1,187 @@
+"""Talking to an agent host: ``HostClient`` (a gRPC channel and the Reply stream), ``converse``
+(one user turn and its resumptions, answering confirmations and external tools), ``Turn``.
+Used by agent-chat (clients/chat.py) and clients.demo."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_host.security import TlsFiles, client_channel
+from agentmw.codec import codec
+from agentmw.data import (
+    ExternalExecutionResultEvent,
+    Msg,
+    ReplyEndEvent,
+    RequireExternalExecutionEvent,
+    RequireUserConfirmEvent,
+    ToolCallBlock,
+    ToolCallState,
+    ToolResultBlock,
+    ToolResultEndEvent,
+    UserConfirmResultEvent,
+)
+from agentmw.data.events import ConfirmResult
+from agentmw.v1 import host_pb2, host_pb2_grpc
+
+DEFAULT_HOST = "127.0.0.1:50070"
+
+
+class HostClient:
+    """An AgentHost connection (one channel); ``reply()`` starts one Reply call."""
+
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str = "") -> None:
+        self.address = address
+        self.channel = client_channel(address, tls, token)  # TLS / token when the host requires them
+        self.stub = host_pb2_grpc.AgentHostStub(self.channel)
+
+    def reply(
+        self,
+        session_id: str,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None = None,
+        *,
+        refuse_if_busy: bool = False,
+    ) -> ReplyCall:
+        return ReplyCall(self.stub, session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> HostClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class ReplyCall:
+    """One reply: iterate it for its items (events, then the final Msg); ``cancel()`` interrupts.
+    ``structured_schema`` (with a message only): a JSON schema the final Msg's structured_output fills.
+    ``refuse_if_busy``: a session busy with another reply fails the call with ABORTED at once
+    instead of waiting for it."""
+
+    def __init__(
+        self,
+        stub: host_pb2_grpc.AgentHostStub,
+        session_id: str,
+        inputs: Any,
+        structured_schema: dict[str, Any] | None = None,
+        *,
+        refuse_if_busy: bool = False,
+    ) -> None:
+        self.session_id = session_id
+        self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
+        start = host_pb2.ReplyRequest()
+        record = {
+            "session_id": session_id,
+            "input": inputs,
+            "structured_schema": structured_schema,
+            "refuse_if_busy": refuse_if_busy or None,
+        }
+        codec.encode_record(record, start.start)
+        self._requests.put_nowait(start)
+        self.call = stub.Reply(self._send())
+
+    async def _send(self) -> AsyncIterator[host_pb2.ReplyRequest]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    def cancel(self) -> None:
+        self._requests.put_nowait(host_pb2.ReplyRequest(cancel=host_pb2.CancelReply()))
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        try:
+            async for event in self.call:
+                self.session_id = event.session_id or self.session_id
+                for item in event.items:
+                    yield codec.decode_item(item)
+        finally:
+            self._requests.put_nowait(None)
+            self.call.cancel()
+
+
+@dataclass
+class Turn:
+    """What one user turn came to, over all its resumptions."""
+
+    session_id: str
+    final: Msg | None = None
+    end: ReplyEndEvent | None = None
+    parked: bool = False  # it still waits for a confirmation / external result
+    items: list[Any] = field(default_factory=list)
+
+
+ConfirmAnswer = Callable[[ToolCallBlock], Awaitable[ConfirmResult | None]]
+ExternalAnswer = Callable[[ToolCallBlock], Awaitable[ToolResultBlock | None]]
+
+
+async def answer(
+    calls: list[ToolCallBlock], reply_id: str, on_confirm: ConfirmAnswer | None, on_external: ExternalAnswer | None
+) -> Any | None:
+    """The event that resumes a reply parked on ``calls``: the confirmations first, else the external
+    results. None when there is no answerer, or an answerer gave none (the reply stays parked)."""
+    asks = [c for c in calls if c.state == ToolCallState.ASKING]
+    if asks:
+        if on_confirm is None:
+            return None
+        confirmed = [r for c in asks if (r := await on_confirm(c)) is not None]
+        if len(confirmed) < len(asks):
+            return None
+        return UserConfirmResultEvent(reply_id=reply_id, confirm_results=confirmed)
+    submitted = [c for c in calls if c.state == ToolCallState.SUBMITTED]
+    if on_external is None or not submitted:
+        return None
+    blocks = [b for c in submitted if (b := await on_external(c)) is not None]
+    if len(blocks) < len(submitted):
+        return None
+    return ExternalExecutionResultEvent(reply_id=reply_id, execution_results=blocks)
+
+
+async def converse(
+    client: HostClient,
+    session_id: str,
+    inputs: Any,
+    *,
+    on_item: Callable[[Any], None] = lambda item: None,
+    on_confirm: ConfirmAnswer | None = None,
+    on_external: ExternalAnswer | None = None,
+    on_call: Callable[[ReplyCall], None] = lambda call: None,
+    parked_on: list[ToolCallBlock] = (),  # type: ignore[assignment]
+    reply_id: str = "",
+    structured_schema: dict[str, Any] | None = None,
+    refuse_if_busy: bool = False,
+) -> Turn:
+    """Run a reply (``inputs``: a message or a resumption event) and answer whatever it parks on,
+    until it ends. ``inputs=None`` with ``parked_on``/``reply_id``: answer a reply parked earlier.
+    ``structured_schema`` goes with the first call only (the message; the resumptions keep it);
+    ``refuse_if_busy`` with every call (a busy session fails it with ABORTED instead of waiting)."""
+    turn = Turn(session_id)
+    pending = {c.id: c for c in parked_on}
+    while True:
+        if inputs is None:
+            inputs = await answer(list(pending.values()), reply_id, on_confirm, on_external)
+            if inputs is None:
+                turn.parked = bool(pending)
+                return turn
+        call = client.reply(turn.session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
+        structured_schema = None
+        on_call(call)
+        turn.final = None
+        async for item in call:
+            turn.items.append(item)
+            on_item(item)
+            if isinstance(item, RequireUserConfirmEvent | RequireExternalExecutionEvent):
+                pending.update((c.id, c) for c in item.tool_calls)
+            elif isinstance(item, ToolResultEndEvent):
+                pending.pop(item.tool_call_id, None)
+            elif isinstance(item, ReplyEndEvent):
+                turn.end = item
+            elif isinstance(item, Msg):
+                turn.final = item
+        turn.session_id = call.session_id
+        if turn.end is not None or turn.final is None or not pending:
+            return turn
+        reply_id, inputs = turn.final.id, None

@@ -33,7 +33,7 @@ from agentmw.subscriptions import Mode
 from agentmw.v1 import hooks_pb2
 
 from .. import metrics, tracing
-from .client import MiddlewareFailure
+from .errors import MiddlewareFailure
 
 if TYPE_CHECKING:
     from .client import RemoteMiddleware

@@ -44,6 +44,7 @@ from clients.launch import ROOT, LaunchError, ServerProcess, start_all
 
 from .dashscope_tts import MS_PER_CHAR
 from .harness import Sample, Series, interleave, process_cpu
+from .peer import WorkerFailed, ask_worker
 
 MEM0_PYTHON = ROOT / ".venv-mem0" / "bin" / "python"
 AGENTSCOPE_FULL = ROOT / ".venv-agentscope-full" / "bin" / "python"
@@ -67,10 +68,6 @@ TTS_KEY = "bench-unused"  # the DashScope stand-in takes any key
 
 
 # -- the driver (bench.run's process) ------------------------------------------------------------------
-
-
-class WorkerFailed(RuntimeError):
-    pass
 
 
 class Worker:
@@ -105,22 +102,8 @@ class Worker:
         return self.proc.pid
 
     async def ask(self, command: dict[str, Any], *, timeout: float = BATCH_TIMEOUT) -> dict[str, Any]:
-        proc = self.proc
-        assert proc is not None and proc.stdin is not None and proc.stdout is not None
-        try:
-            proc.stdin.write((json.dumps(command) + "\n").encode())
-            await proc.stdin.drain()
-            async with asyncio.timeout(timeout):
-                while (line := await proc.stdout.readline()).strip()[:1] not in (b"{", b""):
-                    pass  # a library's stray print: answers are JSON objects
-        except (TimeoutError, ConnectionError) as exc:
-            raise WorkerFailed(f"{command['op']}: {type(exc).__name__}{self._tail()}") from None
-        if not line:
-            raise WorkerFailed(f"{command['op']}: the worker exited{self._tail()}")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise WorkerFailed(f"{command['op']}: {answer['error']}")
-        return answer
+        assert self.proc is not None
+        return await ask_worker(self.proc, command, timeout, self._tail)
 
     def _tail(self) -> str:
         lines = self.log.read_text(errors="replace").strip().splitlines() if self.log.exists() else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,30 @@ SCRIPT = Path(__file__).resolve().parent / "agentscope_peer.py"
 ANSWER_TIMEOUT = 30.0  # seconds for one command (32 concurrent replies take about half a second)
 
 
-class PeerFailed(RuntimeError):
-    pass
+class WorkerFailed(RuntimeError):
+    """A bench worker process (this peer, or a host of bench/four_servers.py) failed or answered an error."""
+
+
+async def ask_worker(
+    proc: asyncio.subprocess.Process, command: dict[str, Any], timeout: float, tail: Callable[[], str] = lambda: ""
+) -> dict[str, Any]:
+    """One JSON command line to a worker's stdin, its JSON answer line from stdout. Lines that are not
+    JSON objects are a library's stray prints and skipped; ``tail()`` adds context to a failure."""
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write((json.dumps(command) + "\n").encode())
+        await proc.stdin.drain()
+        async with asyncio.timeout(timeout):
+            while (line := await proc.stdout.readline()).strip()[:1] not in (b"{", b""):
+                pass
+    except (TimeoutError, ConnectionError) as exc:
+        raise WorkerFailed(f"{command['op']}: {type(exc).__name__}{tail()}") from None
+    if not line:
+        raise WorkerFailed(f"{command['op']}: the worker exited{tail()}")
+    answer = json.loads(line)
+    if "error" in answer:
+        raise WorkerFailed(f"{command['op']}: {answer['error']}")
+    return answer
 
 
 class AgentScopePeer:
@@ -56,19 +79,7 @@ class AgentScopePeer:
         return self.failure is None
 
     async def ask(self, command: dict[str, Any], *, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write((json.dumps(command) + "\n").encode())
-            await self.proc.stdin.drain()
-            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        except (TimeoutError, ConnectionError) as exc:
-            raise PeerFailed(f"{command['op']}: {type(exc).__name__}") from None
-        if not line:
-            raise PeerFailed(f"{command['op']}: the peer exited")
-        answer = json.loads(line)
-        if "error" in answer:
-            raise PeerFailed(f"{command['op']}: {answer['error']}")
-        return answer
+        return await ask_worker(self.proc, command, timeout)
 
     async def sample(self, command: dict[str, Any]) -> Sample:
         """A Sample from a reply-like command; NaN once the peer has failed."""
@@ -76,7 +87,7 @@ class AgentScopePeer:
             return Sample(math.nan, math.nan, math.nan)
         try:
             answer = await self.ask(command)
-        except PeerFailed as exc:
+        except WorkerFailed as exc:
             self.failure = str(exc)
             return Sample(math.nan, math.nan, math.nan)
         if "value" in answer:
@@ -100,6 +111,6 @@ async def start_peer(python: str | None) -> tuple[AgentScopePeer | None, str]:
         return None, "not measured: no Python with agentscope 2.0.11 (see `python -m bench.run --help`)"
     try:
         peer = await AgentScopePeer.start(python)
-    except (PeerFailed, OSError, KeyError, json.JSONDecodeError) as exc:
+    except (WorkerFailed, OSError, KeyError, json.JSONDecodeError) as exc:
         return None, f"not measured: the AgentScope peer did not start ({exc})"
     return peer, f"AgentScope {peer.version} in-process, by {python}, interleaved with the host's variants"

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from clients.launch import ROOT
 
-PACKAGES = ("agent_host", "clients", "mw_servers")
+PACKAGES = ("agentmw", "agent_host", "clients", "mw_servers")
+GENERATED = ROOT / "agentmw" / "v1"  # protoc's stubs
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:
@@ -20,6 +21,8 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     modules = {}
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
+            if path.is_relative_to(GENERATED):
+                continue
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             is_package = parts[-1] == "__init__"
             modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)

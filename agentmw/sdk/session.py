@@ -255,9 +255,17 @@ class HookSession:
     def changed_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """What the inner pipeline gets that differs from the begin's kwargs: the explicit overrides
         merged over ``input_kwargs`` as it is now (in-place edits count, as in-process; a deleted
-        key is None). Compared with a fresh decode of the begin's kwargs."""
+        key is None). Encoding is cheaper than decoding, and the same values encode to the same
+        bytes: when the merged kwargs encode to the begin's bytes, nothing changed (a pass-through pays
+        one encode, no second decode). Else, or when they cannot be encoded, each is compared with a
+        fresh decode of the begin's kwargs, as a value (so the error, if any, comes when sent)."""
         assert self.begin_kwargs is not None
         merged = {**self.kwargs, **overrides}
+        present = {p: v for p in self.spec.params if (v := merged.get(p)) is not None}
+        with contextlib.suppress(Exception):  # an unencodable value fails when sent, as before
+            now = encode_kwargs(self.spec, present, hooks_pb2.Kwargs())
+            if now.SerializeToString(deterministic=True) == self.begin_kwargs.SerializeToString(deterministic=True):
+                return {}
         original = decode_kwargs(self.spec, self.begin_kwargs, complete=True)
         return {p: merged.get(p) for p in self.spec.params if merged.get(p) != original[p]}
 

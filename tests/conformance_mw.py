@@ -515,6 +515,22 @@ class InPlaceToolChoice(MiddlewareBase):
             yield item
 
 
+class InPlaceAppendMessage(MiddlewareBase):
+    """Appends to on_model_call's ``messages`` list in place, then a bare next_handler()."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        input_kwargs["messages"].append(UserMsg("appended in place"))
+        return await next_handler()
+
+
+class InPlaceEditMessage(MiddlewareBase):
+    """Edits the text of a message inside on_model_call's ``messages`` in place, then next_handler(**input_kwargs)."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        input_kwargs["messages"][-1].content[0].text = "edited in place"
+        return await next_handler(**input_kwargs)
+
+
 class InPlaceContextHint(MiddlewareBase):
     """AgentScope's budget move: appends a hint block to ``agent.state.context[-1]`` in place when
     the tail is this agent's assistant message (after a tool round)."""
@@ -638,6 +654,8 @@ MIDDLEWARE.update(
         cls.__name__: cls
         for cls in (
             InPlaceToolChoice,
+            InPlaceAppendMessage,
+            InPlaceEditMessage,
             InPlaceContextHint,
             InPlaceUserEdit,
             MaxItersAtStart,

@@ -414,6 +414,14 @@ def _in_place_tool_choice(events, state):
     assert final_text(events) == "You said: call add a=1 b=2"
 
 
+EDIT_MODEL_MESSAGE = Scenario("edit_model_message", [Layer("InPlaceEditMessage")])
+
+
+def _in_place_append_message(events, state):
+    """A message appended in place to on_model_call's messages list reaches the model."""
+    assert final_text(events) == "You said: appended in place"
+
+
 def _in_place_context_hint(events, state):
     """A block appended in place to the agent's last message reaches the host's context."""
     hints = [b["hint"] for m in state["context"] for b in m["content"] if b["class"] == "HintBlock"]
@@ -453,6 +461,7 @@ def _observe_deltas_intercept_end(events, state):
 
 SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
+    (Scenario("in_place_append_message", [Layer("InPlaceAppendMessage")]), _in_place_append_message),
     (
         Scenario("in_place_context_hint", [Layer("InPlaceContextHint")], message="call add a=1 b=2"),
         _in_place_context_hint,
@@ -498,6 +507,7 @@ def sdk_fidelity_servers():
             *(scenario for scenario, _ in SDK_FIDELITY_CASES),
             SHARED_SLOT,
             Scenario("edit", [Layer("InPlaceUserEdit")]),
+            EDIT_MODEL_MESSAGE,
             Scenario("raises", [Layer("Raises")]),
         ]
     )
@@ -514,6 +524,13 @@ async def test_sdk_fidelity_same_in_process_and_remote(
     check(local_events, local_state)
     check(remote_events, remote_state)
     assert remote_events == local_events and remote_state == local_state
+
+
+async def test_a_model_call_message_edited_in_place_reaches_the_model(sdk_fidelity_servers: Servers) -> None:
+    """A message's text edited in place inside on_model_call's messages, then next_handler(**input_kwargs),
+    is sent as an override. (Remote only: in-process the message is also the context's own object.)"""
+    events, _ = await run(EDIT_MODEL_MESSAGE, ["remote"], sdk_fidelity_servers)
+    assert final_text(events) == "You said: edited in place"
 
 
 async def test_a_slot_shared_by_an_in_process_and_a_remote_layer(sdk_fidelity_servers: Servers) -> None:

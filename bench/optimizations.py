@@ -44,6 +44,17 @@ OPTIMIZATIONS += [
     (_DECODE_ONCE, _DECODE_COMMIT, "changed_kwargs, on_model_call with 20 messages", "263.2 µs", "214.2 µs"),
 ]
 
+# Host and SDK: the id and timestamp factories of every data class (agentmw/data/_common.py) mint
+# ids from the OS's random source 256 at a time and format the date and time of day once per
+# second; same output (tests/test_codec.py). Measured in one process switching the factories,
+# 20 alternating rounds of 10 replies (3 tool rounds + 1,000 deltas, no middleware, instant model),
+# 2026-12-01 00:15 UTC, machine otherwise idle: a 1,000-delta reply mints ~5,000 of them.
+_FACTORIES = "id and timestamp factories (agentmw/data/_common.py)"
+OPTIMIZATIONS += [
+    (_FACTORIES, "this change", "one id / one timestamp (min of 7 x 100,000)", "512 / 993 ns", "213 / 523 ns"),
+    (_FACTORIES, "this change", "reply end (and host CPU), no middleware, median", "14.89 ms", "12.74 ms (0.85x)"),
+]
+
 
 def optimization_rows() -> list[list[str]]:
     return [list(row) for row in OPTIMIZATIONS] or [["(none recorded)", "", "", "", ""]]

@@ -141,3 +141,36 @@ def test_empty_and_falsy_json_values_survive(value: object) -> None:
     out = struct_pb2.Value()
     json_to_value(value, out)
     assert value_to_json(struct_pb2.Value.FromString(out.SerializeToString())) == value
+
+
+# -- the id and timestamp factories every data class uses ---------------------------------------
+
+
+def test_ids_are_32_hex_digits_and_unique_across_refills_and_threads() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from agentmw.data._common import _ID_BATCH
+
+    n = 4 * _ID_BATCH + 7  # several refills of the batch, per thread
+    with ThreadPoolExecutor(8) as pool:
+        batches = list(pool.map(lambda _: [d.new_id() for _ in range(n)], range(8)))
+    ids = [i for batch in batches for i in batch]
+    assert len(set(ids)) == len(ids)  # a batch handed to two threads would repeat ids
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    assert len({i[:8] for i in ids}) > len(ids) // 2  # random, not a counter
+
+
+def test_timestamps_are_what_datetime_now_isoformat_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+    from datetime import datetime
+
+    from agentmw.data import _common
+
+    # exact seconds, rounding to 1 µs, rounding up into the next second, the clock going back
+    for t in (1_764_547_200.0, 1_764_547_200.25, 1_764_547_200.000001, 1_764_547_201.9999997, 1_764_547_199.5):
+        monkeypatch.setattr(time, "time", lambda t=t: t)
+        assert _common.now() == datetime.fromtimestamp(t).isoformat(), t
+    monkeypatch.undo()
+    before = datetime.now()
+    stamp = datetime.fromisoformat(d.TextBlock(text="x").created_at)
+    assert before <= stamp <= datetime.now()

@@ -36,6 +36,7 @@ TTS_TEXT = (
     "Here is the answer you asked for. The weather in Paris is sunny today, with a light breeze "
     "from the west, and it stays dry until the evening, when a few clouds come in."
 )
+PACE = (0.2, 0.002)  # 200 ms to first token, 2 ms per chunk
 MEM0_SEED = ["My favourite colour is teal.", "I live in Lisbon.", "I am allergic to peanuts.", "My cat is called Miso."]
 
 
@@ -53,6 +54,8 @@ class Builtin:
     startup: float = 30.0
     seed: Sequence[str] = ()
     exports: bool = False  # it sends spans to the OTLP receiver
+    pace: tuple[float, float] | None = None  # (time to first token, s per chunk) of a paced model
+    rounds: int | None = None  # at most this many rounds (a paced reply takes seconds)
 
 
 BUILTINS = {
@@ -63,6 +66,14 @@ BUILTINS = {
             {"attached": ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--otlp-endpoint", "{otlp}"]},
             tool_round_script,  # 3 tool rounds, then 1,000 text deltas: 8 detached invocations per reply
             exports=True,
+        ),
+        Builtin(  # the same on a network model's clock (as the four-servers section's realistic pace)
+            "tracing-paced",
+            {"attached": ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--otlp-endpoint", "{otlp}"]},
+            tool_round_script,
+            exports=True,
+            pace=PACE,
+            rounds=5,  # ~2.8 s per reply
         ),
         Builtin(
             "tts",
@@ -100,7 +111,7 @@ async def reply(middlewares: list[Any], bench: Builtin) -> Sample:
     """One reply: wall to its end, host CPU (with the background work it left), time to first text;
     ``mark``: seconds from the text block's end to the first audio delta, or from the first text
     when audio comes before the end."""
-    agent = make_agent(middlewares, bench.script())
+    agent = make_agent(middlewares, bench.script(), pace=bench.pace)
     start, cpu0 = time.perf_counter(), time.process_time()
     first = end = audio = math.nan
     async for item in agent.reply_stream(UserMsg(bench.question)):
@@ -207,7 +218,8 @@ async def measure(f: Fleet, rounds: int) -> dict[str, dict[str, Series]]:
 
                 return run
 
-            out[name] = await interleave({v: batch(v) for v in ["none", *attached]}, rounds)
+            variants = {v: batch(v) for v in ["none", *attached]}
+            out[name] = await interleave(variants, min(rounds, bench.rounds or rounds))
     finally:
         for rm in clients:
             await rm.close()
@@ -222,7 +234,7 @@ def main(name: str | None = None, doc: str | None = None, argv: list[str] | None
     BENCHMARKS.md without the rest of ``make bench``, printed (e.g. while iterating on one)."""
     from .report import builtin_section
 
-    names = [name] if name else list(BUILTINS)
+    names = [n for n in BUILTINS if name in (None, n, n.split("-")[0])]  # tracing: with tracing-paced
     prog = f"python -m bench.{name or 'builtins'}"
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)

@@ -43,7 +43,7 @@ from typing import Any
 from clients.launch import ROOT, LaunchError, ServerProcess, start_all
 
 from .dashscope_tts import MS_PER_CHAR
-from .harness import Sample, Series, interleave, process_cpu
+from .harness import Sample, Series, interleave, pace_label, process_cpu
 from .peer import WorkerFailed, ask_worker
 
 MEM0_PYTHON = ROOT / ".venv-mem0" / "bin" / "python"
@@ -292,37 +292,14 @@ async def _stack(kind: str, args: argparse.Namespace) -> list[Any]:
     ]
 
 
-def _paced_model(script: list[dict[str, Any]], ttft: float, token: float) -> Any:
-    from agent_host.models.offline import OfflineRuleModel
-
-    class Paced(OfflineRuleModel):
-        """The offline model on a network model's clock: each call's first chunk is due ``ttft``
-        after the call, each next one ``token`` later. Chunks wait for their due time, not for a
-        fixed sleep after the consumer took the last one: like chunks arriving on a socket, time
-        the host spends per chunk overlaps the wait (as bench/agentscope_four.py's model does)."""
-
-        async def _stream(self, turn: dict[str, Any], input_tokens: int) -> Any:
-            loop = asyncio.get_running_loop()
-            due = loop.time() + ttft
-            async for chunk in super()._stream(turn, input_tokens):
-                if (wait := due - loop.time()) > 0:
-                    await asyncio.sleep(wait)
-                due += token
-                yield chunk
-
-    return Paced(script=script)
-
-
 async def _reply(middlewares: list[Any], t0: float, pace: tuple[float, float], question: str = QUESTION) -> Any:
     """(time to first text, reply end, audio deltas) from ``t0``."""
-    from agent_host.agent import Agent
     from agentmw.data import DataBlockDeltaEvent, TextBlockDeltaEvent, UserMsg
-    from agentmw.tools import Toolkit
 
-    from .scenarios import noop, tool_round_script
+    from .scenarios import make_agent, tool_round_script
 
     script = tool_round_script() if question == QUESTION else [{"text": "Noted."}]
-    agent = Agent(model=_paced_model(script, *pace), toolkit=Toolkit([noop]), middlewares=middlewares)
+    agent = make_agent(middlewares, script, pace=pace)
     first, audio = math.nan, 0
     async for item in agent.reply_stream(UserMsg(question)):
         if isinstance(item, TextBlockDeltaEvent) and first != first:
@@ -387,8 +364,7 @@ HEADER = [
 
 
 def _pace(res: FourResults, name: str) -> str:
-    ttft, token = res.paces[name]
-    return "instant" if not (ttft or token) else f"{ttft * 1e3:.0f} ms to first token, {token * 1e3:g} ms/chunk"
+    return pace_label(res.paces[name])
 
 
 def target_rows(res: FourResults) -> list[list[str]]:

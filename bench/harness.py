@@ -122,3 +122,9 @@ def spread(values: Sequence[float]) -> tuple[float, float]:
 
 def per_round(a: Sequence[float], b: Sequence[float], fn: Callable[[float, float], float]) -> list[float]:
     return [fn(x, y) for x, y in zip(a, b, strict=True)]
+
+
+def pace_label(pace: tuple[float, float]) -> str:
+    """A model pace, (time to first token, seconds per chunk), as the reports write it."""
+    ttft, token = pace
+    return "instant" if not (ttft or token) else f"{ttft * 1e3:.0f} ms to first token, {token * 1e3:g} ms/chunk"

@@ -91,11 +91,39 @@ class YieldingModel(OfflineRuleModel):
             yield chunk
 
 
+class PacedModel(OfflineRuleModel):
+    """The offline model on a network model's clock: each call's first chunk is due ``ttft`` after
+    the call, each next one ``token`` later. Chunks wait for their due time, not for a fixed sleep
+    after the consumer took the last one: like chunks arriving on a socket, time the host spends per
+    chunk overlaps the wait (as bench/agentscope_four.py's model does)."""
+
+    def __init__(self, *, ttft: float, token: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.ttft, self.token = ttft, token
+
+    async def _stream(self, turn: dict[str, Any], input_tokens: int) -> AsyncIterator[ChatResponse]:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.ttft
+        async for chunk in super()._stream(turn, input_tokens):
+            if (wait := due - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            due += self.token
+            yield chunk
+
+
 def make_agent(
-    middlewares: Sequence[Any] = (), script: list[dict[str, Any]] | None = None, *, yielding: bool = False
+    middlewares: Sequence[Any] = (),
+    script: list[dict[str, Any]] | None = None,
+    *,
+    yielding: bool = False,
+    pace: tuple[float, float] | None = None,
 ) -> Agent:
-    model_cls = YieldingModel if yielding else OfflineRuleModel
-    model = model_cls(script=script if script is not None else [])
+    """``pace``: (time to first token, seconds per chunk) of a PacedModel; else instant."""
+    script = script if script is not None else []
+    if pace is not None:
+        model: OfflineRuleModel = PacedModel(script=script, ttft=pace[0], token=pace[1])
+    else:
+        model = (YieldingModel if yielding else OfflineRuleModel)(script=script)
     return Agent(model=model, toolkit=Toolkit([noop]), middlewares=list(middlewares))
 
 

@@ -158,6 +158,10 @@ class _EnumMap:
 
 Encoder = Callable[[Message, Any], object]  # its result is unused
 Decoder = Callable[[Message, dict[str, Any]], None]
+# A message's plan: (field name, encoder) and (field name, decoder) per field, in order. None: a
+# scalar field, set with setattr (read with getattr) inline, no call per field: the codec runs for
+# every item and every hook's kwargs, and most fields are plain strings and numbers.
+Plan = tuple[list[tuple[str, Encoder | None]], list[tuple[str, Decoder | None]]]
 
 
 class Codec:
@@ -174,7 +178,8 @@ class Codec:
         for py_enum in _ENUMS:
             desc = types_pb2.DESCRIPTOR.enum_types_by_name[py_enum.__name__]
             self.enums[desc.full_name] = _EnumMap(py_enum, desc)
-        self._plans: dict[str, tuple[list[tuple[str, Encoder]], list[Decoder]]] = {}
+        self._plans: dict[str, Plan] = {}
+        self._plans_by_class: dict[type, Plan] = {}  # the same plans, by message class (one lookup)
         # The Item union, by Python class; chat responses and messages included.
         self.item_field_by_py: dict[type, str] = {}
         for f in events_pb2.Item.DESCRIPTOR.fields:
@@ -204,9 +209,7 @@ class Codec:
         cls = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
         if cls is None:
             raise CodecError(f"{msg.DESCRIPTOR.full_name} has no data class")
-        kwargs: dict[str, Any] = {}
-        for decoder in self._plan(msg.DESCRIPTOR)[1]:
-            decoder(msg, kwargs)
+        kwargs = self._decode_fields(msg)
         try:
             return cls(**kwargs)
         except TypeError as exc:  # said in the proto's terms, without Python's constructor wording
@@ -222,10 +225,7 @@ class Codec:
 
     def decode_record(self, msg: Message) -> dict[str, Any]:
         """A record message as a dict; unset fields are left out."""
-        out: dict[str, Any] = {}
-        for decoder in self._plan(msg.DESCRIPTOR)[1]:
-            decoder(msg, out)
-        return out
+        return self._decode_fields(msg)
 
     def encode_item(self, obj: Any, out: events_pb2.Item | None = None) -> events_pb2.Item:
         out = out if out is not None else events_pb2.Item()
@@ -244,20 +244,38 @@ class Codec:
     # -- plans ------------------------------------------------------------------------------
 
     def _encode_into(self, out: Message, obj: Any, get: Callable[[Any, str, Any], Any]) -> None:
-        for name, encoder in self._plan(out.DESCRIPTOR)[0]:
+        plan = self._plans_by_class.get(type(out)) or self._plan_of(out)
+        for name, encoder in plan[0]:
             value = get(obj, name, None)
             if value is not None:
-                encoder(out, value)
+                if encoder is None:
+                    setattr(out, name, value)
+                else:
+                    encoder(out, value)
 
-    def _plan(self, desc: Descriptor | UpbDescriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
+    def _decode_fields(self, msg: Message) -> dict[str, Any]:
+        plan = self._plans_by_class.get(type(msg)) or self._plan_of(msg)
+        fields: dict[str, Any] = {}
+        for name, decoder in plan[1]:
+            if decoder is None:
+                fields[name] = getattr(msg, name)
+            else:
+                decoder(msg, fields)
+        return fields
+
+    def _plan_of(self, msg: Message) -> Plan:
+        plan = self._plans_by_class[type(msg)] = self._plan(msg.DESCRIPTOR)
+        return plan
+
+    def _plan(self, desc: Descriptor | UpbDescriptor) -> Plan:
         plan = self._plans.get(desc.full_name)
         if plan is None:
             plan = self._plans[desc.full_name] = self._compile(desc)
         return plan
 
-    def _compile(self, desc: Descriptor | UpbDescriptor) -> tuple[list[tuple[str, Encoder]], list[Decoder]]:
-        encoders: list[tuple[str, Encoder]] = []
-        decoders: list[Decoder] = []
+    def _compile(self, desc: Descriptor | UpbDescriptor) -> Plan:
+        encoders: list[tuple[str, Encoder | None]] = []
+        decoders: list[tuple[str, Decoder | None]] = []
         done_oneofs: set[str] = set()
         for field in desc.fields:
             oneof = field.containing_oneof
@@ -265,20 +283,23 @@ class Codec:
                 if oneof.name in done_oneofs:
                     continue
                 done_oneofs.add(oneof.name)
-                enc, dec = self._oneof_converters(oneof)
-                encoders.append((oneof.name, enc))
-                decoders.append(dec)
+                one_enc, one_dec = self._oneof_converters(oneof)
+                encoders.append((oneof.name, one_enc))
+                decoders.append((oneof.name, one_dec))
                 continue
             if _ordered_text_of(desc, field) is not None:
                 continue  # carried with its Struct (see _ordered_struct_converters)
             ordered = _ordered_text_of(desc, field, of_struct=True)
-            enc, dec = (
-                self._ordered_struct_converters(field.name, ordered)
-                if ordered is not None
-                else self._field_converters(field)
-            )
+            enc: Encoder | None
+            dec: Decoder | None
+            if ordered is not None:
+                enc, dec = self._ordered_struct_converters(field.name, ordered)
+            elif _scalar(field):  # set inline; read inline too unless unset must read as absent
+                enc, dec = None, self._field_converters(field)[1] if field.has_presence else None
+            else:
+                enc, dec = self._field_converters(field)
             encoders.append((field.name, enc))
-            decoders.append(dec)
+            decoders.append((field.name, dec))
         return encoders, decoders
 
     @staticmethod
@@ -403,7 +424,8 @@ class Codec:
                 lambda wrapper: get_inner(getattr(wrapper, inner_name)),
             )
         if full not in self.py_by_proto and _is_union(msg_desc):
-            union_enc, union_dec = self._plan(msg_desc)[0][0][1], self._plan(msg_desc)[1][0]
+            union_enc, union_dec = self._plan(msg_desc)[0][0][1], self._plan(msg_desc)[1][0][1]
+            assert union_enc is not None and union_dec is not None
             oname = msg_desc.oneofs[0].name
 
             def get_union(msg: Message) -> Any:
@@ -435,6 +457,11 @@ class Codec:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+def _scalar(field: FieldDescriptor) -> bool:
+    """A singular string, bytes, number or bool: set with setattr as it is (None: left unset)."""
+    return not field.is_repeated and field.type not in (FieldDescriptor.TYPE_ENUM, FieldDescriptor.TYPE_MESSAGE)
 
 
 def _dict_get(obj: dict[str, Any], name: str, default: Any) -> Any:

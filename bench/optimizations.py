@@ -55,6 +55,16 @@ OPTIMIZATIONS += [
     (_FACTORIES, "this change", "reply end (and host CPU), no middleware, median", "14.89 ms", "12.74 ms (0.85x)"),
 ]
 
+# The codec (host and SDK): a scalar field is set and read inline with setattr / getattr instead of
+# through two closures, and a message's plan is found by its class (one dict lookup, no descriptor
+# attribute reads). Min of 7 x 2,000, one process per side, 2026-12-01 00:35 UTC, machine idle.
+_CODEC = "codec: scalar fields inline, plans by class (agentmw/codec.py)"
+OPTIMIZATIONS += [
+    (_CODEC, "this change", "encode on_model_call kwargs (3 messages, 3 tool rounds)", "66.5 µs", "58.5 µs"),
+    (_CODEC, "this change", "decode the same kwargs", "81.0 µs", "74.7 µs"),
+    (_CODEC, "this change", "encode / decode one text delta item", "2.57 / 2.72 µs", "1.99 / 2.32 µs"),
+]
+
 
 def optimization_rows() -> list[list[str]]:
     return [list(row) for row in OPTIMIZATIONS] or [["(none recorded)", "", "", "", ""]]

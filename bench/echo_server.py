@@ -14,6 +14,11 @@ pull; inner_done -> finish, with the inner result):
 * ``/bench.Floor/Lockstep``: the default (suspend after each emit: two round trips per item);
 * ``/bench.Floor/RunAhead``: declared run_ahead (emit + pull: one round trip per item).
 
+The lock-step peer also serves as a middleware a real host can attach (``agentmw.v1.OnReply`` and
+``Describe``: on_reply, every item intercepted), so that the bench can pair the real host with the
+peer's middleware side, and the peer's host side with the real SDK: where the time above the floor
+goes.
+
 Prints ``bench echo server listening on HOST:PORT`` once it serves.
 """
 
@@ -26,7 +31,9 @@ import signal
 import grpc
 
 from agentmw import loops
-from agentmw.v1 import hooks_pb2
+from agentmw.hooks import HOOKS, PROTOCOL_VERSION
+from agentmw.subscriptions import Mode, subscribe, to_proto
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 SERVICE = "bench.Echo"
 FLOOR = "bench.Floor"
@@ -78,6 +85,14 @@ def _floor(suspend: bool) -> grpc.RpcMethodHandler:
     )
 
 
+class _Describe(hooks_pb2_grpc.DescribeServicer):
+    """The lock-step peer as a middleware: on_reply, every item intercepted."""
+
+    async def Describe(self, request: object, context: object) -> hooks_pb2.MiddlewareDescription:
+        hook = to_proto(HOOKS["on_reply"].number, subscribe(default=Mode.INTERCEPT))
+        return hooks_pb2.MiddlewareDescription(key="bench-floor", protocol_version=PROTOCOL_VERSION, hooks=[hook])
+
+
 async def serve(address: str) -> None:
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     handlers = {
@@ -87,6 +102,9 @@ async def serve(address: str) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     floor = {"Lockstep": _floor(suspend=True), "RunAhead": _floor(suspend=False)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR, floor),))
+    on_reply = grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": floor["Lockstep"]})
+    server.add_generic_rpc_handlers((on_reply,))
+    hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(), server)
     port = server.add_insecure_port(address)
     await server.start()
     print(f"bench echo server listening on {address.rsplit(':', 1)[0]}:{port}", flush=True)

@@ -130,12 +130,16 @@ class Intercept:
     ahead: list[float]  # the same, run_ahead
     floor: list[float]  # the minimal protobuf peer, the same exchanges: per item
     floor_ahead: list[float]
+    host_half: list[float]  # the real host against the peer's middleware side: (stream - none) / ITEMS
+    sdk_half: list[float]  # the peer's host side against the real SDK: per item
     pingpong: list[float]  # 1b
     round_trips: int  # per item, lock-step (2) and run_ahead (1)
     round_trips_ahead: int
 
-    def over_floor(self, ahead: bool = False) -> float:
-        mine, floor = (self.ahead, self.floor_ahead) if ahead else (self.item, self.floor)
+    def over_floor(self, ahead: bool = False, mine: list[float] | None = None) -> float:
+        """``mine`` (default: agentmw's item, or its run_ahead one) over the protobuf peer's."""
+        floor = self.floor_ahead if ahead else self.floor
+        mine = mine if mine is not None else self.ahead if ahead else self.item
         return statistics.median(a / b for a, b in zip(mine, floor, strict=True))
 
     def per_round_trip(self, values: list[float], ahead: bool = False) -> list[float]:
@@ -157,6 +161,8 @@ def intercept(c: dict[str, Series], p: Protocol) -> Intercept:
         ahead=per_item("stream_intercept_ahead"),
         floor=[w / ITEMS for w in c["floor_intercept"].walls],
         floor_ahead=[w / ITEMS for w in c["floor_intercept_ahead"].walls],
+        host_half=per_item("host_half"),
+        sdk_half=[w / ITEMS for w in c["sdk_half"].walls],
         pingpong=c["bare_pingpong"].walls,
         round_trips=p.round_trips,
         round_trips_ahead=p.round_trips_ahead,
@@ -399,6 +405,13 @@ def _intercept_rows(r: Results, c: dict[str, Series], prefix: str) -> list[list[
             verdict(rt <= 1.25) if uv else "—",
         ],
         [
+            f"{prefix}…where the time goes: the real host against the peer's middleware side / the peer; the "
+            "peer's host side against the real SDK / the peer",
+            f"{times(x.over_floor(mine=x.host_half))}; {times(x.over_floor(mine=x.sdk_half))}",
+            "—",
+            "—",
+        ],
+        [
             f"{prefix}…the same middleware declaring run_ahead ({x.round_trips_ahead} round trip) / the protobuf "
             "peer's run_ahead exchange",
             times(over_pb_ahead),
@@ -467,9 +480,11 @@ def _item_rows(r: Results, c: dict[str, Series]) -> list[list[str]]:
         ("stream_intercept_ahead", x.ahead, True, "agentmw, run_ahead: (with - without)"),
         ("floor_intercept", x.floor, False, "the minimal protobuf peer, lock-step"),
         ("floor_intercept_ahead", x.floor_ahead, True, "the minimal protobuf peer, run_ahead"),
+        ("host_half", x.host_half, False, "the real host, the peer's middleware side: (with - without)"),
+        ("sdk_half", x.sdk_half, False, "the peer's host side, the real SDK"),
     ):
         s = c[key]
-        agentmw = key.startswith("stream")
+        agentmw = key.startswith("stream") or key == "host_half"
         cpu = per_round(s.cpus, none.cpus, lambda a, z: a - z) if agentmw else s.cpus
         rts = x.round_trips_ahead if ahead else x.round_trips
         rows.append(

@@ -91,10 +91,12 @@ async def measure_calls_only(rounds: int, out: str) -> None:
     ``out`` as JSON (the main run starts this in a child process for the uvloop figures)."""
     echo, servers, _ = start_servers(loops.loop_name(), calls_only=True)
     channel = grpc.aio.insecure_channel(echo.address)
+    icpt = grpc.aio.insecure_channel(servers["InterceptAll"].address)
     clients = [await RemoteMiddleware(servers[name].address).connect() for name in CALLS_MIDDLEWARE]
+    clients.append(await RemoteMiddleware(echo.address).connect())
     try:
         await asyncio.wait_for(channel.channel_ready(), 10)
-        by_name = dict(zip(CALLS_MIDDLEWARE, clients, strict=True))
+        by_name = dict(zip(CALLS_MIDDLEWARE, clients[:-1], strict=True))
         env = scenarios.Env(
             echo=channel,
             rm_call=by_name["PassThroughCall"],
@@ -104,6 +106,8 @@ async def measure_calls_only(rounds: int, out: str) -> None:
             rm_end=[],
             rm_real=[],
             rm_budget=by_name["PassThroughCall"],  # unused in 1-3
+            rm_floor=clients[-1],
+            icpt=icpt,
             pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
         )
         protocol = await scenarios.count_protocol(env)
@@ -115,6 +119,7 @@ async def measure_calls_only(rounds: int, out: str) -> None:
         for rm in clients:
             await rm.close()
         await channel.close()
+        await icpt.close()
         for proc in [echo, *servers.values()]:
             proc.stop()
 
@@ -149,11 +154,12 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
     (peer, peer_note), (echo, servers, fleet) = peer_started, servers_started
     clients: list[RemoteMiddleware] = []
     channel = grpc.aio.insecure_channel(echo.address)
+    icpt = grpc.aio.insecure_channel(servers["InterceptAll"].address)
     try:
         await asyncio.wait_for(channel.channel_ready(), 10)
 
         async def attach(name: str) -> RemoteMiddleware:
-            rm = await RemoteMiddleware(servers[name].address).connect()
+            rm = await RemoteMiddleware(echo.address if name == "echo" else servers[name].address).connect()
             clients.append(rm)
             return rm
 
@@ -166,6 +172,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
             rm_real=[await attach("Realistic") for _ in range(4)],
             rm_budget=await attach("ReplyBudget"),
+            rm_floor=await attach("echo"),
+            icpt=icpt,
             pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
         )
         res = Results(rounds=rounds, peer_note=peer_note)
@@ -202,6 +210,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         for rm in clients:
             await rm.close()
         await channel.close()
+        await icpt.close()
         for proc in [echo, *servers.values()]:
             proc.stop()
         fleet.stop()

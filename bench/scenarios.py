@@ -59,6 +59,8 @@ class Env:
     rm_end: list[RemoteMiddleware]  # ReplyEndOnly, 4 clients (4 layers) of one server
     rm_real: list[RemoteMiddleware]  # Realistic, 4 clients (4 layers) of one server
     rm_budget: RemoteMiddleware  # mw_servers.budget with BUDGET_TOKENS (it counts, never acts)
+    rm_floor: RemoteMiddleware  # the echo server's lock-step protobuf peer, attached as a middleware
+    icpt: grpc.aio.Channel  # to the InterceptAll server, for the peer's host side
     pids: dict[str, int]  # "echo" and the middleware class names
 
 
@@ -256,6 +258,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
     none_chain = reply_chain([], reply_events(agent, ITEMS))
     icpt_chain = reply_chain([env.rm_icpt], reply_events(agent, ITEMS))
     ahead_chain = reply_chain([env.rm_icpt_ahead], reply_events(agent, ITEMS))
+    host_half_chain = reply_chain([env.rm_floor], reply_events(agent, ITEMS))  # the real host, the peer's server
 
     async def bare_exchange() -> None:
         call = exchange()
@@ -289,14 +292,17 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         await call.code()
         return sample
 
+    paths = {"Lockstep": (env.echo, "/bench.Floor/Lockstep"), "RunAhead": (env.echo, "/bench.Floor/RunAhead")}
+    paths["SDK"] = (env.icpt, "/agentmw.v1.OnReply/Run")  # the peer's host side, the real SDK (InterceptAll)
     floor = {
-        name: env.echo.stream_stream(
-            f"/bench.Floor/{name}",
+        name: channel.stream_stream(
+            path,
             request_serializer=hooks_pb2.HostMessage.SerializeToString,
             response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
         )
-        for name in ("Lockstep", "RunAhead")
+        for name, (channel, path) in paths.items()
     }
+    floor_pids = {"Lockstep": echo_pid, "RunAhead": echo_pid, "SDK": env.pids["InterceptAll"]}
     reply_msgs, hook_msgs = protocol.item.first, protocol.hook.first
 
     async def floor_invocation(call: Any, invocation: int, templates: dict[str, Any], items: int) -> None:
@@ -323,7 +329,8 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         call = floor[name]()  # an open stream, as the host's idle ones
         await floor_invocation(call, 1, templates, items)
         ids = iter(range(2, n + 2))
-        sample = await timed_batch(lambda: floor_invocation(call, next(ids), templates, items), n, server_pid=echo_pid)
+        invocation = lambda: floor_invocation(call, next(ids), templates, items)  # noqa: E731
+        sample = await timed_batch(invocation, n, server_pid=floor_pids[name])
         await call.done_writing()
         await call.code()
         return sample
@@ -345,6 +352,8 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "stream_intercept_ahead": lambda: stream(ahead_chain, env.pids["InterceptAllRunAhead"]),
         "floor_intercept": lambda: floor_batch("Lockstep", reply_msgs, ITEMS, 1),
         "floor_intercept_ahead": lambda: floor_batch("RunAhead", reply_msgs, ITEMS, 1),
+        "host_half": lambda: stream(host_half_chain, echo_pid),
+        "sdk_half": lambda: floor_batch("SDK", reply_msgs, ITEMS, 1),
         "floor_hook": lambda: floor_batch("Lockstep", hook_msgs, 0, OPS),
     }
     return await interleave(variants, rounds)

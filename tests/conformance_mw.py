@@ -531,6 +531,16 @@ class InPlaceEditMessage(MiddlewareBase):
         return await next_handler(**input_kwargs)
 
 
+class CopiedKwargsEdit(MiddlewareBase):
+    """Reaches a message through a copy of ``input_kwargs``, edits it in place, then a bare
+    next_handler(): in-process the model sees the edit (the copy shares the message)."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        kwargs = {**input_kwargs}
+        kwargs["messages"][-1].content[0].text = "edited through a copy"
+        return await next_handler()
+
+
 class InPlaceContextHint(MiddlewareBase):
     """AgentScope's budget move: appends a hint block to ``agent.state.context[-1]`` in place when
     the tail is this agent's assistant message (after a tool round)."""
@@ -656,6 +666,7 @@ MIDDLEWARE.update(
             InPlaceToolChoice,
             InPlaceAppendMessage,
             InPlaceEditMessage,
+            CopiedKwargsEdit,
             InPlaceContextHint,
             InPlaceUserEdit,
             MaxItersAtStart,

@@ -415,6 +415,7 @@ def _in_place_tool_choice(events, state):
 
 
 EDIT_MODEL_MESSAGE = Scenario("edit_model_message", [Layer("InPlaceEditMessage")])
+COPIED_KWARGS_EDIT = Scenario("copied_kwargs_edit", [Layer("CopiedKwargsEdit")])
 
 
 def _in_place_append_message(events, state):
@@ -508,6 +509,7 @@ def sdk_fidelity_servers():
             SHARED_SLOT,
             Scenario("edit", [Layer("InPlaceUserEdit")]),
             EDIT_MODEL_MESSAGE,
+            COPIED_KWARGS_EDIT,
             Scenario("raises", [Layer("Raises")]),
         ]
     )
@@ -531,6 +533,16 @@ async def test_a_model_call_message_edited_in_place_reaches_the_model(sdk_fideli
     is sent as an override. (Remote only: in-process the message is also the context's own object.)"""
     events, _ = await run(EDIT_MODEL_MESSAGE, ["remote"], sdk_fidelity_servers)
     assert final_text(events) == "You said: edited in place"
+
+
+async def test_a_message_edited_through_a_copy_of_input_kwargs_reaches_the_model(
+    sdk_fidelity_servers: Servers,
+) -> None:
+    """The same edit, reached through ``{**input_kwargs}`` and followed by a bare next_handler():
+    the SDK must see that the kwargs were read (it skips the comparison only when they were not)."""
+    for placement in (["local"], ["remote"]):
+        events, _ = await run(COPIED_KWARGS_EDIT, placement, sdk_fidelity_servers)
+        assert final_text(events) == "You said: edited through a copy", placement
 
 
 async def test_a_slot_shared_by_an_in_process_and_a_remote_layer(sdk_fidelity_servers: Servers) -> None:

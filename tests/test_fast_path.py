@@ -3,6 +3,9 @@
 * An intercepted item the middleware yields back unchanged is forwarded (forward_seq): the host
   hands on the very object its inner pipeline produced. One edited in place, in a scalar field or
   a nested one, arrives edited (the SDK checks unchanged items without re-encoding them).
+* A pass-through that never reads its ``input_kwargs`` calls next_handler() without the SDK
+  re-encoding them; every way of reading them marks them (KwargsDict), so an edit made through any
+  of them is still found (the conformance suite runs one through a copy, ``{**input_kwargs}``).
 * ``--loop uvloop`` runs the host and a middleware server on uvloop (each says so in its
   listening line) and a reply goes through both; an unknown loop is a configuration error.
 """
@@ -78,3 +81,36 @@ def test_host_and_middleware_server_run_on_uvloop(tmp_path: Path) -> None:
         assert said.returncode == 0, said.stdout + said.stderr
     bad = run_cli("agent_host", "--loop", "tokio", "--db", str(tmp_path / "t.db"))
     assert bad.returncode == 2 and "loop" in bad.stderr and "'tokio' is not one of asyncio, uvloop, auto" in bad.stderr
+
+
+def test_every_way_of_reading_input_kwargs_marks_them() -> None:
+    import copy
+    import json
+
+    from agentmw.sdk.view import KwargsDict
+
+    reads = {
+        "d[k]": lambda d: d["k"],
+        "get": lambda d: d.get("k"),
+        "{**d}": lambda d: {**d},
+        "dict(d)": dict,
+        "f(**d)": lambda d: (lambda **kw: kw)(**d),
+        "list(d)": list,
+        "items": lambda d: list(d.items()),
+        "values": lambda d: list(d.values()),
+        "json.dumps": json.dumps,
+        "copy.copy": copy.copy,
+        "copy.deepcopy": copy.deepcopy,
+        "d | {}": lambda d: d | {},
+        "{} | d": lambda d: {} | d,
+        "pop": lambda d: d.pop("k"),
+        "d[k] = v": lambda d: d.__setitem__("k", 2),
+        "update": lambda d: d.update(k=2),
+    }
+    for name, read in reads.items():
+        d = KwargsDict(k={"nested": 1})
+        assert not d.touched
+        read(d)
+        assert d.touched, name
+    d = KwargsDict(k=1)
+    assert "k" in d and len(d) == 1 and d == {"k": 1} and not d.touched  # no value handed out

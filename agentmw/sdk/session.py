@@ -44,7 +44,7 @@ from agentmw.wire import (
     model_override,
 )
 
-from .view import AgentView
+from .view import AgentView, KwargsDict
 
 log = logging.getLogger("agentmw.sdk")
 
@@ -165,7 +165,7 @@ class HookSession:
         self.run_ahead = subscription.run_ahead  # no suspend at yields (Subscription.run_ahead)
         self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
         self.begin_kwargs: hooks_pb2.Kwargs | None = None
-        self.kwargs: dict[str, Any] = {}  # the author's input_kwargs (edited in place, as in-process)
+        self.kwargs = KwargsDict()  # the author's input_kwargs (edited in place, as in-process)
         self.inner_streams: list[Any] = []  # on_model_call: the streams next_handler() returned
 
     # -- running the author's code ---------------------------------------------------------------
@@ -175,7 +175,7 @@ class HookSession:
         begin = message.begin
         self.begin_kwargs = begin.input_kwargs
         self.view.refresh(begin.context)
-        self.kwargs = kwargs = decode_kwargs(self.spec, begin.input_kwargs, complete=True)
+        self.kwargs = kwargs = KwargsDict(decode_kwargs(self.spec, begin.input_kwargs, complete=True))
         method = getattr(self.mw, self.spec.name)
         kind = self.spec.kind
         try:
@@ -192,7 +192,7 @@ class HookSession:
                 else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
                     await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
-                result = await method(self.view, kwargs["prompt"])
+                result = await method(self.view, dict.__getitem__(kwargs, "prompt"))
             finish = hooks_pb2.MiddlewareMessage()
             finish.finish.SetInParent()
             encode_result(result, finish.finish.result)
@@ -260,7 +260,10 @@ class HookSession:
         one encode, no second decode). Else, or when they cannot be encoded, each is compared with a
         fresh decode of the begin's kwargs, as a value (so the error, if any, comes when sent)."""
         assert self.begin_kwargs is not None
-        merged = {**self.kwargs, **overrides}
+        if not overrides and not self.kwargs.touched:  # the code never read them: nothing can differ
+            return {}
+        merged = dict(dict.items(self.kwargs))  # read past KwargsDict: the SDK's reads do not touch
+        merged.update(overrides)
         present = {p: v for p in self.spec.params if (v := merged.get(p)) is not None}
         with contextlib.suppress(Exception):  # an unencodable value fails when sent, as before
             now = encode_kwargs(self.spec, present, hooks_pb2.Kwargs())

@@ -98,6 +98,35 @@ class SlotDict(dict):
         return True, value
 
 
+class KwargsDict(dict):
+    """The ``input_kwargs`` a hook's code receives: a plain dict that notes whether that code has read
+    it (``touched``). A pass-through that never looks at its kwargs then calls ``next_handler()``
+    without the SDK re-encoding them to find in-place edits (HookSession.changed_kwargs); any read
+    may hand out a value the code can edit later, so once touched it stays touched. Every dict
+    method that hands out keys or values, or changes the dict, marks it (``{**d}``, ``dict(d)``,
+    ``json.dumps(d)`` and ``f(**d)`` go through them)."""
+
+    touched = False
+
+
+def _marking(name: str) -> Any:
+    base = getattr(dict, name)
+
+    def method(self: KwargsDict, *args: Any, **kwargs: Any) -> Any:
+        self.touched = True
+        return base(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in (
+    "__getitem__", "get", "__iter__", "__reversed__", "keys", "values", "items", "copy", "pop", "popitem",
+    "setdefault", "update", "__setitem__", "__delitem__", "clear", "__or__", "__ror__", "__ior__",
+):  # fmt: skip
+    setattr(KwargsDict, _name, _marking(_name))
+
+
 class ContextEditError(RuntimeError):
     """An in-place edit of ``agent.state.context`` that a remote middleware cannot carry to the host."""
 
@@ -265,4 +294,4 @@ class AgentView:
             state.summary = ctx.summary
 
 
-__all__ = ["AgentView", "ContextEditError", "json_to_value"]
+__all__ = ["AgentView", "ContextEditError", "KwargsDict", "json_to_value"]

@@ -92,4 +92,5 @@ lint: install
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(AS_VENV) $(AS_FULL_VENV) $(MEM0_VENV) agentmw/v1
+	rm -rf $(VENV) $(AS_VENV) $(AS_FULL_VENV) $(MEM0_VENV) agentmw/v1 .bench-versus
+	git worktree prune

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from . import four_servers
+from . import four_servers, versus
 from .builtins import PACE, TTS_TEXT
 from .harness import Series, pace_label, per_round, ratio, spread
 from .hosts import HostsResult
@@ -44,6 +44,7 @@ class Results:
     spans_exported: int = 0  # by the tracing server, counted by the OTLP receiver
     hosts: HostsResult | None = None  # bench/hosts.py: replies/s of hosts on PostgreSQL vs SQLite
     four: four_servers.FourResults | None = None  # the four servers vs AgentScope (section 9)
+    versus: versus.VersusResult | None = None  # this tree against the one before isolation (section 10)
     duration: float = 0.0
 
 
@@ -257,6 +258,8 @@ def render(r: Results) -> str:
             "",
             four_servers.notes(r.four) if r.four else "",
             "",
+            versus.section(r.versus),
+            "",
             f"### Fairness: {CONCURRENT} concurrent replies of 1,000 deltas, instant model",
             "",
             table(FAIRNESS_HEADER, _fairness_rows(r)),
@@ -379,7 +382,32 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
         ]
     )
     rows += builtin_targets(r.builtins, r.builtin_notes)
-    return rows + (four_servers.target_rows(r.four) if r.four else [])
+    return rows + (four_servers.target_rows(r.four) if r.four else []) + _versus_rows(r)
+
+
+def _versus_rows(r: Results) -> list[list[str]]:
+    """The isolation issue's "no worse than before (±5 %)", against the earlier tree in this run."""
+    v = r.versus
+    if v is None or not v.rounds:
+        return []
+    rows = []
+    for what, figure in (
+        ("one hook invocation, wall", v.ratio("hook")),
+        ("…its host CPU; its middleware CPU", (v.ratio("hook", 1), v.ratio("hook", 2))),
+        ("one intercepted item at one round trip (run_ahead; lock-step takes two by design)",
+         v.ratio("item", now_op="stream_InterceptAllRunAhead", before_op="stream_InterceptAll")),
+        ("whole reply with 1 remote middleware: wall; host CPU", (v.ratio("reply_remote"), v.ratio("reply_remote", 1))),
+    ):  # fmt: skip
+        values = figure if isinstance(figure, tuple) else (figure,)
+        rows.append(
+            [
+                f"This tree / {v.rev} (before the isolation work), same run: {what}",
+                "; ".join(times(x) for x in values),
+                "≤ 1.05x",
+                verdict(max(values) <= 1.05),
+            ]
+        )
+    return rows
 
 
 def _intercept_rows(r: Results, c: dict[str, Series], prefix: str) -> list[list[str]]:

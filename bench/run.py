@@ -10,7 +10,8 @@ Options: ``--rounds N`` (default 25), ``--quick`` (few rounds, for a smoke test)
 default ``$BENCH_AGENTSCOPE_PYTHON`` or /tmp/agentscope-venv/bin/python when it exists). The peer
 is installed by ``make bench`` into its own venv, .venv-agentscope (never into .venv); AgentScope
 with its own four middleware (section 8, bench/four_servers.py) into .venv-agentscope-full
-(``$BENCH_AGENTSCOPE_FULL_PYTHON``). ``--only four`` runs section 9 alone.
+(``$BENCH_AGENTSCOPE_FULL_PYTHON``). ``--only four`` runs section 9 alone. Section 10 builds the tree
+before the isolation work once (.bench-versus/, bench/versus.py) and runs it side by side with this one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from agent_host.remote import RemoteMiddleware
 from agentmw import loops
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
-from . import builtins, four_servers, hosts, scenarios
+from . import builtins, four_servers, hosts, scenarios, versus
 from .harness import Sample, Series
 from .peer import start_peer
 from .report import Results, environment, render
@@ -200,6 +201,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("8 hosts on one PostgreSQL vs SQLite")
         res.four = await four_servers.measure(quick=quick)
         step("9 the four servers vs AgentScope")
+        res.versus = await asyncio.to_thread(versus.measure, 3 if quick else rounds)
+        step(f"10 this tree against {versus.BASELINE}")
         if peer is not None:
             res.peer_ok = peer.alive
             if not peer.alive:

@@ -1,0 +1,266 @@
+"""This tree against an earlier commit, side by side in one run: did a change make things slower?
+
+The isolation issue's clause "make bench ratios no worse than before (±5 %)" compares with the tree
+before that work, but figures from an older BENCHMARKS.md were measured on another day's machine
+(the bare grpc floors alone moved by 40 % between such runs). So this section builds the earlier
+commit (``BASELINE``) in a git worktree with its own virtual environment (its own ``make install``,
+under .bench-versus/), starts one worker process per tree, each with its own middleware servers,
+and runs the same operations in both, alternating round by round:
+
+* 1a (a bare new-stream exchange) and 1b (a ping-pong on an open stream): identical code in both
+  trees, so their ratio shows how far the noise alone moves a ratio in this run;
+* one on_check_permission pass-through (a whole hook invocation), with its host and middleware
+  CPU (the middleware's from /proc, every thread, nanoseconds);
+* one intercepted item (on_reply), against the earlier tree's one round trip per item: this tree's
+  ``run_ahead`` (also one round trip) and its default lock-step (two, for fidelity: by design);
+* a whole reply (3 tool rounds + 1,000 deltas) with no middleware, and with one remote middleware
+  on four hooks (Realistic): wall time and host CPU.
+
+Only APIs both trees have are used (bench.scenarios, bench.middlewares, agent_host.remote,
+clients.launch). ``python -m bench.versus [--rev REV] [--rounds N]`` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clients.launch import ROOT
+
+BASELINE = "a4557fb"  # the tree before the isolation work (invocation ids, deadlines, lock-step)
+WORKDIR = ROOT / ".bench-versus"
+TIMEOUT = 300.0  # seconds for the worker's start and for each round: the bench never runs unbounded
+
+# One tree's worker, run with that tree's Python in that tree's directory: it starts its servers,
+# says "ready", then measures one round per "round" line on stdin and prints it as JSON.
+WORKER = r"""
+import asyncio, json, os, sys, time
+sys.path.insert(0, os.getcwd())
+import grpc
+from agent_host.remote import RemoteMiddleware
+from clients.launch import ServerProcess, middleware_server, start_all
+from bench import scenarios
+
+def cpu_of(pid):
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(open(f"/proc/{pid}/task/{task}/schedstat").read().split()[0])
+        except OSError:
+            pass
+    return total / 1e9
+
+async def main(names):
+    echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
+    servers = {n: middleware_server(f"bench.middlewares:{n}") for n in names}
+    start_all([echo, *servers.values()])
+    channel = grpc.aio.insecure_channel(echo.address)
+    await asyncio.wait_for(channel.channel_ready(), 10)
+    rms = {n: await RemoteMiddleware(s.address).connect() for n, s in servers.items()}
+    exchange, ping = channel.stream_stream("/bench.Echo/Exchange"), channel.stream_stream("/bench.Echo/PingPong")
+    agent = scenarios.make_agent()
+    perm = scenarios.permission_chain(rms["PassThroughCall"])
+    events = scenarios.reply_events(agent, scenarios.ITEMS)
+    chains = {"stream_none": scenarios.reply_chain([], events)}
+    chains.update({f"stream_{n}": scenarios.reply_chain([rms[n]], events) for n in names if n.startswith("Intercept")})
+    mw_pid = servers["PassThroughCall"].pid
+    pinger = ping()
+
+    async def bare():
+        call = exchange()
+        await call.write(b"b" * 300)
+        await call.read()
+        await call.done_writing()
+        await call.code()
+
+    async def one_ping():
+        await pinger.write(b"i" * 108)
+        await pinger.read()
+
+    async def timed(op, n):
+        t, c, m = time.perf_counter(), time.process_time(), cpu_of(mw_pid)
+        for _ in range(n):
+            await op()
+        return [(time.perf_counter() - t) / n, (time.process_time() - c) / n, (cpu_of(mw_pid) - m) / n]
+
+    async def reply(middlewares):
+        s = await scenarios.one_reply(scenarios.make_agent(middlewares, scenarios.tool_round_script()))
+        return [s.wall, s.cpu, 0.0]
+
+    ops = {
+        "1a": lambda: timed(bare, scenarios.OPS),
+        "1b": lambda: timed(one_ping, scenarios.ITEMS),
+        "hook": lambda: timed(lambda: perm(agent), scenarios.OPS),
+        **{k: (lambda c=c: timed(lambda: scenarios.drain(c, agent), 1)) for k, c in chains.items()},
+        "reply_none": lambda: reply([]),
+        "reply_remote": lambda: reply([rms["Realistic"]]),
+    }
+    for op in ops.values():  # warm up
+        for _ in range(2):
+            await op()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        print(json.dumps({k: await op() for k, op in ops.items()}), flush=True)
+    for rm in rms.values():
+        await rm.close()
+    await channel.close()
+    for proc in [echo, *servers.values()]:
+        proc.stop()
+
+asyncio.run(main(sys.argv[1].split(",")))
+"""
+
+# Middleware classes each tree's worker serves (the earlier tree has no run_ahead).
+NAMES = {
+    "before": "PassThroughCall,InterceptAll,Realistic",
+    "now": "PassThroughCall,InterceptAll,InterceptAllRunAhead,Realistic",
+}
+
+
+@dataclass
+class VersusResult:
+    rev: str = BASELINE
+    rounds: list[dict[str, dict[str, list[float]]]] = field(default_factory=list)  # side -> op -> [wall, cpu, mw cpu]
+    note: str = ""  # why it was not measured
+
+    def ratio(self, op: str, i: int = 0, *, now_op: str | None = None, before_op: str | None = None) -> float:
+        """Median over rounds of now / before for one figure (0 wall, 1 host CPU, 2 middleware CPU)."""
+        return statistics.median(
+            self._value(r["now"], now_op or op, i) / self._value(r["before"], before_op or op, i) for r in self.rounds
+        )
+
+    @staticmethod
+    def _value(side: dict[str, list[float]], op: str, i: int) -> float:
+        if op.startswith("stream_I"):  # per intercepted item: (with - without) / ITEMS
+            return (side[op][i] - side["stream_none"][i]) / 200
+        return side[op][i]
+
+
+def _baseline_tree(rev: str) -> Path:
+    """The earlier commit checked out under .bench-versus/, with its own venv (built once)."""
+    tree = WORKDIR / rev
+    if not (tree / ".git").exists():
+        WORKDIR.mkdir(exist_ok=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), rev], check=True)
+    if not (tree / ".venv" / ".installed").exists():
+        log = WORKDIR / f"{rev}-install.log"
+        print(f"==> building {rev}'s virtual environment in {tree} (once; log: {log})", file=sys.stderr, flush=True)
+        with log.open("w") as out:
+            subprocess.run(["make", "-C", str(tree), "install"], check=True, stdout=out, stderr=out, timeout=600)
+    return tree
+
+
+def _start(tree: Path, names: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [str(tree / ".venv" / "bin" / "python"), "-c", WORKER, names],
+        cwd=tree,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    deadline = time.monotonic() + TIMEOUT
+    while (line := proc.stdout.readline()) and not line.startswith("ready"):
+        if time.monotonic() > deadline:
+            break
+    if not line.startswith("ready"):
+        proc.kill()
+        raise RuntimeError(f"the worker in {tree} did not start")
+    return proc
+
+
+def measure(rounds: int, rev: str = BASELINE) -> VersusResult:
+    result = VersusResult(rev=rev)
+    try:
+        before_tree = _baseline_tree(rev)
+    except (subprocess.SubprocessError, OSError) as exc:
+        result.note = f"not measured: could not build {rev} ({exc})"
+        return result
+    workers: dict[str, subprocess.Popen[str]] = {}
+    try:
+        workers["before"] = _start(before_tree, NAMES["before"])
+        workers["now"] = _start(ROOT, NAMES["now"])
+        for r in range(rounds):
+            sides = list(workers) if r % 2 == 0 else list(workers)[::-1]
+            row = {}
+            for side in sides:
+                proc = workers[side]
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write("round\n")
+                proc.stdin.flush()
+                row[side] = json.loads(proc.stdout.readline())
+            result.rounds.append(row)
+    finally:
+        for proc in workers.values():
+            if proc.stdin is not None:
+                proc.stdin.close()  # the worker stops its servers and exits
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return result
+
+
+ROWS = [  # (what, op, figure index, now's op, before's op)
+    ("1a bare new-stream exchange (the same code in both: the noise)", "1a", 0, None, None),
+    ("1b bare ping-pong (the same code in both: the noise)", "1b", 0, None, None),
+    ("one hook invocation (on_check_permission pass-through), wall", "hook", 0, None, None),
+    ("…its host CPU", "hook", 1, None, None),
+    ("…its middleware CPU", "hook", 2, None, None),
+    ("one intercepted item, run_ahead (1 round trip) / before's (1 round trip)", "item", 0,
+     "stream_InterceptAllRunAhead", "stream_InterceptAll"),
+    ("one intercepted item, default lock-step (2 round trips, by design) / before's (1)", "item", 0,
+     "stream_InterceptAll", "stream_InterceptAll"),
+    ("whole reply, no middleware: wall", "reply_none", 0, None, None),
+    ("…host CPU", "reply_none", 1, None, None),
+    ("whole reply, 1 remote middleware on 4 hooks: wall", "reply_remote", 0, None, None),
+    ("…host CPU", "reply_remote", 1, None, None),
+]  # fmt: skip
+
+
+def rows(result: VersusResult) -> list[list[str]]:
+    from .report import times  # report imports this module
+
+    return [
+        [what, times(result.ratio(op, i, now_op=now_op, before_op=before_op))]
+        for what, op, i, now_op, before_op in ROWS
+    ]
+
+
+def section(result: VersusResult | None) -> str:
+    from .report import table  # report imports this module
+
+    if result is None or not result.rounds:
+        note = result.note if result is not None else "not measured"
+        return f"### This tree against {BASELINE} (before the isolation work)\n\n{note}"
+    return "\n".join(
+        [
+            f"### This tree against {result.rev} (before the isolation work), side by side",
+            "",
+            f"{len(result.rounds)} alternating rounds, each tree in its own worker process with its own servers "
+            "(bench/versus.py); medians of the per-round ratios now / before. 1a and 1b run identical code in "
+            "both trees: how far they stray from 1.00x is the noise of this run.",
+            "",
+            table(["what", "now / before"], rows(result)),
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.versus", description=__doc__)
+    parser.add_argument("--rev", default=BASELINE)
+    parser.add_argument("--rounds", type=int, default=25)
+    args = parser.parse_args(argv)
+    print(section(measure(args.rounds, args.rev)))
+
+
+if __name__ == "__main__":
+    main()

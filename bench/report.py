@@ -390,7 +390,15 @@ def _versus_rows(r: Results) -> list[list[str]]:
     v = r.versus
     if v is None or not v.rounds:
         return []
-    rows = []
+    noise = (v.ratio("1a"), v.ratio("1a", 1), v.ratio("1a", 2))
+    rows = [
+        [
+            f"This tree / {v.rev}, same run: 1a, identical code in both (the noise): wall; host CPU; server CPU",
+            "; ".join(times(x) for x in noise),
+            "—",
+            "—",
+        ]
+    ]
     for what, figure in (
         ("one hook invocation, wall", v.ratio("hook")),
         ("…its host CPU; its middleware CPU", (v.ratio("hook", 1), v.ratio("hook", 2))),

@@ -201,7 +201,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("8 hosts on one PostgreSQL vs SQLite")
         res.four = await four_servers.measure(quick=quick)
         step("9 the four servers vs AgentScope")
-        res.versus = await asyncio.to_thread(versus.measure, 3 if quick else rounds)
+        res.versus = await asyncio.to_thread(versus.measure, 3 if quick else max(rounds, versus.ROUNDS))
         step(f"10 this tree against {versus.BASELINE}")
         if peer is not None:
             res.peer_ok = peer.alive

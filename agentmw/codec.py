@@ -227,6 +227,18 @@ class Codec:
         """A record message as a dict; unset fields are left out."""
         return self._decode_fields(msg)
 
+    def decode_record_field(self, msg: Message, name: str) -> Any:
+        """One field (or oneof) of a record message, as ``decode_record`` would give it; None when unset."""
+        plan = self._plans_by_class.get(type(msg)) or self._plan_of(msg)
+        for field, decoder in plan[1]:
+            if field == name:
+                if decoder is None:
+                    return getattr(msg, name)
+                out: dict[str, Any] = {}
+                decoder(msg, out)
+                return out.get(name)
+        raise CodecError(f"{msg.DESCRIPTOR.name} has no field {name!r}")
+
     def encode_item(self, obj: Any, out: events_pb2.Item | None = None) -> events_pb2.Item:
         out = out if out is not None else events_pb2.Item()
         name = self.item_field_by_py.get(type(obj))

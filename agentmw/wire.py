@@ -56,6 +56,14 @@ def decode_kwargs(spec: HookSpec, msg: hooks_pb2.Kwargs, *, complete: bool) -> d
     return values
 
 
+def decode_kwarg(spec: HookSpec, msg: hooks_pb2.Kwargs, name: str) -> Any:
+    """One of a Begin's kwargs (None when unset), decoded alone."""
+    which = msg.WhichOneof("hook")
+    if which != spec.name:
+        raise CodecError(f"kwargs are for {which}, expected {spec.name}")
+    return codec.decode_record_field(getattr(msg, which), name)
+
+
 def encode_result(value: Any, out: hooks_pb2.HookResult) -> hooks_pb2.HookResult:
     if isinstance(value, PermissionDecision):
         codec.encode(value, out.permission_decision)

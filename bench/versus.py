@@ -10,7 +10,9 @@ and runs the same operations in both, alternating round by round:
 * 1a (a bare new-stream exchange) and 1b (a ping-pong on an open stream): identical code in both
   trees, so their ratio shows how far the noise alone moves a ratio in this run;
 * one on_check_permission pass-through (a whole hook invocation), with its host and middleware
-  CPU (the middleware's from /proc, every thread, nanoseconds);
+  CPU (the middleware's from /proc, every thread, nanoseconds); and the same from a middleware
+  that reads its kwargs first (``READS_KWARGS``: this tree decodes kwargs only when the code uses
+  them, and then also checks them for in-place edits at next_handler(), which fidelity requires);
 * one intercepted item (on_reply), against the earlier tree's one round trip per item: this tree's
   ``run_ahead`` (also one round trip) and its default lock-step (two, for fidelity: by design);
 * a whole reply (3 tool rounds + 1,000 deltas) with no middleware, and with one remote middleware
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +52,8 @@ from agent_host.remote import RemoteMiddleware
 from clients.launch import ServerProcess, middleware_server, start_all
 from bench import scenarios
 
+MW_MODULE = os.environ.get("BENCH_VERSUS_MW")
+
 def cpu_of(pid):
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -61,6 +66,10 @@ def cpu_of(pid):
 async def main(names):
     echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
     servers = {n: middleware_server(f"bench.middlewares:{n}") for n in names}
+    servers["ReadsKwargs"] = ServerProcess(  # bench_versus_mw.py, beside the trees (both SDKs have mw_servers.sdk)
+        ["-m", "mw_servers.sdk", "bench_versus_mw:ReadsKwargs", "--address", "127.0.0.1:{port}"],
+        name="ReadsKwargs", env={"PYTHONPATH": MW_MODULE},
+    )
     start_all([echo, *servers.values()])
     channel = grpc.aio.insecure_channel(echo.address)
     await asyncio.wait_for(channel.channel_ready(), 10)
@@ -68,10 +77,11 @@ async def main(names):
     exchange, ping = channel.stream_stream("/bench.Echo/Exchange"), channel.stream_stream("/bench.Echo/PingPong")
     agent = scenarios.make_agent()
     perm = scenarios.permission_chain(rms["PassThroughCall"])
+    perm_reads = scenarios.permission_chain(rms["ReadsKwargs"])
     events = scenarios.reply_events(agent, scenarios.ITEMS)
     chains = {"stream_none": scenarios.reply_chain([], events)}
     chains.update({f"stream_{n}": scenarios.reply_chain([rms[n]], events) for n in names if n.startswith("Intercept")})
-    mw_pid, echo_pid = servers["PassThroughCall"].pid, echo.pid
+    mw_pid, echo_pid, reads_pid = servers["PassThroughCall"].pid, echo.pid, servers["ReadsKwargs"].pid
     pinger = ping()
 
     async def bare():
@@ -99,6 +109,7 @@ async def main(names):
         "1a": lambda: timed(bare, scenarios.OPS, echo_pid),
         "1b": lambda: timed(one_ping, scenarios.ITEMS, echo_pid),
         "hook": lambda: timed(lambda: perm(agent), scenarios.OPS),
+        "hook_reads": lambda: timed(lambda: perm_reads(agent), scenarios.OPS, reads_pid),
         **{k: (lambda c=c: timed(lambda: scenarios.drain(c, agent), 1)) for k, c in chains.items()},
         "reply_none": lambda: reply([]),
         "reply_remote": lambda: reply([rms["Realistic"]]),
@@ -118,6 +129,21 @@ async def main(names):
         proc.stop()
 
 asyncio.run(main(sys.argv[1].split(",")))
+"""
+
+# A pass-through that reads its kwargs before calling next (served by both trees' SDKs).
+READS_KWARGS = """
+try:
+    from agentmw.middleware import MiddlewareBase
+except ImportError:  # the earlier tree
+    from agent_host.middleware import MiddlewareBase
+
+
+class ReadsKwargs(MiddlewareBase):
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        if input_kwargs["tool_call"].name == "refused":
+            raise PermissionError("refused")
+        return await next_handler()
 """
 
 # Middleware classes each tree's worker serves (the earlier tree has no run_ahead).
@@ -161,9 +187,11 @@ def _baseline_tree(rev: str) -> Path:
 
 
 def _start(tree: Path, names: str) -> subprocess.Popen[str]:
+    (WORKDIR / "bench_versus_mw.py").write_text(READS_KWARGS)
     proc = subprocess.Popen(
         [str(tree / ".venv" / "bin" / "python"), "-c", WORKER, names],
         cwd=tree,
+        env={**os.environ, "BENCH_VERSUS_MW": str(WORKDIR)},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -218,6 +246,8 @@ ROWS: list[tuple[str, str, Any, str | None, str | None]] = [  # (what, op, figur
     ("one hook invocation (on_check_permission pass-through), wall", "hook", 0, None, None),
     ("…its host CPU", "hook", 1, None, None),
     ("…its middleware CPU", "hook", 2, None, None),
+    ("one hook invocation reading its kwargs first, wall", "hook_reads", 0, None, None),
+    ("…its host CPU; its middleware CPU", "hook_reads", (1, 2), None, None),
     ("one intercepted item, run_ahead (1 round trip) / before's (1 round trip)", "item", 0,
      "stream_InterceptAllRunAhead", "stream_InterceptAll"),
     ("one intercepted item, default lock-step (2 round trips, by design) / before's (1)", "item", 0,

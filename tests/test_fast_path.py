@@ -3,9 +3,9 @@
 * An intercepted item the middleware yields back unchanged is forwarded (forward_seq): the host
   hands on the very object its inner pipeline produced. One edited in place, in a scalar field or
   a nested one, arrives edited (the SDK checks unchanged items without re-encoding them).
-* A pass-through that never reads its ``input_kwargs`` calls next_handler() without the SDK
-  re-encoding them; every way of reading them marks them (KwargsDict), so an edit made through any
-  of them is still found (the conformance suite runs one through a copy, ``{**input_kwargs}``).
+* A hook that never uses its ``input_kwargs`` pays no decoding and its next_handler() no
+  comparison; every way of using them decodes and marks them first (KwargsDict), so an edit made
+  through any of them is still found (the conformance suite runs one through ``{**input_kwargs}``).
 * ``--loop uvloop`` runs the host and a middleware server on uvloop (each says so in its
   listening line) and a reply goes through both; an unknown loop is a configuration error.
 """
@@ -83,34 +83,56 @@ def test_host_and_middleware_server_run_on_uvloop(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "loop" in bad.stderr and "'tokio' is not one of asyncio, uvloop, auto" in bad.stderr
 
 
-def test_every_way_of_reading_input_kwargs_marks_them() -> None:
+def test_every_way_of_using_input_kwargs_decodes_and_marks_them() -> None:
     import copy
     import json
+    import pickle
 
-    from agentmw.sdk.view import KwargsDict
+    from agentmw.sdk.view import NOT_DECODED, KwargsDict
 
-    reads = {
+    def fresh() -> KwargsDict:
+        return KwargsDict.lazy(["k"], lambda key: {"nested": 1})
+
+    def match(d: dict) -> object:
+        match d:
+            case {"k": value}:
+                return value
+        return None
+
+    uses = {
         "d[k]": lambda d: d["k"],
         "get": lambda d: d.get("k"),
         "{**d}": lambda d: {**d},
         "dict(d)": dict,
         "f(**d)": lambda d: (lambda **kw: kw)(**d),
+        "format(**d)": lambda d: "{k}".format(**d),
         "list(d)": list,
         "items": lambda d: list(d.items()),
         "values": lambda d: list(d.values()),
         "json.dumps": json.dumps,
+        "repr": repr,
+        "d == x": lambda d: d == {"k": {"nested": 1}},
         "copy.copy": copy.copy,
         "copy.deepcopy": copy.deepcopy,
+        "pickle": lambda d: pickle.loads(pickle.dumps(d)),
         "d | {}": lambda d: d | {},
         "{} | d": lambda d: {} | d,
+        "match": match,
         "pop": lambda d: d.pop("k"),
         "d[k] = v": lambda d: d.__setitem__("k", 2),
         "update": lambda d: d.update(k=2),
     }
-    for name, read in reads.items():
-        d = KwargsDict(k={"nested": 1})
+    for name, use in uses.items():
+        d = fresh()
         assert not d.touched
-        read(d)
+        result = use(d)
         assert d.touched, name
-    d = KwargsDict(k=1)
-    assert "k" in d and len(d) == 1 and d == {"k": 1} and not d.touched  # no value handed out
+        assert NOT_DECODED not in dict.values(d), name  # decoded before the first use
+        assert "not decoded" not in repr(result), name
+    d = fresh()
+    assert "k" in d and len(d) == 1 and not d.touched  # no value handed out, nothing decoded
+    decoded: list[str] = []
+    d = KwargsDict.lazy(["a", "b"], lambda key: decoded.append(key) or key.upper())
+    assert d["a"] == "A" and d.get("a") == "A" and decoded == ["a"] and d.used == {"a"}  # one key at a time
+    assert dict.__getitem__(d, "b") is NOT_DECODED
+    assert list(d.values()) == ["A", "B"] and decoded == ["a", "b"] and d.used is None  # bulk: all of them

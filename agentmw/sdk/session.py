@@ -37,6 +37,7 @@ from agentmw.tools import ToolInputError
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
+    decode_kwarg,
     decode_kwargs,
     decode_result,
     encode_kwargs,
@@ -175,7 +176,8 @@ class HookSession:
         begin = message.begin
         self.begin_kwargs = begin.input_kwargs
         self.view.refresh(begin.context)
-        self.kwargs = kwargs = KwargsDict(decode_kwargs(self.spec, begin.input_kwargs, complete=True))
+        spec, encoded = self.spec, begin.input_kwargs
+        self.kwargs = kwargs = KwargsDict.lazy(spec.params, lambda key: decode_kwarg(spec, encoded, key))
         method = getattr(self.mw, self.spec.name)
         kind = self.spec.kind
         try:
@@ -192,7 +194,7 @@ class HookSession:
                 else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
                     await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
-                result = await method(self.view, dict.__getitem__(kwargs, "prompt"))
+                result = await method(self.view, kwargs["prompt"])
             finish = hooks_pb2.MiddlewareMessage()
             finish.finish.SetInParent()
             encode_result(result, finish.finish.result)
@@ -260,17 +262,29 @@ class HookSession:
         one encode, no second decode). Else, or when they cannot be encoded, each is compared with a
         fresh decode of the begin's kwargs, as a value (so the error, if any, comes when sent)."""
         assert self.begin_kwargs is not None
-        if not overrides and not self.kwargs.touched:  # the code never read them: nothing can differ
+        kwargs = self.kwargs
+        if not overrides and not kwargs.touched:  # the code never used them: nothing can differ
             return {}
-        merged = dict(dict.items(self.kwargs))  # read past KwargsDict: the SDK's reads do not touch
+        if overrides or kwargs.used is None:
+            kwargs.use()
+            keys = self.spec.params
+        else:  # only the values handed out can have been edited in place
+            keys = frozenset(kwargs.used)
+        merged = {k: dict.get(kwargs, k) for k in keys}
         merged.update(overrides)
-        present = {p: v for p in self.spec.params if (v := merged.get(p)) is not None}
+        keys = keys | overrides.keys()
+        present = {k: v for k in keys if (v := merged.get(k)) is not None}
         with contextlib.suppress(Exception):  # an unencodable value fails when sent, as before
             now = encode_kwargs(self.spec, present, hooks_pb2.Kwargs())
-            if now.SerializeToString(deterministic=True) == self.begin_kwargs.SerializeToString(deterministic=True):
+            begin = (
+                self.begin_kwargs.SerializeToString(deterministic=True)
+                if keys >= self.spec.params
+                else _only(self.begin_kwargs, self.spec.name, keys)
+            )
+            if now.SerializeToString(deterministic=True) == begin:
                 return {}
         original = decode_kwargs(self.spec, self.begin_kwargs, complete=True)
-        return {p: merged.get(p) for p in self.spec.params if merged.get(p) != original[p]}
+        return {k: merged.get(k) for k in keys if merged.get(k) != original[k]}
 
     # -- outgoing --------------------------------------------------------------------------------
 
@@ -401,6 +415,20 @@ class HookSession:
         """The host's next message of this invocation (read ahead or from the stream)."""
         await self.fetch(lambda: bool(self.inbox))
         return self.inbox.popleft()
+
+
+def _only(kwargs: hooks_pb2.Kwargs, hook: str, keys: frozenset[str]) -> bytes:
+    """The Begin's kwargs with only ``keys`` set (and their ``_json`` texts), serialized as
+    ``encode_kwargs`` of those keys would be."""
+    copy = hooks_pb2.Kwargs()
+    copy.CopyFrom(kwargs)
+    record = getattr(copy, hook)
+    for field, _ in record.ListFields():
+        oneof = field.containing_oneof
+        name = oneof.name if oneof is not None and not oneof.name.startswith("_") else field.name
+        if name not in keys and name.removesuffix("_json") not in keys:
+            record.ClearField(field.name)
+    return copy.SerializeToString(deterministic=True)
 
 
 class HostReader:

@@ -99,21 +99,67 @@ class SlotDict(dict):
 
 
 class KwargsDict(dict):
-    """The ``input_kwargs`` a hook's code receives: a plain dict that notes whether that code has read
-    it (``touched``). A pass-through that never looks at its kwargs then calls ``next_handler()``
-    without the SDK re-encoding them to find in-place edits (HookSession.changed_kwargs); any read
-    may hand out a value the code can edit later, so once touched it stays touched. Every dict
-    method that hands out keys or values, or changes the dict, marks it (``{**d}``, ``dict(d)``,
-    ``json.dumps(d)`` and ``f(**d)`` go through them)."""
+    """The ``input_kwargs`` a hook's code receives: a dict whose values are decoded from the Begin
+    when first used, one key at a time, and that notes which were used (``touched``, ``used``). A
+    hook that never looks at its kwargs (a pass-through, a check on agent state only) pays no
+    decoding, and its bare ``next_handler()`` no comparison for in-place edits; one that reads a
+    key or two pays for those (HookSession.changed_kwargs). A value handed out may be edited later,
+    so what is used stays used.
+
+    ``d[key]`` and ``d.get(key)`` use that key; every other dict method that hands out keys or
+    values, compares, prints or changes the dict uses them all (``used`` becomes None); ``{**d}``,
+    ``dict(d)``, ``f(**d)``, ``json.dumps(d)``, ``copy`` and ``pickle`` go through them
+    (tests/test_fast_path.py checks each). Keys not decoded yet hold ``NOT_DECODED``."""
 
     touched = False
+    used: set[str] | None = None  # the keys handed out one by one; None: all of them
+    _decode: Any = None  # key -> its value, for keys not decoded yet
+
+    @classmethod
+    def lazy(cls, keys: Any, decode: Any) -> KwargsDict:
+        kwargs = cls()
+        dict.update(kwargs, dict.fromkeys(keys, NOT_DECODED))
+        kwargs._decode, kwargs.used = decode, set()
+        return kwargs
+
+    def use(self) -> None:
+        """Decode every key and mark them all used: what the bulk and writing methods do first."""
+        self.touched, self.used = True, None
+        if self._decode is not None:
+            decode, self._decode = self._decode, None
+            for key, value in dict.items(self):
+                if value is NOT_DECODED:
+                    dict.__setitem__(self, key, decode(key))
+
+    def use_key(self, key: Any) -> None:
+        self.touched = True
+        if self.used is not None:
+            self.used.add(key)
+        if self._decode is not None and dict.get(self, key) is NOT_DECODED:
+            dict.__setitem__(self, key, self._decode(key))
+
+    def __getitem__(self, key: Any) -> Any:
+        self.use_key(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.use_key(key)
+        return dict.get(self, key, default)
 
 
-def _marking(name: str) -> Any:
+class _NotDecoded:
+    def __repr__(self) -> str:
+        return "<not decoded: read input_kwargs through its dict methods>"
+
+
+NOT_DECODED: Any = _NotDecoded()
+
+
+def _using(name: str) -> Any:
     base = getattr(dict, name)
 
     def method(self: KwargsDict, *args: Any, **kwargs: Any) -> Any:
-        self.touched = True
+        self.use()
         return base(self, *args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
@@ -121,10 +167,11 @@ def _marking(name: str) -> Any:
 
 
 for _name in (
-    "__getitem__", "get", "__iter__", "__reversed__", "keys", "values", "items", "copy", "pop", "popitem",
-    "setdefault", "update", "__setitem__", "__delitem__", "clear", "__or__", "__ror__", "__ior__",
+    "__iter__", "__reversed__", "keys", "values", "items", "copy", "pop", "popitem", "setdefault", "update",
+    "__setitem__", "__delitem__", "clear", "__or__", "__ror__", "__ior__", "__eq__", "__ne__", "__repr__",
+    "__reduce_ex__",
 ):  # fmt: skip
-    setattr(KwargsDict, _name, _marking(_name))
+    setattr(KwargsDict, _name, _using(_name))
 
 
 class ContextEditError(RuntimeError):

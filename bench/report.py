@@ -402,6 +402,8 @@ def _versus_rows(r: Results) -> list[list[str]]:
     for what, figure in (
         ("one hook invocation, wall", v.ratio("hook")),
         ("…its host CPU; its middleware CPU", (v.ratio("hook", 1), v.ratio("hook", 2))),
+        ("one hook invocation that reads a kwarg first (it pays fidelity's in-place edit check, which "
+         f"{v.rev} lacked): wall; middleware CPU", (v.ratio("hook_reads"), v.ratio("hook_reads", 2))),
         ("one intercepted item at one round trip (run_ahead; lock-step takes two by design)",
          v.ratio("item", now_op="stream_InterceptAllRunAhead", before_op="stream_InterceptAll")),
         ("whole reply with 1 remote middleware: wall; host CPU", (v.ratio("reply_remote"), v.ratio("reply_remote", 1))),

@@ -497,8 +497,9 @@ class InnerStream:
             call_next.credits = WINDOW
             if changed.get("current_model") is not None:
                 changed["current_model"] = model_override(changed["current_model"])
-            call_next.cleared.extend(k for k, v in changed.items() if v is None)
-            encode_kwargs(s.spec, {k: v for k, v in changed.items() if v is not None}, call_next.overrides)
+            if changed:  # else no overrides at all (an unset Kwargs: hooks.proto CallNext)
+                call_next.cleared.extend(k for k, v in changed.items() if v is None)
+                encode_kwargs(s.spec, {k: v for k, v in changed.items() if v is not None}, call_next.overrides)
             await s.send(msg)
         elif self.generation != s.generation:
             raise RuntimeError("this inner pipeline was replaced by a later next_handler() call")

@@ -37,6 +37,7 @@ TTS_TEXT = (
     "from the west, and it stays dry until the evening, when a few clouds come in."
 )
 PACE = (0.2, 0.002)  # 200 ms to first token, 2 ms per chunk
+TRACING = ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--otlp-endpoint", "{otlp}"]
 MEM0_SEED = ["My favourite colour is teal.", "I live in Lisbon.", "I am allergic to peanuts.", "My cat is called Miso."]
 
 
@@ -63,13 +64,13 @@ BUILTINS = {
     for b in (
         Builtin(
             "tracing",
-            {"attached": ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--otlp-endpoint", "{otlp}"]},
+            {"attached": TRACING},
             tool_round_script,  # 3 tool rounds, then 1,000 text deltas: 8 detached invocations per reply
             exports=True,
         ),
         Builtin(  # the same on a network model's clock (as the four-servers section's realistic pace)
             "tracing-paced",
-            {"attached": ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--otlp-endpoint", "{otlp}"]},
+            {"attached": TRACING},
             tool_round_script,
             exports=True,
             pace=PACE,

@@ -382,42 +382,7 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
         ]
     )
     rows += builtin_targets(r.builtins, r.builtin_notes)
-    return rows + (four_servers.target_rows(r.four) if r.four else []) + _versus_rows(r)
-
-
-def _versus_rows(r: Results) -> list[list[str]]:
-    """The isolation issue's "no worse than before (±5 %)", against the earlier tree in this run."""
-    v = r.versus
-    if v is None or not v.rounds:
-        return []
-    noise = (v.ratio("1a"), v.ratio("1a", 1), v.ratio("1a", 2))
-    rows = [
-        [
-            f"This tree / {v.rev}, same run: 1a, identical code in both (the noise): wall; host CPU; server CPU",
-            "; ".join(times(x) for x in noise),
-            "—",
-            "—",
-        ]
-    ]
-    for what, figure in (
-        ("one hook invocation, wall", v.ratio("hook")),
-        ("…its host CPU; its middleware CPU", (v.ratio("hook", 1), v.ratio("hook", 2))),
-        ("one hook invocation that reads a kwarg first (it pays fidelity's in-place edit check, which "
-         f"{v.rev} lacked): wall; middleware CPU", (v.ratio("hook_reads"), v.ratio("hook_reads", 2))),
-        ("one intercepted item at one round trip (run_ahead; lock-step takes two by design)",
-         v.ratio("item", now_op="stream_InterceptAllRunAhead", before_op="stream_InterceptAll")),
-        ("whole reply with 1 remote middleware: wall; host CPU", (v.ratio("reply_remote"), v.ratio("reply_remote", 1))),
-    ):  # fmt: skip
-        values = figure if isinstance(figure, tuple) else (figure,)
-        rows.append(
-            [
-                f"This tree / {v.rev} (before the isolation work), same run: {what}",
-                "; ".join(times(x) for x in values),
-                "≤ 1.05x",
-                verdict(max(values) <= 1.05),
-            ]
-        )
-    return rows
+    return rows + (four_servers.target_rows(r.four) if r.four else []) + versus.target_rows(r.versus)
 
 
 def _intercept_rows(r: Results, c: dict[str, Series], prefix: str) -> list[list[str]]:

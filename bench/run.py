@@ -93,11 +93,11 @@ async def measure_calls_only(rounds: int, out: str) -> None:
     echo, servers, _ = start_servers(loops.loop_name(), calls_only=True)
     channel = grpc.aio.insecure_channel(echo.address)
     icpt = grpc.aio.insecure_channel(servers["InterceptAll"].address)
-    clients = [await RemoteMiddleware(servers[name].address).connect() for name in CALLS_MIDDLEWARE]
-    clients.append(await RemoteMiddleware(echo.address).connect())
+    by_name = {name: await RemoteMiddleware(servers[name].address).connect() for name in CALLS_MIDDLEWARE}
+    rm_floor = await RemoteMiddleware(echo.address).connect()
+    clients = [*by_name.values(), rm_floor]
     try:
         await asyncio.wait_for(channel.channel_ready(), 10)
-        by_name = dict(zip(CALLS_MIDDLEWARE, clients[:-1], strict=True))
         env = scenarios.Env(
             echo=channel,
             rm_call=by_name["PassThroughCall"],
@@ -107,7 +107,7 @@ async def measure_calls_only(rounds: int, out: str) -> None:
             rm_end=[],
             rm_real=[],
             rm_budget=by_name["PassThroughCall"],  # unused in 1-3
-            rm_floor=clients[-1],
+            rm_floor=rm_floor,
             icpt=icpt,
             pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
         )

@@ -18,8 +18,8 @@ and runs the same operations in both, alternating round by round:
 * a whole reply (3 tool rounds + 1,000 deltas) with no middleware, and with one remote middleware
   on four hooks (Realistic): wall time and host CPU.
 
-Only APIs both trees have are used (bench.scenarios, bench.middlewares, agent_host.remote,
-clients.launch). ``python -m bench.versus [--rev REV] [--rounds N]`` runs it alone.
+Only APIs both trees have are used (bench.scenarios, bench.harness, bench.middlewares,
+agent_host.remote, clients.launch). ``python -m bench.versus [--rev REV] [--rounds N]`` runs it alone.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from clients.launch import ROOT
+
+from .scenarios import ITEMS
 
 BASELINE = "a4557fb"  # the tree before the isolation work (invocation ids, deadlines, lock-step)
 WORKDIR = ROOT / ".bench-versus"
@@ -45,23 +46,15 @@ TIMEOUT = 300.0  # seconds for the worker's start and for each round: the bench 
 # One tree's worker, run with that tree's Python in that tree's directory: it starts its servers,
 # says "ready", then measures one round per "round" line on stdin and prints it as JSON.
 WORKER = r"""
-import asyncio, json, os, sys, time
+import asyncio, json, os, sys
 sys.path.insert(0, os.getcwd())
 import grpc
 from agent_host.remote import RemoteMiddleware
 from clients.launch import ServerProcess, middleware_server, start_all
 from bench import scenarios
+from bench.harness import timed_batch
 
 MW_MODULE = os.environ.get("BENCH_VERSUS_MW")
-
-def cpu_of(pid):
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            total += int(open(f"/proc/{pid}/task/{task}/schedstat").read().split()[0])
-        except OSError:
-            pass
-    return total / 1e9
 
 async def main(names):
     echo = ServerProcess(["-m", "bench.echo_server", "--address", "127.0.0.1:{port}"], name="echo")
@@ -96,10 +89,8 @@ async def main(names):
         await pinger.read()
 
     async def timed(op, n, pid=mw_pid):  # [wall, host CPU, the server's CPU] per operation
-        t, c, m = time.perf_counter(), time.process_time(), cpu_of(pid)
-        for _ in range(n):
-            await op()
-        return [(time.perf_counter() - t) / n, (time.process_time() - c) / n, (cpu_of(pid) - m) / n]
+        s = await timed_batch(op, n, server_pid=pid)
+        return [s.wall, s.cpu, s.server_cpu]
 
     async def reply(middlewares):
         s = await scenarios.one_reply(scenarios.make_agent(middlewares, scenarios.tool_round_script()))
@@ -159,17 +150,17 @@ class VersusResult:
     rounds: list[dict[str, dict[str, list[float]]]] = field(default_factory=list)  # side -> op -> [wall, cpu, mw cpu]
     note: str = ""  # why it was not measured
 
-    def ratio(self, op: str, i: int = 0, *, now_op: str | None = None, before_op: str | None = None) -> float:
-        """Median over rounds of now / before for one figure (0 wall, 1 host CPU, 2 middleware CPU)."""
+    def ratio(self, now_op: str, before_op: str | None = None, i: int = 0) -> float:
+        """Median over rounds of now / before for one figure (0 wall, 1 host CPU, 2 the server's CPU)."""
         return statistics.median(
-            self._value(r["now"], now_op or op, i) / self._value(r["before"], before_op or op, i) for r in self.rounds
+            _value(r["now"], now_op, i) / _value(r["before"], before_op or now_op, i) for r in self.rounds
         )
 
-    @staticmethod
-    def _value(side: dict[str, list[float]], op: str, i: int) -> float:
-        if op.startswith("stream_I"):  # per intercepted item: (with - without) / ITEMS
-            return (side[op][i] - side["stream_none"][i]) / 200
-        return side[op][i]
+
+def _value(side: dict[str, list[float]], op: str, i: int) -> float:
+    if op.startswith("stream_Intercept"):  # per intercepted item: (with - without) / ITEMS
+        return (side[op][i] - side["stream_none"][i]) / ITEMS
+    return side[op][i]
 
 
 def _baseline_tree(rev: str) -> Path:
@@ -239,36 +230,57 @@ def measure(rounds: int, rev: str = BASELINE) -> VersusResult:
     return result
 
 
-ROWS: list[tuple[str, str, Any, str | None, str | None]] = [  # (what, op, figure index or indexes, now's op, before's)
-    ("1a bare new-stream exchange (the same code in both: the noise), wall", "1a", 0, None, None),
-    ("…its host CPU; its server's CPU", "1a", (1, 2), None, None),
-    ("1b bare ping-pong (the same code in both: the noise), wall", "1b", 0, None, None),
-    ("one hook invocation (on_check_permission pass-through), wall", "hook", 0, None, None),
-    ("…its host CPU", "hook", 1, None, None),
-    ("…its middleware CPU", "hook", 2, None, None),
-    ("one hook invocation reading its kwargs first, wall", "hook_reads", 0, None, None),
-    ("…its host CPU; its middleware CPU", "hook_reads", (1, 2), None, None),
-    ("one intercepted item, run_ahead (1 round trip) / before's (1 round trip)", "item", 0,
-     "stream_InterceptAllRunAhead", "stream_InterceptAll"),
-    ("one intercepted item, default lock-step (2 round trips, by design) / before's (1)", "item", 0,
-     "stream_InterceptAll", "stream_InterceptAll"),
-    ("whole reply, no middleware: wall", "reply_none", 0, None, None),
-    ("…host CPU", "reply_none", 1, None, None),
-    ("whole reply, 1 remote middleware on 4 hooks: wall", "reply_remote", 0, None, None),
-    ("…host CPU", "reply_remote", 1, None, None),
+# (what, now's op, before's op (None: the same), figures (0 wall, 1 host CPU, 2 the server's CPU),
+# whether it is a target: the isolation issue's "no worse than before (±5 %)")
+ROWS: list[tuple[str, str, str | None, tuple[int, ...], bool]] = [
+    ("1a bare new-stream exchange, identical code in both (the noise): wall; host CPU; server CPU",
+     "1a", None, (0, 1, 2), False),
+    ("1b bare ping-pong, identical code in both (the noise): wall", "1b", None, (0,), False),
+    ("one hook invocation (on_check_permission pass-through): wall", "hook", None, (0,), True),
+    ("…its host CPU; its middleware CPU", "hook", None, (1, 2), True),
+    ("one hook invocation that reads a kwarg first (it pays fidelity's in-place edit check, which the earlier "
+     "tree lacked): wall; middleware CPU", "hook_reads", None, (0, 2), True),
+    ("one intercepted item at one round trip (run_ahead; before: its default, also one)",
+     "stream_InterceptAllRunAhead", "stream_InterceptAll", (0,), True),
+    ("one intercepted item, default lock-step (two round trips, by design) / before's (one)",
+     "stream_InterceptAll", None, (0,), False),
+    ("whole reply, no middleware: wall; host CPU", "reply_none", None, (0, 1), False),
+    ("whole reply with 1 remote middleware on 4 hooks: wall; host CPU", "reply_remote", None, (0, 1), True),
 ]  # fmt: skip
+
+
+def _ratios(result: VersusResult, now_op: str, before_op: str | None, figures: tuple[int, ...]) -> list[float]:
+    return [result.ratio(now_op, before_op, i) for i in figures]
 
 
 def rows(result: VersusResult) -> list[list[str]]:
     from .report import times  # report imports this module
 
+    return [
+        [what, "; ".join(times(x) for x in _ratios(result, now_op, before_op, figures))]
+        for what, now_op, before_op, figures, _ in ROWS
+    ]
+
+
+def target_rows(result: VersusResult | None) -> list[list[str]]:
+    """For BENCHMARKS.md's targets table: the noise (1a) as context, then each target row."""
+    from .report import times, verdict  # report imports this module
+
+    if result is None or not result.rounds:
+        return []
     out = []
-    for what, op, figures, now_op, before_op in ROWS:
-        ratios = (
-            result.ratio(op, i, now_op=now_op, before_op=before_op)
-            for i in (figures if isinstance(figures, tuple) else (figures,))
+    for what, now_op, before_op, figures, target in ROWS:
+        if not target and now_op != "1a":
+            continue
+        values = _ratios(result, now_op, before_op, figures)
+        out.append(
+            [
+                f"This tree / {result.rev} (before the isolation work), same run: {what}",
+                "; ".join(times(x) for x in values),
+                "≤ 1.05x" if target else "—",
+                verdict(max(values) <= 1.05) if target else "—",
+            ]
         )
-        out.append([what, "; ".join(times(x) for x in ratios)])
     return out
 
 

@@ -131,6 +131,7 @@ def test_every_way_of_using_input_kwargs_decodes_and_marks_them() -> None:
         assert "not decoded" not in repr(result), name
     d = fresh()
     assert "k" in d and len(d) == 1 and not d.touched  # no value handed out, nothing decoded
+    assert d.get("absent") is None and not d.touched  # nor by asking for a key that is not there
     decoded: list[str] = []
     d = KwargsDict.lazy(["a", "b"], lambda key: decoded.append(key) or key.upper())
     assert d["a"] == "A" and d.get("a") == "A" and decoded == ["a"] and d.used == {"a"}  # one key at a time

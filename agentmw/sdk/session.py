@@ -38,7 +38,6 @@ from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
     decode_kwarg,
-    decode_kwargs,
     decode_result,
     encode_kwargs,
     encode_result,
@@ -257,13 +256,14 @@ class HookSession:
     def changed_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
         """What the inner pipeline gets that differs from the begin's kwargs: the explicit overrides
         merged over ``input_kwargs`` as it is now (in-place edits count, as in-process; a deleted
-        key is None). Encoding is cheaper than decoding, and the same values encode to the same
-        bytes: when the merged kwargs encode to the begin's bytes, nothing changed (a pass-through pays
-        one encode, no second decode). Else, or when they cannot be encoded, each is compared with a
-        fresh decode of the begin's kwargs, as a value (so the error, if any, comes when sent)."""
+        key is None). Only values the code was handed can have been edited (KwargsDict.used): none,
+        nothing to compare; some, those alone. Encoding is cheaper than decoding, and the same values
+        encode to the same bytes: when they encode to the begin's bytes, nothing changed. Else, or
+        when they cannot be encoded, each is compared with a fresh decode of the begin's, as a value
+        (so the error, if any, comes when sent)."""
         assert self.begin_kwargs is not None
         kwargs = self.kwargs
-        if not overrides and not kwargs.touched:  # the code never used them: nothing can differ
+        if not overrides and not kwargs.touched:
             return {}
         if overrides or kwargs.used is None:
             kwargs.use()
@@ -283,8 +283,8 @@ class HookSession:
             )
             if now.SerializeToString(deterministic=True) == begin:
                 return {}
-        original = decode_kwargs(self.spec, self.begin_kwargs, complete=True)
-        return {k: merged.get(k) for k in keys if merged.get(k) != original[k]}
+        begin_kwargs = self.begin_kwargs
+        return {k: v for k in keys if (v := merged.get(k)) != decode_kwarg(self.spec, begin_kwargs, k)}
 
     # -- outgoing --------------------------------------------------------------------------------
 

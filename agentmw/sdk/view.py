@@ -100,7 +100,7 @@ class SlotDict(dict):
 
 class KwargsDict(dict):
     """The ``input_kwargs`` a hook's code receives: a dict whose values are decoded from the Begin
-    when first used, one key at a time, and that notes which were used (``touched``, ``used``). A
+    when first used, one key at a time, and that notes which were used (``used``, ``touched``). A
     hook that never looks at its kwargs (a pass-through, a check on agent state only) pays no
     decoding, and its bare ``next_handler()`` no comparison for in-place edits; one that reads a
     key or two pays for those (HookSession.changed_kwargs). A value handed out may be edited later,
@@ -111,9 +111,13 @@ class KwargsDict(dict):
     ``dict(d)``, ``f(**d)``, ``json.dumps(d)``, ``copy`` and ``pickle`` go through them
     (tests/test_fast_path.py checks each). Keys not decoded yet hold ``NOT_DECODED``."""
 
-    touched = False
     used: set[str] | None = None  # the keys handed out one by one; None: all of them
     _decode: Any = None  # key -> its value, for keys not decoded yet
+
+    @property
+    def touched(self) -> bool:
+        """Some value was handed out (or the dict changed)."""
+        return self.used is None or bool(self.used)
 
     @classmethod
     def lazy(cls, keys: Any, decode: Any) -> KwargsDict:
@@ -124,7 +128,7 @@ class KwargsDict(dict):
 
     def use(self) -> None:
         """Decode every key and mark them all used: what the bulk and writing methods do first."""
-        self.touched, self.used = True, None
+        self.used = None
         if self._decode is not None:
             decode, self._decode = self._decode, None
             for key, value in dict.items(self):
@@ -132,7 +136,8 @@ class KwargsDict(dict):
                     dict.__setitem__(self, key, decode(key))
 
     def use_key(self, key: Any) -> None:
-        self.touched = True
+        if not dict.__contains__(self, key):  # no such kwarg: nothing handed out
+            return
         if self.used is not None:
             self.used.add(key)
         if self._decode is not None and dict.get(self, key) is NOT_DECODED:

@@ -541,6 +541,18 @@ class CopiedKwargsEdit(MiddlewareBase):
         return await next_handler()
 
 
+class InPlaceToolInput(MiddlewareBase):
+    """Reads on_acting's ``tool_call`` (a flat dataclass: the SDK checks it by a snapshot of its
+    fields), edits its ``input`` in place, then a bare next_handler(): the tool runs on the edit."""
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        call = input_kwargs["tool_call"]
+        if call.name == "add":
+            call.input = '{"a": 40, "b": 2}'
+        async for item in next_handler():
+            yield item
+
+
 class InPlaceContextHint(MiddlewareBase):
     """AgentScope's budget move: appends a hint block to ``agent.state.context[-1]`` in place when
     the tail is this agent's assistant message (after a tool round)."""
@@ -667,6 +679,7 @@ MIDDLEWARE.update(
             InPlaceAppendMessage,
             InPlaceEditMessage,
             CopiedKwargsEdit,
+            InPlaceToolInput,
             InPlaceContextHint,
             InPlaceUserEdit,
             MaxItersAtStart,

@@ -416,6 +416,7 @@ def _in_place_tool_choice(events, state):
 
 EDIT_MODEL_MESSAGE = Scenario("edit_model_message", [Layer("InPlaceEditMessage")])
 COPIED_KWARGS_EDIT = Scenario("copied_kwargs_edit", [Layer("CopiedKwargsEdit")])
+IN_PLACE_TOOL_INPUT = Scenario("in_place_tool_input", [Layer("InPlaceToolInput")], message="call add a=1 b=2")
 
 
 def _in_place_append_message(events, state):
@@ -510,6 +511,7 @@ def sdk_fidelity_servers():
             Scenario("edit", [Layer("InPlaceUserEdit")]),
             EDIT_MODEL_MESSAGE,
             COPIED_KWARGS_EDIT,
+            IN_PLACE_TOOL_INPUT,
             Scenario("raises", [Layer("Raises")]),
         ]
     )
@@ -543,6 +545,17 @@ async def test_a_message_edited_through_a_copy_of_input_kwargs_reaches_the_model
     for placement in (["local"], ["remote"]):
         events, _ = await run(COPIED_KWARGS_EDIT, placement, sdk_fidelity_servers)
         assert final_text(events) == "You said: edited through a copy", placement
+
+
+async def test_a_tool_call_read_and_edited_in_place_reaches_the_tool(sdk_fidelity_servers: Servers) -> None:
+    """on_acting reads ``tool_call`` (the SDK clears an unedited one by a snapshot of its fields,
+    without encoding) and sets its ``input`` in place: the tool runs on the edit in both places.
+    (The stored context differs: in-process the kwarg is the context's own block; remotely the
+    edit reaches the host as an override, README "limits".)"""
+    local_events, _ = await run(IN_PLACE_TOOL_INPUT, ["local"], None)
+    remote_events, _ = await run(IN_PLACE_TOOL_INPUT, ["remote"], sdk_fidelity_servers)
+    assert [e["delta"] for e in remote_events if e["class"] == "ToolResultTextDeltaEvent"] == ["42"]
+    assert remote_events == local_events
 
 
 async def test_a_slot_shared_by_an_in_process_and_a_remote_layer(sdk_fidelity_servers: Servers) -> None:

@@ -137,3 +137,32 @@ def test_every_way_of_using_input_kwargs_decodes_and_marks_them() -> None:
     assert d["a"] == "A" and d.get("a") == "A" and decoded == ["a"] and d.used == {"a"}  # one key at a time
     assert dict.__getitem__(d, "b") is NOT_DECODED
     assert list(d.values()) == ["A", "B"] and decoded == ["a", "b"] and d.used is None  # bulk: all of them
+
+
+def test_a_used_kwarg_is_cleared_by_its_snapshot_only_when_unedited() -> None:
+    """KwargsDict.edited: an immutable value or a flat dataclass whose fields are as decoded is
+    cleared without encoding; any in-place edit (a scalar, an enum, an empty list appended to),
+    a new value under the key, or a value with no cheap snapshot must be compared."""
+    from agentmw.data import PermissionBehavior, PermissionRule, ToolCallBlock, ToolCallState
+    from agentmw.sdk.view import KwargsDict
+
+    def decoded(key: str) -> object:
+        if key == "call":
+            return ToolCallBlock(id="c1", name="add", input='{"a": 1}')
+        return {"text": "x", "nested": {"deep": 1}} if key == "nested" else "plain"
+
+    rule = PermissionRule(tool_name="add", behavior=PermissionBehavior.ALLOW)
+    edits = {
+        "nothing": lambda d: None,
+        "scalar": lambda d: setattr(d["call"], "input", "{}"),
+        "enum": lambda d: setattr(d["call"], "state", ToolCallState.FINISHED),
+        "list": lambda d: d["call"].suggested_rules.append(rule),
+        "replaced": lambda d: dict.__setitem__(d, "call", ToolCallBlock(id="c1", name="add", input='{"a": 1}')),
+    }
+    for name, edit in edits.items():
+        d = KwargsDict.lazy(["call", "text", "nested"], decoded)
+        assert d["call"].name == "add" and d["text"] == "plain" and d["nested"]["text"] == "x"
+        edit(d)
+        assert d.edited("call") == (name != "nothing"), name
+        assert not d.edited("text")  # a str cannot be edited in place
+        assert d.edited("nested")  # a dict with values: no snapshot, compared encoded

@@ -17,10 +17,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
-import dataclasses
-import enum
 import logging
-import operator
 import traceback
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +41,7 @@ from agentmw.wire import (
     model_override,
 )
 
+from .snapshot import same_fields, scalar_fields
 from .view import AgentView, KwargsDict
 
 log = logging.getLogger("agentmw.sdk")
@@ -96,39 +94,6 @@ def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineE
             exc.__dict__.update(vars(known(message)))
     InnerPipelineError.__init__(exc, type_name, message, retryable)
     return exc
-
-
-_PLAIN = frozenset((str, int, float, bool, type(None)))
-_getters: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
-
-
-def scalar_fields(item: Any) -> tuple[Any, ...] | None:
-    """A snapshot of a dataclass item's fields when each is a scalar or an empty dict / list (an
-    event's usual ``metadata``): an in-place edit of the author then shows in ``same_fields``.
-    None for anything else (then the item is compared encoded)."""
-    get = _getters.get(type(item))
-    if get is None:
-        names = tuple(f.name for f in dataclasses.fields(item)) if dataclasses.is_dataclass(item) else ()
-        get = _getters[type(item)] = operator.attrgetter(*names) if len(names) > 1 else lambda _: ()
-    values = get(item)
-    if not values:
-        return None
-    snapshot = list(values)
-    for i, value in enumerate(values):
-        kind = type(value)
-        if kind in _PLAIN or isinstance(value, enum.Enum):
-            continue
-        if (kind is dict or kind is list) and not value:
-            snapshot[i] = kind()  # a fresh empty one: an edit of the item's own shows as a difference
-            continue
-        return None
-    return tuple(snapshot)
-
-
-def same_fields(item: Any, fields: tuple[Any, ...]) -> bool:
-    """``item``'s fields still equal the snapshot, types included (True is not 1 on the wire)."""
-    values = _getters[type(item)](item)
-    return values == fields and all(map(operator.is_, map(type, values), map(type, fields)))
 
 
 class HostGone(Exception):
@@ -257,10 +222,11 @@ class HookSession:
         """What the inner pipeline gets that differs from the begin's kwargs: the explicit overrides
         merged over ``input_kwargs`` as it is now (in-place edits count, as in-process; a deleted
         key is None). Only values the code was handed can have been edited (KwargsDict.used): none,
-        nothing to compare; some, those alone. Encoding is cheaper than decoding, and the same values
-        encode to the same bytes: when they encode to the begin's bytes, nothing changed. Else, or
-        when they cannot be encoded, each is compared with a fresh decode of the begin's, as a value
-        (so the error, if any, comes when sent)."""
+        nothing to compare; some, those alone, less those a snapshot clears (KwargsDict.edited: an
+        immutable value, or a flat dataclass whose fields are as decoded). Encoding is cheaper than
+        decoding, and the same values encode to the same bytes: when they encode to the begin's
+        bytes, nothing changed. Else, or when they cannot be encoded, each is compared with a fresh
+        decode of the begin's, as a value (so the error, if any, comes when sent)."""
         assert self.begin_kwargs is not None
         kwargs = self.kwargs
         if not overrides and not kwargs.touched:
@@ -269,7 +235,9 @@ class HookSession:
             kwargs.use()
             keys = self.spec.params
         else:  # only the values handed out can have been edited in place
-            keys = frozenset(kwargs.used)
+            keys = frozenset(k for k in kwargs.used if kwargs.edited(k))
+            if not keys:
+                return {}
         merged = {k: dict.get(kwargs, k) for k in keys}
         merged.update(overrides)
         keys = keys | overrides.keys()

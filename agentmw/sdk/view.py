@@ -27,6 +27,8 @@ from agentmw.data import ContentBlock, ModelRef, Msg, Role
 from agentmw.data.state import ReplyFields
 from agentmw.v1 import hooks_pb2
 
+from .snapshot import snapshot, unchanged
+
 if TYPE_CHECKING:
     from .session import HookSession
 
@@ -113,6 +115,7 @@ class KwargsDict(dict):
 
     used: set[str] | None = None  # the keys handed out one by one; None: all of them
     _decode: Any = None  # key -> its value, for keys not decoded yet
+    _snapshots: dict[str, tuple[Any, tuple[Any, ...]]] | None = None  # key -> (value as decoded, snapshot)
 
     @property
     def touched(self) -> bool:
@@ -141,7 +144,23 @@ class KwargsDict(dict):
         if self.used is not None:
             self.used.add(key)
         if self._decode is not None and dict.get(self, key) is NOT_DECODED:
-            dict.__setitem__(self, key, self._decode(key))
+            value = self._decode(key)
+            dict.__setitem__(self, key, value)
+            snap = snapshot(value)
+            if snap is not None:
+                if self._snapshots is None:
+                    self._snapshots = {}
+                self._snapshots[key] = (value, snap)
+
+    def edited(self, key: str) -> bool:
+        """Whether ``key``'s value may differ from the Begin's: False only when it is still the
+        very value decoded and a snapshot shows no in-place edit (else: compare it encoded)."""
+        snaps = self._snapshots
+        entry = snaps.get(key) if snaps is not None else None
+        if entry is None:
+            return True
+        value = dict.get(self, key)
+        return value is not entry[0] or not unchanged(value, entry[1])
 
     def __getitem__(self, key: Any) -> Any:
         self.use_key(key)

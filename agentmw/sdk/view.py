@@ -50,7 +50,7 @@ class SlotDict(dict):
         if applied < self.pending_message:
             return
         self.pending_message = 0
-        text = json.dumps(value, sort_keys=True)
+        text = "null" if value is None else json.dumps(value, sort_keys=True)
         dict.clear(self)
         if value is not None:
             dict.__setitem__(self, self.key, value)
@@ -328,7 +328,8 @@ class AgentView:
         self.name = ""
         self.description = ""
         self._max_iters = 0
-        self.model: ModelRef | None = None
+        self._model: ModelRef | None = None
+        self._model_msg: Any = None  # the host's ModelRef, decoded on first use of ``model``
         self.state = StateView(session, key)
         # The host's W3C trace context for this call ("traceparent", ...), empty when it does not trace.
         self.trace_context: dict[str, str] = {}
@@ -342,6 +343,13 @@ class AgentView:
         self._max_iters = value
         self._session.mutate(hooks_pb2.Mutation(set_max_iters=value))
 
+    @property
+    def model(self) -> ModelRef | None:
+        """The agent's current model (as the host last sent it)."""
+        if self._model_msg is not None:
+            self._model, self._model_msg = codec.decode(self._model_msg), None
+        return self._model
+
     def set_model(self, model_id: str) -> None:
         self._session.mutate(hooks_pb2.Mutation(set_model=model_id))
 
@@ -352,7 +360,7 @@ class AgentView:
             self.trace_context = dict(ctx.trace_context)
         self._max_iters = ctx.max_iters
         if ctx.HasField("model"):
-            self.model = codec.decode(ctx.model)
+            self._model_msg = ctx.model
         state = self.state
         state.session_id = ctx.session_id
         state.reply_context.reply_id = ctx.reply_id

@@ -238,8 +238,8 @@ ROWS: list[tuple[str, str, str | None, tuple[int, ...], bool]] = [
     ("1b bare ping-pong, identical code in both (the noise): wall", "1b", None, (0,), False),
     ("one hook invocation (on_check_permission pass-through): wall", "hook", None, (0,), True),
     ("…its host CPU; its middleware CPU", "hook", None, (1, 2), True),
-    ("one hook invocation that reads a kwarg first (it pays fidelity's in-place edit check, which the earlier "
-     "tree lacked): wall; middleware CPU", "hook_reads", None, (0, 2), True),
+    ("one hook invocation that reads a kwarg first (it pays fidelity's in-place edit check, by a snapshot of the "
+     "value's fields; the earlier tree had none): wall; middleware CPU", "hook_reads", None, (0, 2), True),
     ("one intercepted item at one round trip (run_ahead; before: its default, also one)",
      "stream_InterceptAllRunAhead", "stream_InterceptAll", (0,), True),
     ("one intercepted item, default lock-step (two round trips, by design) / before's (one)",

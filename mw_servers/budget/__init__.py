@@ -50,7 +50,8 @@ def _number(value: float) -> float | int:
 class ReplyBudget(MiddlewareBase):
     subscriptions = {
         # Only these two: the count must be in the slot before the next step starts (INTERCEPT).
-        "on_reply": subscribe(intercept=[ReplyStartEvent, ModelCallEndEvent]),
+        # Nothing after its yield waits for the consumer: run_ahead saves a round trip per item.
+        "on_reply": subscribe(intercept=[ReplyStartEvent, ModelCallEndEvent], run_ahead=True),
         # Acts before calling next; no item of the step concerns it.
         "on_reasoning": subscribe(),
     }

@@ -67,10 +67,13 @@ class TTSMiddleware(MiddlewareBase):
         # Text-block events only. The block end is intercepted: it must wait for the audio (so it
         # goes out before the reply moves on). Realtime audio goes out between the deltas, so
         # realtime mode intercepts them too; standard mode only reads them (observed copies).
+        # run_ahead: speaking a block after its end's yield need not wait for the consumer's next ask.
         if self.realtime:
-            sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True)
+            sub = subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], eager_next=True, run_ahead=True)
         else:
-            sub = subscribe(observe=[TextBlockDeltaEvent], intercept=[TextBlockEndEvent], eager_next=True)
+            sub = subscribe(
+                observe=[TextBlockDeltaEvent], intercept=[TextBlockEndEvent], eager_next=True, run_ahead=True
+            )
         self.subscriptions = {"on_reply": sub}
 
     async def get_middleware_key(self) -> str:

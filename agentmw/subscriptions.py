@@ -41,6 +41,9 @@ class Subscription:
     # Remote SDK only: the hook's code after a ``yield`` may run before the consumer asks for the
     # next item (it has no effect that must wait for it), so the SDK does not suspend at each yield.
     run_ahead: bool = False
+    # Does nothing once its inner pipeline ended normally (no emit, change or next; a value hook's
+    # result is the inner one's): the host does not wait for its finish. No observed items.
+    done_with_inner: bool = False
 
 
 def subscribe(
@@ -52,14 +55,21 @@ def subscribe(
     eager_next: bool = False,
     detached: bool = False,
     run_ahead: bool = False,
+    done_with_inner: bool = False,
 ) -> Subscription:
     """Declare what a hook sees. ``eager_next``: the hook calls ``next_handler()`` first thing with
     no overrides (saves a round trip). ``detached``: the hook only watches (a tracer): the host
     never waits for it and ignores what it emits or changes. ``run_ahead`` (served remotely): the
     code after each ``yield`` may run before the consumer asks for the next item, as it did before
-    the SDK suspended at yields; saves one round trip per emitted item (no effect in-process)."""
+    the SDK suspended at yields; saves one round trip per emitted item (no effect in-process).
+    ``done_with_inner``: the hook does nothing after its inner pipeline ends normally (no yield,
+    no state change, no next_handler(); a value hook returns the inner result): the host ends the
+    call with the inner pipeline, one round trip less (not with observed items; the SDK raises in
+    the hook's code if it breaks the promise)."""
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
+    if done_with_inner and Mode.OBSERVE in (default, *modes.values()):
+        raise ValueError("done_with_inner cannot go with observed items (their changes may arrive after inner_done)")
     return Subscription(
         default=default,
         modes=modes,
@@ -67,6 +77,7 @@ def subscribe(
         eager_next=eager_next or detached,
         detached=detached,
         run_ahead=run_ahead,
+        done_with_inner=done_with_inner,
     )
 
 
@@ -89,6 +100,7 @@ def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
         wants_context=sub.wants_context,
         eager_next=sub.eager_next or sub.detached,
         detached=sub.detached,
+        done_with_inner=sub.done_with_inner,
     )
     for kind, mode in sub.modes.items():
         for item_type in _item_types(kind):
@@ -106,7 +118,16 @@ _CLASS_BY_ITEM_TYPE = {
 class SubscriptionTable:
     """The host's view of one middleware's subscription at one hook."""
 
-    __slots__ = ("by_class", "chat_delta", "chat_final", "default", "detached", "eager_next", "wants_context")
+    __slots__ = (
+        "by_class",
+        "chat_delta",
+        "chat_final",
+        "default",
+        "detached",
+        "done_with_inner",
+        "eager_next",
+        "wants_context",
+    )
 
     def __init__(self, desc: hooks_pb2.HookDescription) -> None:
         self.default = Mode(desc.default_mode or Mode.INTERCEPT)
@@ -125,6 +146,16 @@ class SubscriptionTable:
                 self.by_class[_CLASS_BY_ITEM_TYPE[sub.item_type]] = mode
             else:
                 raise ValueError(f"unknown item type {sub.item_type} in a subscription")
+        self.done_with_inner = desc.done_with_inner
+        if self.done_with_inner and Mode.OBSERVE in (
+            self.default,
+            self.chat_delta,
+            self.chat_final,
+            *self.by_class.values(),
+        ):
+            raise ValueError(
+                "done_with_inner cannot go with observed items (their changes may arrive after inner_done)"
+            )
 
     def mode_of(self, item: Any) -> Mode:
         cls = type(item)

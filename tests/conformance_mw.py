@@ -553,6 +553,48 @@ class InPlaceToolInput(MiddlewareBase):
             yield item
 
 
+class DoneWithInner(MiddlewareBase):
+    """Declares done_with_inner everywhere it acts: nothing after the inner pipeline ends. Counts
+    the reply's start into its slot (on an intercepted item, before inner_done) and passes the
+    rest through, so the host ends each call at inner_done, one round trip early."""
+
+    subscriptions = {
+        "on_reply": subscribe(intercept=[ReplyStartEvent], done_with_inner=True),
+        "on_reasoning": subscribe(done_with_inner=True),
+        "on_check_permission": subscribe(done_with_inner=True),
+        "on_model_call": subscribe(done_with_inner=True, default=Mode.BYPASS),
+    }
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[await self.get_middleware_key()] = {"started": item.reply_id != ""}
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        return await next_handler()
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        return await next_handler()
+
+
+class LateAfterInner(MiddlewareBase):
+    """Declares done_with_inner on on_reply, then breaks the promise: writes its slot after its
+    inner pipeline ended. Served remotely, the SDK refuses that in the hook's code (the host would
+    never read it); in-process nothing checks the declaration."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent], done_with_inner=True)}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+        agent.state.middle_context[await self.get_middleware_key()] = {"late": True}
+
+
 class InPlaceContextHint(MiddlewareBase):
     """AgentScope's budget move: appends a hint block to ``agent.state.context[-1]`` in place when
     the tail is this agent's assistant message (after a tool round)."""
@@ -680,6 +722,8 @@ MIDDLEWARE.update(
             InPlaceEditMessage,
             CopiedKwargsEdit,
             InPlaceToolInput,
+            DoneWithInner,
+            LateAfterInner,
             InPlaceContextHint,
             InPlaceUserEdit,
             MaxItersAtStart,

@@ -8,6 +8,8 @@ one it behaves: a pass-through that intercepts every item. A script is a JSON ob
   waiting for answers; then a finish, so the invocation always ends. Each may carry ``"_id"``:
   ``"current"`` (default), ``"previous"``, ``"next"`` or ``"zero"`` for its invocation field.
 * ``after``: behave, and once finished send these messages (for the next invocation to receive).
+* ``at_done``: behave, and at inner_done send these messages before the finish (what a hook
+  declared done_with_inner must not do); ``no_finish``: then never send the finish at all.
 * ``flood``: behave until the first intercepted item, then emit CustomEvents without end (``size``
   bytes of value each, default small), until the host cancels the stream; then write
   ``DIR/<session id>.cancelled``.
@@ -16,7 +18,8 @@ one it behaves: a pass-through that intercepts every item. A script is a JSON ob
 Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
 (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
-JSON list of ToolDescriptor objects served by ListTools).
+JSON list of ToolDescriptor objects served by ListTools), ``--done-with-inner`` (declares every hook
+so), ``--default-mode observe`` (every item observed).
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class Invocation:
                 reply.actions.add().emit.forward_seq = msg.item.seq
                 await self.send(reply)
             elif which == "inner_done":
+                for raw in script.get("at_done", []):
+                    await self.send(_msg(**raw))
+                if script.get("no_finish"):
+                    await asyncio.sleep(3600)
                 await self.send(_msg(finish={}))
                 for raw in script.get("after", []):
                     raw = dict(raw)
@@ -130,10 +137,14 @@ def hook_handler(scripts: Path | None) -> grpc.RpcMethodHandler:
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
-    def __init__(self, hooks: list[str], tools: bool) -> None:
+    def __init__(self, hooks: list[str], tools: bool, *, done_with_inner: bool = False, default_mode: int = 0) -> None:
         self.description = hooks_pb2.MiddlewareDescription(key="Evil", protocol_version="v1", provides_tools=tools)
         for hook in hooks:
-            self.description.hooks.add(hook=HOOKS[hook].number)
+            self.description.hooks.add(
+                hook=HOOKS[hook].number,  # type: ignore[arg-type]
+                done_with_inner=done_with_inner,
+                default_mode=default_mode,  # type: ignore[arg-type]
+            )
 
     async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription:
         return self.description
@@ -158,6 +169,8 @@ async def main() -> None:
     parser.add_argument("--max-concurrent-rpcs", type=int)
     parser.add_argument("--max-streams", type=int)
     parser.add_argument("--tools", type=Path)
+    parser.add_argument("--done-with-inner", action="store_true")
+    parser.add_argument("--default-mode", choices=("intercept", "observe"), default="intercept")
     args = parser.parse_args()
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
     server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
@@ -165,7 +178,9 @@ async def main() -> None:
     if args.tools is not None:
         hooks_pb2_grpc.add_ToolSourceServicer_to_server(ToolSource(args.tools), server)
     handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts) for hook in hooks}
-    await serve_raw("evil middleware", args.address, Describe(hooks, args.tools is not None), handlers, server)
+    mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE if args.default_mode == "observe" else 0
+    describe = Describe(hooks, args.tools is not None, done_with_inner=args.done_with_inner, default_mode=mode)
+    await serve_raw("evil middleware", args.address, describe, handlers, server)
 
 
 if __name__ == "__main__":

@@ -416,7 +416,15 @@ def _in_place_tool_choice(events, state):
 
 EDIT_MODEL_MESSAGE = Scenario("edit_model_message", [Layer("InPlaceEditMessage")])
 COPIED_KWARGS_EDIT = Scenario("copied_kwargs_edit", [Layer("CopiedKwargsEdit")])
+LATE_AFTER_INNER = Scenario("late_after_inner", [Layer("LateAfterInner")])
 IN_PLACE_TOOL_INPUT = Scenario("in_place_tool_input", [Layer("InPlaceToolInput")], message="call add a=1 b=2")
+
+
+def _done_with_inner(events, state):
+    """Every call of a done_with_inner middleware ends at inner_done; what it did before stands."""
+    assert state["middle_context"]["DoneWithInner"] == {"started": True}
+    assert [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"] == ["3"]
+    assert kinds(events)[-1] == "Msg"
 
 
 def _in_place_append_message(events, state):
@@ -464,6 +472,7 @@ def _observe_deltas_intercept_end(events, state):
 SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
     (Scenario("in_place_append_message", [Layer("InPlaceAppendMessage")]), _in_place_append_message),
+    (Scenario("done_with_inner", [Layer("DoneWithInner")], message="call add a=1 b=2"), _done_with_inner),
     (
         Scenario("in_place_context_hint", [Layer("InPlaceContextHint")], message="call add a=1 b=2"),
         _in_place_context_hint,
@@ -512,6 +521,7 @@ def sdk_fidelity_servers():
             EDIT_MODEL_MESSAGE,
             COPIED_KWARGS_EDIT,
             IN_PLACE_TOOL_INPUT,
+            LATE_AFTER_INNER,
             Scenario("raises", [Layer("Raises")]),
         ]
     )
@@ -556,6 +566,28 @@ async def test_a_tool_call_read_and_edited_in_place_reaches_the_tool(sdk_fidelit
     remote_events, _ = await run(IN_PLACE_TOOL_INPUT, ["remote"], sdk_fidelity_servers)
     assert [e["delta"] for e in remote_events if e["class"] == "ToolResultTextDeltaEvent"] == ["42"]
     assert remote_events == local_events
+
+
+async def test_a_hook_that_breaks_its_done_with_inner_promise_is_refused_remotely(
+    sdk_fidelity_servers: Servers,
+) -> None:
+    """A slot write after the inner pipeline ended, from a hook declared done_with_inner: the host
+    ended the call at inner_done and would never read it, so the SDK raises in the hook's code
+    instead of letting it vanish unnoticed (logged by the middleware and, as a late fail, by the
+    host). The reply is whole, and the next one too. In-process the declaration is not checked
+    and the write stands."""
+    for _ in range(2):
+        events, state = await run(LATE_AFTER_INNER, ["remote"], sdk_fidelity_servers)
+        assert kinds(events)[-1] == "Msg" and "LateAfterInner" not in state["middle_context"]
+    server = sdk_fidelity_servers.procs[LATE_AFTER_INNER.layers[0].ident]
+    for _ in range(50):  # its log line is drained from the pipe by a thread
+        if "is declared done_with_inner: after its inner pipeline ended it cannot change its slot" in server.tail():
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError(f"the SDK did not refuse the late write:\n{server.tail()}")
+    _, state = await run(LATE_AFTER_INNER, ["local"], None)
+    assert state["middle_context"]["LateAfterInner"] == {"late": True}
 
 
 async def test_a_slot_shared_by_an_in_process_and_a_remote_layer(sdk_fidelity_servers: Servers) -> None:

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agent_host.agent import Agent
 from agent_host.config import ConfigError, load_config
 from agent_host.remote import Policy, RemoteMiddleware
+from agent_host.remote.errors import ProtocolError
 from agentmw.data import CustomEvent, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
@@ -86,6 +87,53 @@ async def test_messages_after_finish_never_reach_the_next_invocation(evil: Any, 
     assert not [i for i in items if isinstance(i, CustomEvent)]
     assert remote.stale_messages >= 1
     await remote.close()
+
+
+async def test_done_with_inner_ends_the_call_at_inner_done_and_drops_what_comes_later(evil: Any, scripts: Path) -> None:
+    """A hook declared done_with_inner (hooks.proto HookDescription) ends when the host sends
+    inner_done: an emit and a slot change sent after it never reach the reply or the session, the
+    next invocation on the same stream is unaffected, and the late finish is not a stale message."""
+    proc = evil("--done-with-inner")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    a, b = make_agent(remote), make_agent(remote)
+    script(
+        scripts,
+        a,
+        at_done=[
+            {**custom("too_late"), "actions": [*custom("too_late")["actions"], {"mutate": {"setSlot": {"late": True}}}]}
+        ],
+    )
+    items = await reply(a, "session A")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+    assert items[-1].text == ANSWER and not [i for i in items if isinstance(i, CustomEvent)]
+    assert "Evil" not in a.state.middle_context
+    await asyncio.sleep(0.2)  # the late messages are on the wire now
+    items = await reply(b, "session B")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+    assert items[-1].text == ANSWER and not [i for i in items if isinstance(i, CustomEvent)]
+    assert remote.stale_messages == 1  # the one with actions; the bare finish is expected
+    await remote.close()
+
+
+async def test_done_with_inner_does_not_wait_for_the_finish(evil: Any, scripts: Path) -> None:
+    """A middleware declared done_with_inner that never sends its finish does not hold the reply
+    up: the host ended the call at inner_done (without the declaration, this reply would fail
+    after the timeout: see the next test)."""
+    for flags, completes in ((("--done-with-inner",), True), ((), False)):
+        proc = evil(*flags)
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=2)).connect()
+        agent = make_agent(remote)
+        script(scripts, agent, no_finish=True)
+        items = await reply(agent, "no finish")
+        reason = end_of(items).finished_reason
+        assert (reason == ReplyFinishedReason.COMPLETED) == completes, (flags, end_of(items).error)
+        await remote.close()
+
+
+async def test_done_with_inner_with_observed_items_is_refused_at_attach(evil: Any) -> None:
+    proc = evil("--done-with-inner", "--default-mode", "observe")
+    with pytest.raises(ProtocolError, match="done_with_inner cannot go with observed items"):
+        await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
 
 
 @pytest.mark.parametrize(

@@ -188,8 +188,9 @@ class RemoteMiddleware:
             spec = HOOKS_BY_NUMBER.get(hook.hook)
             if spec is None:
                 raise ProtocolError(self.name, "Describe", f"unknown hook number {hook.hook}")
-            if hook.detached and spec.kind is Kind.TRANSFORM:
-                raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be detached (it returns a prompt)")
+            if (hook.detached or hook.done_with_inner) and spec.kind is Kind.TRANSFORM:
+                what = "detached" if hook.detached else "done_with_inner"
+                raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be {what} (it returns a prompt)")
             try:
                 tables[spec.name] = SubscriptionTable(hook)
             except ValueError as exc:

@@ -226,6 +226,8 @@ class HookCall:
             await self._start_inner(hooks_pb2.CallNext())
             async for item in self._advance(DEFAULT_CREDITS):
                 yield item
+            if self._done_with_inner():
+                return
         else:
             await self._write(begin)
         while True:
@@ -242,6 +244,8 @@ class HookCall:
                 await self._start_inner(msg.call_next)
                 async for item in self._advance(msg.call_next.credits):
                     yield item
+                if self._done_with_inner():
+                    return
             elif command == "pull":
                 pull = msg.pull
                 if self.inner is None:
@@ -254,6 +258,8 @@ class HookCall:
                 self.held_seq = 0
                 async for item in self._advance(pull.credits):
                     yield item
+                if self._done_with_inner():
+                    return
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
@@ -298,6 +304,15 @@ class HookCall:
             self._mutate(action.mutate)
             return NOTHING
         raise self._violation("an empty action")
+
+    def _done_with_inner(self) -> bool:
+        """The inner pipeline ended normally and the hook is declared done_with_inner (hooks.proto):
+        the invocation ends here with the inner result; its finish is dropped later, by whichever
+        invocation takes the stream next."""
+        if self.inner_done and self.inner_exc is None and self.table is not None and self.table.done_with_inner:
+            self.result, self.clean = self.inner_result, True
+            return True
+        return False
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec
@@ -641,7 +656,18 @@ class HookCall:
             if invocation > self.invocation:
                 raise self._violation(f"invocation {invocation} has not begun (this one is {self.invocation})")
             self.unlabelled += invocation == 0
+            command = msg.WhichOneof("command")
+            if command == "finish" and not msg.actions:
+                continue  # a done_with_inner invocation's finish: expected, and nothing in it
             self.mw.stale_messages += 1
+            if command == "fail":
+                log.warning(
+                    "%s %s: invocation %d failed after it ended: %s",
+                    self.mw.name,
+                    self.spec.name,
+                    invocation,
+                    msg.fail.message or msg.fail.type,
+                )
             log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
 
     def _violation(self, what: str) -> ProtocolError:

@@ -129,6 +129,9 @@ class HookSession:
         self.detached = subscription.detached
         self.run_ahead = subscription.run_ahead  # no suspend at yields (Subscription.run_ahead)
         self.eager = subscription.eager_next or subscription.detached  # the host starts next itself
+        self.done_with_inner = subscription.done_with_inner  # the host ends the call at inner_done
+        self.ended = False  # an inner pipeline ended normally (inner_done)
+        self.inner_result: Any = None  # its result (a value hook's)
         self.begin_kwargs: hooks_pb2.Kwargs | None = None
         self.kwargs = KwargsDict()  # the author's input_kwargs (edited in place, as in-process)
         self.inner_streams: list[Any] = []  # on_model_call: the streams next_handler() returned
@@ -159,6 +162,8 @@ class HookSession:
                     await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
                 result = await method(self.view, kwargs["prompt"])
+            if self.done_with_inner and self.ended and result != self.inner_result:
+                self._refuse(f"return {result!r} instead of the inner result {self.inner_result!r}")
             finish = hooks_pb2.MiddlewareMessage()
             finish.finish.SetInParent()
             encode_result(result, finish.finish.result)
@@ -263,7 +268,7 @@ class HookSession:
         self.sync_state()
         if self.observed.pop(id(out), None) is out:
             return False
-        self._refuse_if_detached(f"emit {type(out).__name__}")
+        self._refuse(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
         current = self.current
         if current is not None and current[0] is out:  # the held item yielded again
@@ -281,7 +286,7 @@ class HookSession:
         return True
 
     def mutate(self, mutation: hooks_pb2.Mutation) -> None:
-        self._refuse_if_detached("change the agent's state")
+        self._refuse("change the agent's state")
         self.sync_state()
         action = hooks_pb2.Action()
         action.mutate.CopyFrom(mutation)
@@ -296,15 +301,21 @@ class HookSession:
         slot = self.view.state.middle_context
         changed, value = slot.changed()
         if changed:
-            self._refuse_if_detached("change its slot")
+            self._refuse("change its slot")
             action = hooks_pb2.Action()
             json_to_value(value, action.mutate.set_slot)
             self.actions.append(action)
             slot.pending_message = self.sent + 1  # the next message written carries it
 
-    def _refuse_if_detached(self, what: str) -> None:
+    def _refuse(self, what: str) -> None:
+        """What a detached hook, or a done_with_inner one once its inner pipeline ended, must not do
+        (the host would never read it: hooks.proto, HookDescription)."""
         if self.detached:
             raise RuntimeError(f"{self.spec.name} is detached: it can only watch, not {what}")
+        if self.done_with_inner and self.ended:
+            raise RuntimeError(
+                f"{self.spec.name} is declared done_with_inner: after its inner pipeline ended it cannot {what}"
+            )
 
     def _queue(self, action: hooks_pb2.Action, *, flush: bool = True) -> None:
         self.actions.append(action)
@@ -361,6 +372,9 @@ class HookSession:
                 if msg is None:
                     raise HostGone("the host closed the stream")
                 if msg.invocation != self.invocation:
+                    if msg.invocation > self.invocation and msg.WhichOneof("message") == "begin":
+                        self.reader.buffer.appendleft(msg)  # the host ended this one (done_with_inner)
+                        raise HostGone("the host moved on to the next invocation")
                     continue  # sent for an earlier invocation
                 which = msg.WhichOneof("message")
                 if which == "resume":
@@ -448,6 +462,8 @@ class InnerStream:
         if self.done:
             raise StopAsyncIteration
         if not self.started:
+            if s.done_with_inner and s.ended:
+                s._refuse("call next_handler() again")
             self.started = True
             changed = self.changed
             s.generation += 1
@@ -497,7 +513,8 @@ class InnerStream:
                 return item
             self.done = True
             if which == "inner_done":
-                self.result = decode_result(body.result)
+                self.result = s.inner_result = decode_result(body.result)
+                s.ended = True
                 raise StopAsyncIteration
             if which == "inner_error":
                 s.last_inner_error = inner_error(body.type, body.message, body.retryable)

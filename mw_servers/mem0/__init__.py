@@ -130,9 +130,10 @@ class Mem0Middleware(MiddlewareBase):
             return subscribe()
         # Held: ReplyStartEvent (the hint must be in the context before reasoning) and, when the
         # write is awaited, the final Msg (written before the client gets it). Nothing else.
-        # What runs after a yield (pending error reports) needs nothing from the consumer: run_ahead.
+        # What runs after a yield (pending error reports) needs nothing from the consumer: run_ahead;
+        # nothing follows the inner pipeline's end: done_with_inner (not with an observed Msg).
         if self.await_write:
-            return subscribe(intercept=[ReplyStartEvent, Msg], run_ahead=True)
+            return subscribe(intercept=[ReplyStartEvent, Msg], run_ahead=True, done_with_inner=True)
         return subscribe(intercept=[ReplyStartEvent], observe=[Msg], run_ahead=True)
 
     # -- mem0, off the event loop ----------------------------------------------------------------

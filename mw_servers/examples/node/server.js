@@ -240,6 +240,7 @@ const DESCRIPTION = {
   hooks: [
     { hook: 'HOOK_ON_SYSTEM_PROMPT' },
     {
+      // Not done_with_inner: it observes deltas, and its finish carries the slot with their count.
       hook: 'HOOK_ON_REPLY',
       default_mode: 'SUBSCRIPTION_MODE_BYPASS', // UNSPECIFIED would mean INTERCEPT
       subscriptions: [

@@ -84,6 +84,16 @@ class PassThroughCallEager(PassThroughCall):
     }
 
 
+class PassThroughCallDone(PassThroughCall):
+    """The same, declared done_with_inner: Begin -> call_next -> inner_done, one round trip (the
+    host does not wait for the finish)."""
+
+    subscriptions: dict[str, Subscription] = {
+        "on_check_permission": subscribe(done_with_inner=True),
+        "on_compress_context": subscribe(done_with_inner=True),
+    }
+
+
 class InterceptAll(Counted):
     """on_reply and on_reasoning, intercepting every item (lock-step, one round trip per item)."""
 
@@ -162,6 +172,7 @@ __all__ = [
     "InterceptAll",
     "InterceptAllRunAhead",
     "PassThroughCall",
+    "PassThroughCallDone",
     "PassThroughCallEager",
     "Realistic",
     "ReplyEndOnly",

@@ -112,6 +112,7 @@ class Figures:
     hook_ratio: float
     compress_ratio: float
     eager_ratio: float
+    done_ratio: float
     hook_floor_ratio: float  # the 2-exchange bare stream over the 1-exchange one: the protocol's floor
     hook_over_floor: float  # the hook over the 2-exchange bare stream
     reused_estimate: float  # 2 ping-pongs on an open stream over 1a: a pass-through on a reused stream
@@ -189,6 +190,7 @@ def derive(r: Results) -> Figures:
         hook_ratio=ratio(c["hook_permission"].walls, c["bare_exchange"].walls),
         compress_ratio=ratio(c["hook_compress"].walls, c["bare_exchange"].walls),
         eager_ratio=ratio(c["hook_permission_eager"].walls, c["bare_exchange"].walls),
+        done_ratio=ratio(c["hook_permission_done"].walls, c["bare_exchange"].walls),
         hook_floor_ratio=ratio(c["bare_two"].walls, c["bare_exchange"].walls),
         hook_over_floor=ratio(c["hook_permission"].walls, c["bare_two"].walls),
         reused_estimate=ratio([2 * w for w in c["bare_pingpong"].walls], c["bare_exchange"].walls),
@@ -332,6 +334,12 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
             times(f.eager_ratio),
             "≤ 1.25x",
             verdict(f.eager_ratio <= 1.25),
+        ],
+        [
+            "…on_check_permission pass-through declared done_with_inner (one round trip) / 1a",
+            times(f.done_ratio),
+            "≤ 1.25x",
+            verdict(f.done_ratio <= 1.25),
         ],
         [
             "…context: the floor of 2 round trips on a new stream (1c) / 1a; the hook / 1c",
@@ -568,6 +576,7 @@ def _absolute_rows(r: Results, f: Figures) -> list[list[str]]:
         row("2 remote on_check_permission pass-through", c["hook_permission"]),
         row("2 remote on_compress_context pass-through", c["hook_compress"]),
         row("2 remote on_check_permission pass-through, eager_next", c["hook_permission_eager"]),
+        row("2 remote on_check_permission pass-through, done_with_inner", c["hook_permission_done"]),
         row("2 floor: the minimal protobuf peer, a value-hook invocation on an open stream", c["floor_hook"]),
         *_item_rows(r, c),
         [

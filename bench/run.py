@@ -50,6 +50,7 @@ def _agentscope_python(explicit: str | None) -> str | None:
 MIDDLEWARE = [
     "PassThroughCall",
     "PassThroughCallEager",
+    "PassThroughCallDone",
     "InterceptAll",
     "InterceptAllRunAhead",
     "ReplyEndOnly",
@@ -57,7 +58,13 @@ MIDDLEWARE = [
 ]
 
 
-CALLS_MIDDLEWARE = ["PassThroughCall", "PassThroughCallEager", "InterceptAll", "InterceptAllRunAhead"]
+CALLS_MIDDLEWARE = [
+    "PassThroughCall",
+    "PassThroughCallEager",
+    "PassThroughCallDone",
+    "InterceptAll",
+    "InterceptAllRunAhead",
+]
 
 
 def start_servers(
@@ -102,6 +109,7 @@ async def measure_calls_only(rounds: int, out: str) -> None:
             echo=channel,
             rm_call=by_name["PassThroughCall"],
             rm_eager=by_name["PassThroughCallEager"],
+            rm_done=by_name["PassThroughCallDone"],
             rm_icpt=by_name["InterceptAll"],
             rm_icpt_ahead=by_name["InterceptAllRunAhead"],
             rm_end=[],
@@ -168,6 +176,7 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             echo=channel,
             rm_call=await attach("PassThroughCall"),
             rm_eager=await attach("PassThroughCallEager"),
+            rm_done=await attach("PassThroughCallDone"),
             rm_icpt=await attach("InterceptAll"),
             rm_icpt_ahead=await attach("InterceptAllRunAhead"),
             rm_end=[await attach("ReplyEndOnly") for _ in range(4)],

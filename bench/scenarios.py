@@ -54,6 +54,7 @@ class Env:
     echo: grpc.aio.Channel
     rm_call: RemoteMiddleware  # PassThroughCall
     rm_eager: RemoteMiddleware  # PassThroughCallEager
+    rm_done: RemoteMiddleware  # PassThroughCallDone
     rm_icpt: RemoteMiddleware  # InterceptAll
     rm_icpt_ahead: RemoteMiddleware  # InterceptAllRunAhead
     rm_end: list[RemoteMiddleware]  # ReplyEndOnly, 4 clients (4 layers) of one server
@@ -255,6 +256,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
     agent = make_agent()
     perm, compress = permission_chain(env.rm_call), compress_chain(env.rm_call)
     perm_eager = permission_chain(env.rm_eager)
+    perm_done = permission_chain(env.rm_done)
     none_chain = reply_chain([], reply_events(agent, ITEMS))
     icpt_chain = reply_chain([env.rm_icpt], reply_events(agent, ITEMS))
     ahead_chain = reply_chain([env.rm_icpt_ahead], reply_events(agent, ITEMS))
@@ -345,6 +347,9 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "hook_compress": lambda: timed_batch(lambda: compress(agent), OPS, server_pid=call_pid),
         "hook_permission_eager": lambda: timed_batch(
             lambda: perm_eager(agent), OPS, server_pid=env.pids["PassThroughCallEager"]
+        ),
+        "hook_permission_done": lambda: timed_batch(
+            lambda: perm_done(agent), OPS, server_pid=env.pids["PassThroughCallDone"]
         ),
         "bare_pingpong": pings,
         "stream_none": lambda: stream(none_chain, None),

@@ -50,9 +50,12 @@ def _number(value: float) -> float | int:
 class ReplyBudget(MiddlewareBase):
     subscriptions = {
         # Only these two: the count must be in the slot before the next step starts (INTERCEPT).
-        # Nothing after a yield waits for the consumer (run_ahead), nothing follows the inner
-        # pipeline's end (done_with_inner): a round trip less per counted item and per call.
-        "on_reply": subscribe(intercept=[ReplyStartEvent, ModelCallEndEvent], run_ahead=True, done_with_inner=True),
+        # It calls next first thing (eager_next), nothing after a yield waits for the consumer
+        # (run_ahead), nothing follows the inner pipeline's end (done_with_inner): a round trip
+        # less at the start, per counted item and at the end.
+        "on_reply": subscribe(
+            intercept=[ReplyStartEvent, ModelCallEndEvent], eager_next=True, run_ahead=True, done_with_inner=True
+        ),
         # Acts before calling next; no item of the step concerns it, nothing comes after it.
         "on_reasoning": subscribe(done_with_inner=True),
     }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import keyword
 import re
 from collections.abc import Callable
 from enum import Enum
@@ -164,6 +165,72 @@ Decoder = Callable[[Message, dict[str, Any]], None]
 Plan = tuple[list[tuple[str, Encoder | None]], list[tuple[str, Decoder | None]]]
 
 
+# A plan run as generated straight-line code: (encode an object's attributes, encode a dict's
+# keys, decode into a dict). Same steps as looping over the plan, without the loop's per-field
+# lookups and branches; the codec runs for every item and every Begin.
+_Functions = tuple[Callable[[Message, Any], None], Callable[[Message, Any], None], Callable[[Message], dict[str, Any]]]
+
+
+def _generate(
+    name: str, plan: Plan, cls: type | None, inline: dict[Callable[..., Any], tuple[str, Callable[..., Any]]]
+) -> _Functions:
+    """The plan of message ``name`` as three functions (see ``_Functions``), written out field by
+    field: scalars set and read inline, a field converter's steps in place (``inline``: what
+    ``_field_converters`` made them of), any other converter called. ``cls``: the data class whose
+    objects are encoded (its fields are read as attributes; anything else with getattr)."""
+    attrs = {f.name for f in dataclasses.fields(cls)} if cls is not None and dataclasses.is_dataclass(cls) else set()
+    env: dict[str, Any] = {}
+    by_attr: list[str] = []
+    by_key: list[str] = []
+    decode: list[str] = []
+
+    def ref(field: str, on: str) -> str:
+        return f"{on}.{field}" if field.isidentifier() and not keyword.iskeyword(field) else f"getattr({on}, {field!r})"
+
+    for i, (field, encoder) in enumerate(plan[0]):
+        read = ref(field, "obj") if field in attrs else f"getattr(obj, {field!r}, None)"
+        if encoder is None:
+            store = f"{ref(field, 'out')} = v" if "(" not in ref(field, "out") else f"setattr(out, {field!r}, v)"
+        elif encoder in inline:
+            env[f"s{i}"] = inline[encoder][1]
+            store = f"s{i}(out, {field!r}, v)"
+        else:
+            env[f"e{i}"] = encoder
+            store = f"e{i}(out, v)"
+        by_attr += [f"    v = {read}", "    if v is not None:", f"        {store}"]
+        by_key += [f"    v = get({field!r})", "    if v is not None:", f"        {store}"]
+    for i, (field, decoder) in enumerate(plan[1]):
+        kind, get = inline.get(decoder, ("call", None)) if decoder is not None else ("scalar", None)
+        env[f"g{i}"] = get
+        value = ref(field, "msg")
+        if kind == "scalar":
+            decode.append(f"    f[{field!r}] = {value}")
+        elif kind in ("repeated", "plain"):
+            decode.append(f"    f[{field!r}] = g{i}({value})")
+        elif kind == "enum":
+            decode += [f"    n = {value}", "    if n:", f"        f[{field!r}] = g{i}(n)"]
+        elif kind == "present":
+            decode += [f"    if msg.HasField({field!r}):", f"        f[{field!r}] = g{i}({value})"]
+        else:
+            env[f"d{i}"] = decoder
+            decode.append(f"    d{i}(msg, f)")
+    source = "\n".join(
+        [
+            "def encode_attrs(out, obj):",
+            *(by_attr or ["    pass"]),
+            "def encode_keys(out, obj):",
+            "    get = obj.get",
+            *by_key,
+            "def decode(msg):",
+            "    f = {}",
+            *decode,
+            "    return f",
+        ]
+    )
+    exec(compile(source, f"<agentmw.codec {name}>", "exec"), env)  # our own source, from the descriptor
+    return env["encode_attrs"], env["encode_keys"], env["decode"]
+
+
 class Codec:
     """Converts data-model objects to proto messages and back. Use the module-level ``codec``."""
 
@@ -180,6 +247,10 @@ class Codec:
             self.enums[desc.full_name] = _EnumMap(py_enum, desc)
         self._plans: dict[str, Plan] = {}
         self._plans_by_class: dict[type, Plan] = {}  # the same plans, by message class (one lookup)
+        self._fns_by_class: dict[type, _Functions] = {}  # each plan as straight-line functions (_generate)
+        self._inline: dict[Callable[..., Any], tuple[str, Callable[..., Any]]] = {}  # see _field_converters
+        self._cls_by_class: dict[type, type | None] = {}  # message class -> data class
+        self._oneof_values: dict[Callable[..., Any], Callable[[Message], Any]] = {}  # see _oneof_converters
         # The Item union, by Python class; chat responses and messages included.
         self.item_field_by_py: dict[type, str] = {}
         for f in events_pb2.Item.DESCRIPTOR.fields:
@@ -206,7 +277,10 @@ class Codec:
 
     def decode(self, msg: Message) -> Any:
         """A proto message as its data-model object."""
-        cls = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
+        try:
+            cls = self._cls_by_class[type(msg)]
+        except KeyError:
+            cls = self._cls_by_class[type(msg)] = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
         if cls is None:
             raise CodecError(f"{msg.DESCRIPTOR.full_name} has no data class")
         kwargs = self._decode_fields(msg)
@@ -256,6 +330,17 @@ class Codec:
     # -- plans ------------------------------------------------------------------------------
 
     def _encode_into(self, out: Message, obj: Any, get: Callable[[Any, str, Any], Any]) -> None:
+        fns = self._fns_by_class.get(type(out)) or self._fns_of(out)
+        if get is getattr:
+            try:
+                fns[0](out, obj)
+            except AttributeError:  # an object without every field of its class: anew, field by field
+                out.Clear()  # (``out`` is always a fresh message: nothing of the caller's is lost)
+                self._encode_fields(out, obj, get)
+        else:
+            fns[1](out, obj)
+
+    def _encode_fields(self, out: Message, obj: Any, get: Callable[[Any, str, Any], Any]) -> None:
         plan = self._plans_by_class.get(type(out)) or self._plan_of(out)
         for name, encoder in plan[0]:
             value = get(obj, name, None)
@@ -266,14 +351,14 @@ class Codec:
                     encoder(out, value)
 
     def _decode_fields(self, msg: Message) -> dict[str, Any]:
+        fns = self._fns_by_class.get(type(msg)) or self._fns_of(msg)
+        return fns[2](msg)
+
+    def _fns_of(self, msg: Message) -> _Functions:
         plan = self._plans_by_class.get(type(msg)) or self._plan_of(msg)
-        fields: dict[str, Any] = {}
-        for name, decoder in plan[1]:
-            if decoder is None:
-                fields[name] = getattr(msg, name)
-            else:
-                decoder(msg, fields)
-        return fields
+        cls = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
+        fns = self._fns_by_class[type(msg)] = _generate(msg.DESCRIPTOR.name, plan, cls, self._inline)
+        return fns
 
     def _plan_of(self, msg: Message) -> Plan:
         plan = self._plans_by_class[type(msg)] = self._plan(msg.DESCRIPTOR)
@@ -358,42 +443,45 @@ class Codec:
                 raise CodecError(f"{oname}: {type(value).__name__} is not one of {sorted(members)}")
             members[member][0](out, member, value)
 
+        getters = {member: converters[1] for member, converters in members.items()}
+
+        def value(msg: Message) -> Any:
+            member = msg.WhichOneof(oname)
+            return None if member is None else getters[member](getattr(msg, member))
+
         def decode(msg: Message, kwargs: dict[str, Any]) -> None:
             member = msg.WhichOneof(oname)
             if member is not None:
-                kwargs[oname] = members[member][1](getattr(msg, member))
+                kwargs[oname] = getters[member](getattr(msg, member))
 
+        self._oneof_values[decode] = value  # a union's value without a dict around it (get_union)
         return encode, decode
 
     def _field_converters(self, field: FieldDescriptor) -> tuple[Encoder, Decoder]:
         name = field.name
         set_value, get_value = self._value_converters(field)
         if field.is_repeated:
+            kind = "repeated"
+        elif field.type == FieldDescriptor.TYPE_ENUM:
+            kind = "enum"
+        elif field.has_presence:
+            kind = "present"
+        else:
+            kind = "plain"
 
-            def decode(msg: Message, kwargs: dict[str, Any]) -> None:
-                kwargs[name] = get_value(getattr(msg, name))
+        def encode(out: Message, value: Any) -> None:
+            set_value(out, name, value)
 
-            return lambda out, value: set_value(out, name, value), decode
-        if field.type == FieldDescriptor.TYPE_ENUM:
+        def decode(msg: Message, kwargs: dict[str, Any]) -> None:
+            value = getattr(msg, name)
+            if (kind == "enum" and not value) or (kind == "present" and not msg.HasField(name)):
+                return
+            kwargs[name] = get_value(value)
 
-            def decode_enum(msg: Message, kwargs: dict[str, Any]) -> None:
-                number = getattr(msg, name)
-                if number:
-                    kwargs[name] = get_value(number)
-
-            return lambda out, value: set_value(out, name, value), decode_enum
-        if field.has_presence:
-
-            def decode_present(msg: Message, kwargs: dict[str, Any]) -> None:
-                if msg.HasField(name):
-                    kwargs[name] = get_value(getattr(msg, name))
-
-            return lambda out, value: set_value(out, name, value), decode_present
-
-        def decode_plain(msg: Message, kwargs: dict[str, Any]) -> None:
-            kwargs[name] = getattr(msg, name)
-
-        return lambda out, value: set_value(out, name, value), decode_plain
+        # _generate writes these steps out in place instead of calling them.
+        self._inline[encode] = ("set", set_value)
+        self._inline[decode] = (kind, get_value)
+        return encode, decode
 
     def _value_converters(
         self, field: FieldDescriptor
@@ -438,12 +526,7 @@ class Codec:
         if full not in self.py_by_proto and _is_union(msg_desc):
             union_enc, union_dec = self._plan(msg_desc)[0][0][1], self._plan(msg_desc)[1][0][1]
             assert union_enc is not None and union_dec is not None
-            oname = msg_desc.oneofs[0].name
-
-            def get_union(msg: Message) -> Any:
-                holder: dict[str, Any] = {}
-                union_dec(msg, holder)
-                return holder.get(oname)
+            get_union = self._oneof_values[union_dec]
 
             if repeated:
                 return (

@@ -7,7 +7,8 @@ unknown_model (asks for a model id the host does not have), early_eof (ends the 
 steal_id (appends a block under the id of the user's own text block), unserved (declares
 on_reasoning in Describe without serving it), forward_twice (forwards the item it holds twice),
 reply_result (finishes on_reply with a result), seqs (observes every item but the final Msg, and
-finishes only if the items were numbered 1, 2, ...; else fails saying what it got).
+finishes only if the items were numbered 1, 2, ...; else fails saying what it got), burst (seqs,
+and fails unless some message carried several items: a burst of observed copies comes batched).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         self.hooks = [hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
         if mode == "unserved":
             self.hooks.append(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REASONING))
-        if mode == "seqs":
+        if mode in ("seqs", "burst"):
             self.hooks[0].default_mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE
             msg = self.hooks[0].subscriptions.add(item_type=events_pb2.ITEM_TYPE_MSG)
             msg.mode = hooks_pb2.SUBSCRIPTION_MODE_INTERCEPT
@@ -80,19 +81,31 @@ def on_reply(mode: str):
             await context.write(out(msg))
         elif mode == "reply_result":
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish(result={"prompt": "x"}))))
-        elif mode == "seqs":
+        elif mode in ("seqs", "burst"):
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext(credits=1000))))
-            seqs = []
-            while (msg := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
+            seqs: list[int] = []
+            pending: list[hooks_pb2.HostMessage] = []  # a Batch's messages, handled one by one
+            largest = 1  # the most items one message carried
+            while True:
+                if not pending:
+                    got = hooks_pb2.HostMessage.FromString(await context.read())
+                    pending = list(got.batch.messages) if got.WhichOneof("message") == "batch" else [got]
+                    largest = max(largest, len(pending))
+                msg = pending.pop(0)
+                if msg.WhichOneof("message") != "item":
+                    break
                 seqs.append(msg.item.seq)
                 if not msg.item.observed:  # the final Msg: forward it
                     answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=msg.item.seq))
                     answer.actions.add().emit.forward_seq = msg.item.seq
                     await context.write(out(answer))
-            if seqs == list(range(1, len(seqs) + 1)):
-                await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
-            else:
+            if seqs != list(range(1, len(seqs) + 1)):
                 await context.write(out(hooks_pb2.MiddlewareMessage(fail=hooks_pb2.Fail(message=f"seqs {seqs}"))))
+            elif mode == "burst" and largest < 2:
+                fail = hooks_pb2.Fail(message=f"{len(seqs)} items, each in a message of its own")
+                await context.write(out(hooks_pb2.MiddlewareMessage(fail=fail)))
+            else:
+                await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
         await asyncio.sleep(30)  # the host must give up on its own

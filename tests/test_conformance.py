@@ -636,18 +636,22 @@ async def test_a_remote_exception_keeps_its_traceback(sdk_fidelity_servers: Serv
     assert "ValueError: budget service says no" in record.getMessage()
 
 
-async def test_every_delivered_item_is_numbered() -> None:
-    """Observed copies carry their own seq (1, 2, ... with the intercepted ones), not 0."""
+@pytest.mark.parametrize("mode", ["seqs", "burst"])
+async def test_every_delivered_item_is_numbered_and_a_burst_of_copies_comes_batched(mode: str) -> None:
+    """Observed copies carry their own seq (1, 2, ... with the intercepted ones), not 0; and the
+    copies of a burst of deltas (an instant model's 200 words) travel several to a message (a
+    Batch, handled in order: hooks.proto) instead of costing one write each."""
     from agent_host.agent import Agent
     from agent_host.models import OfflineRuleModel
     from agent_host.remote import RemoteMiddleware
     from agentmw.data import UserMsg
     from clients.launch import ServerProcess
 
-    proc = ServerProcess(["-m", "tests.raw_mw", "seqs", "--address", "127.0.0.1:0"]).start()
+    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
     try:
         remote = await RemoteMiddleware(proc.address).connect()
-        agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
+        model = OfflineRuleModel(reply_template=" ".join(f"w{i}" for i in range(200)))
+        agent = Agent(model=model, middlewares=[remote])
         events = [e async for e in agent.reply_stream(UserMsg("hello"))]
         assert events[-2].finished_reason == "completed", events[-2].error
         await remote.close()

@@ -83,6 +83,9 @@ class HookCall:
         self.unlabelled = 0  # messages without an invocation id dropped on a reused stream
         self.emitted = 0  # new items the middleware emitted, against policy.max_items
         self.received_bytes = 0  # bytes of its messages, against policy.max_bytes
+        self.copies: list[hooks_pb2.HostMessage] = []  # observed copies not written yet (_queue_copy)
+        self.flusher: asyncio.Task[None] | None = None  # the task writing them
+        self.copy_error: Exception | None = None  # how that task failed (raised at the next write or read)
 
     # -- faces ------------------------------------------------------------------------------------
 
@@ -185,7 +188,16 @@ class HookCall:
             raise self.inner_exc
         self.result = self.inner_result
 
+    async def _write_copies(self) -> None:
+        await self._settle_copies()
+        if self.copies:
+            copies, self.copies = self.copies, []
+            await self._send(self._batched(copies))
+
     async def _close(self) -> None:
+        if self.flusher is not None:  # the invocation ended half-way: its copies are moot
+            self.flusher.cancel()
+            self.flusher = None
         if self.watchdog is not None:
             self.watchdog.cancel()
         if self.call is not None:
@@ -409,7 +421,7 @@ class HookCall:
                         return
                 self.credits -= 1
                 self.seq += 1
-                await self._write(self._item_message(item, observed=True))
+                self._queue_copy(self._item_message(item, observed=True))
                 self.in_hand = None
                 yield item
                 continue
@@ -611,12 +623,48 @@ class HookCall:
         finally:
             self.waiting_since = self.waiter = None
 
+    def _queue_copy(self, copy: hooks_pb2.HostMessage) -> None:
+        """An observed copy goes out when the host next yields to its event loop, together with
+        any others taken from the inner pipeline until then (one Batch: a burst of deltas costs one
+        write, not one each), and always before the host's next message on the stream."""
+        if self.copy_error is not None:  # an earlier write of copies failed: so does the invocation
+            raise self.copy_error
+        self.copies.append(copy)
+        if self.flusher is None:
+            self.flusher = asyncio.get_running_loop().create_task(self._flush_copies())
+
+    async def _flush_copies(self) -> None:
+        try:
+            while self.copies:
+                copies, self.copies = self.copies, []
+                await self._send(self._batched(copies))
+        except Exception as exc:  # StreamBroken, a timeout: the invocation's, raised where it waits next
+            self.copy_error = exc
+        finally:
+            self.flusher = None
+
+    async def _settle_copies(self) -> None:
+        """Before the host writes or reads on the stream: copies in flight are written first (one
+        writer at a time, in order); a failed write fails the invocation here."""
+        if self.flusher is not None:
+            await asyncio.shield(self.flusher)  # our cancellation is not the flusher's
+        if self.copy_error is not None:
+            raise self.copy_error
+
+    def _batched(self, messages: list[hooks_pb2.HostMessage]) -> hooks_pb2.HostMessage:
+        if len(messages) == 1:
+            return messages[0]
+        return hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=messages), invocation=self.invocation)
+
     async def _write(self, msg: hooks_pb2.HostMessage) -> None:
-        if self.held_begin is not None:
-            msg = hooks_pb2.HostMessage(
-                batch=hooks_pb2.Batch(messages=[self.held_begin, msg]), invocation=self.invocation
-            )
-            self.held_begin = None
+        await self._settle_copies()
+        if self.held_begin is not None or self.copies:
+            held = [self.held_begin] if self.held_begin is not None else []
+            msg = self._batched([*held, *self.copies, msg])
+            self.held_begin, self.copies = None, []
+        await self._send(msg)
+
+    async def _send(self, msg: hooks_pb2.HostMessage) -> None:
         try:
             await self._wait(self.call.write(msg), "could not send")  # a middleware that stops reading blocks it
         except grpc.aio.AioRpcError as exc:
@@ -627,6 +675,8 @@ class HookCall:
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
         """The middleware's next message of this invocation. Messages of finished invocations on this
         stream (sent after their finish) are dropped; they count against the same deadline."""
+        if self.copies or self.flusher is not None:  # what it may be waiting for goes out first
+            await self._write_copies()
         since = self.loop.time()
         while True:
             try:

@@ -675,8 +675,8 @@ class HookCall:
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
         """The middleware's next message of this invocation. Messages of finished invocations on this
         stream (sent after their finish) are dropped; they count against the same deadline."""
-        if self.copies or self.flusher is not None:  # what it may be waiting for goes out first
-            await self._write_copies()
+        if self.copies or self.flusher is not None or self.copy_error is not None:
+            await self._write_copies()  # what it may be waiting for goes out first (or their failure)
         since = self.loop.time()
         while True:
             try:

@@ -14,6 +14,8 @@ one it behaves: a pass-through that intercepts every item. A script is a JSON ob
   bytes of value each, default small), until the host cancels the stream; then write
   ``DIR/<session id>.cancelled``.
 * ``stop_reading``: read nothing after the begin and never answer.
+* ``stop_after_next``: call next with credits for 100,000 observed copies, then read nothing more
+  (with ``--default-mode observe``: a watcher whose copies pile up in the stream).
 
 Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
@@ -63,6 +65,9 @@ class Invocation:
         self.id = begin.invocation
         script = self.script(begin.begin)
         if script.get("stop_reading"):
+            await asyncio.sleep(3600)
+        if script.get("stop_after_next"):
+            await self.send(_msg(callNext={"credits": 100_000}))
             await asyncio.sleep(3600)
         if "messages" in script:
             for raw in script["messages"]:

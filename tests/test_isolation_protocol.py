@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.agent import Agent
 from agent_host.config import ConfigError, load_config
+from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.remote.errors import ProtocolError
 from agentmw.data import CustomEvent, ReplyFinishedReason, UserMsg
@@ -180,6 +181,31 @@ async def test_replies_beyond_what_the_server_admits_end_within_the_timeout(evil
     start = time.monotonic()
     end_of(await reply(agents[1], "again"))
     assert time.monotonic() - start < TIMEOUT * 5
+    await remote.close()
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_a_watcher_that_stops_reading_its_copies_ends_the_call_within_the_timeout(
+    evil: Any, scripts: Path, fail_open: bool
+) -> None:
+    """Observed copies are written in the background, several to a message: a middleware that asks
+    for them and then stops reading fills the stream until the host's write blocks. That write is
+    bounded like any other: the call fails (fail_closed: the reply ends with the error) or is
+    bypassed (fail_open: the reply completes), within the timeout."""
+    proc = evil("--default-mode", "observe")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT, fail_open=fail_open)).connect()
+    words = " ".join(f"{i:04d}" + "x" * 16000 for i in range(600))  # ~10 MB of deltas: more than the windows
+    agent = Agent(model=OfflineRuleModel(reply_template=words), middlewares=[remote])
+    script(scripts, agent, stop_after_next=True)
+    start = time.monotonic()
+    items = await reply(agent, "a long answer")
+    assert time.monotonic() - start < TIMEOUT * 5
+    end = end_of(items)
+    if fail_open:
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == words
+    else:
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert f"could not send within {TIMEOUT}s (timeout)" in end.error.message, end.error.message
     await remote.close()
 
 

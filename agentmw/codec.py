@@ -186,13 +186,13 @@ def _generate(
     by_key: list[str] = []
     decode: list[str] = []
 
-    def ref(field: str, on: str) -> str:
-        return f"{on}.{field}" if field.isidentifier() and not keyword.iskeyword(field) else f"getattr({on}, {field!r})"
+    def ident(field: str) -> bool:  # usable as ``x.field`` in the generated source
+        return field.isidentifier() and not keyword.iskeyword(field)
 
     for i, (field, encoder) in enumerate(plan[0]):
-        read = ref(field, "obj") if field in attrs else f"getattr(obj, {field!r}, None)"
+        read = f"obj.{field}" if field in attrs and ident(field) else f"getattr(obj, {field!r}, None)"
         if encoder is None:
-            store = f"{ref(field, 'out')} = v" if "(" not in ref(field, "out") else f"setattr(out, {field!r}, v)"
+            store = f"out.{field} = v" if ident(field) else f"setattr(out, {field!r}, v)"
         elif encoder in inline:
             env[f"s{i}"] = inline[encoder][1]
             store = f"s{i}(out, {field!r}, v)"
@@ -203,8 +203,9 @@ def _generate(
         by_key += [f"    v = get({field!r})", "    if v is not None:", f"        {store}"]
     for i, (field, decoder) in enumerate(plan[1]):
         kind, get = inline.get(decoder, ("call", None)) if decoder is not None else ("scalar", None)
-        env[f"g{i}"] = get
-        value = ref(field, "msg")
+        if get is not None:
+            env[f"g{i}"] = get
+        value = f"msg.{field}" if ident(field) else f"getattr(msg, {field!r})"
         if kind == "scalar":
             decode.append(f"    f[{field!r}] = {value}")
         elif kind in ("repeated", "plain"):
@@ -279,10 +280,7 @@ class Codec:
 
     def decode(self, msg: Message) -> Any:
         """A proto message as its data-model object."""
-        try:
-            cls = self._cls_by_class[type(msg)]
-        except KeyError:
-            cls = self._cls_by_class[type(msg)] = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
+        cls = self._data_class(msg)
         if cls is None:
             raise CodecError(f"{msg.DESCRIPTOR.full_name} has no data class")
         kwargs = self._decode_fields(msg)
@@ -358,9 +356,16 @@ class Codec:
 
     def _fns_of(self, msg: Message) -> _Functions:
         plan = self._plans_by_class.get(type(msg)) or self._plan_of(msg)
-        cls = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
-        fns = self._fns_by_class[type(msg)] = _generate(msg.DESCRIPTOR.name, plan, cls, self._inline)
+        fns = self._fns_by_class[type(msg)] = _generate(msg.DESCRIPTOR.name, plan, self._data_class(msg), self._inline)
         return fns
+
+    def _data_class(self, msg: Message) -> type | None:
+        """The data class of a message (None for a record), found by message class: one lookup."""
+        try:
+            return self._cls_by_class[type(msg)]
+        except KeyError:
+            cls = self._cls_by_class[type(msg)] = self.py_by_proto.get(msg.DESCRIPTOR.full_name)
+            return cls
 
     def _plan_of(self, msg: Message) -> Plan:
         plan = self._plans_by_class[type(msg)] = self._plan(msg.DESCRIPTOR)

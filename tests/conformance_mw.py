@@ -553,16 +553,18 @@ class InPlaceToolInput(MiddlewareBase):
             yield item
 
 
-class DoneWithInner(MiddlewareBase):
-    """Declares done_with_inner everywhere it acts: nothing after the inner pipeline ends. Counts
-    the reply's start into its slot (on an intercepted item, before inner_done) and passes the
-    rest through, so the host ends each call at inner_done, one round trip early."""
+class DoneWithInner(PassThrough):
+    """PassThrough declaring done_with_inner wherever it may (every onion): nothing after the inner
+    pipeline ends. Counts the reply's start into its slot (on an intercepted item, before
+    inner_done), so the host ends each call at inner_done, one round trip early."""
 
     subscriptions = {
         "on_reply": subscribe(intercept=[ReplyStartEvent], done_with_inner=True),
         "on_reasoning": subscribe(done_with_inner=True),
+        "on_acting": subscribe(done_with_inner=True),
         "on_check_permission": subscribe(done_with_inner=True),
         "on_model_call": subscribe(done_with_inner=True, default=Mode.BYPASS),
+        "on_compress_context": subscribe(done_with_inner=True),
     }
 
     async def on_reply(self, agent, input_kwargs, next_handler):
@@ -570,16 +572,6 @@ class DoneWithInner(MiddlewareBase):
             if isinstance(item, ReplyStartEvent):
                 agent.state.middle_context[await self.get_middleware_key()] = {"started": item.reply_id != ""}
             yield item
-
-    async def on_reasoning(self, agent, input_kwargs, next_handler):
-        async for item in next_handler():
-            yield item
-
-    async def on_check_permission(self, agent, input_kwargs, next_handler):
-        return await next_handler()
-
-    async def on_model_call(self, agent, input_kwargs, next_handler):
-        return await next_handler()
 
 
 class LateAfterInner(MiddlewareBase):

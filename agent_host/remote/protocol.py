@@ -191,8 +191,7 @@ class HookCall:
     async def _write_copies(self) -> None:
         await self._settle_copies()
         if self.copies:
-            copies, self.copies = self.copies, []
-            await self._send(self._batched(copies))
+            await self._send(self._with_pending())
 
     async def _close(self) -> None:
         if self.flusher is not None:  # the invocation ended half-way: its copies are moot
@@ -238,11 +237,11 @@ class HookCall:
             await self._start_inner(hooks_pb2.CallNext())
             async for item in self._advance(DEFAULT_CREDITS):
                 yield item
-            if self._done_with_inner():
-                return
         else:
             await self._write(begin)
         while True:
+            if self.inner_done and self._done_with_inner():  # no finish to wait for (hooks.proto)
+                return
             msg = self.deferred or await self._read()
             self.deferred = None
             for action in msg.actions:  # inline, not a generator per message (the per-item path)
@@ -256,8 +255,6 @@ class HookCall:
                 await self._start_inner(msg.call_next)
                 async for item in self._advance(msg.call_next.credits):
                     yield item
-                if self._done_with_inner():
-                    return
             elif command == "pull":
                 pull = msg.pull
                 if self.inner is None:
@@ -270,8 +267,6 @@ class HookCall:
                 self.held_seq = 0
                 async for item in self._advance(pull.credits):
                     yield item
-                if self._done_with_inner():
-                    return
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
@@ -321,7 +316,7 @@ class HookCall:
         """The inner pipeline ended normally and the hook is declared done_with_inner (hooks.proto):
         the invocation ends here with the inner result; its finish is dropped later, by whichever
         invocation takes the stream next."""
-        if self.inner_done and self.inner_exc is None and self.table is not None and self.table.done_with_inner:
+        if self.inner_exc is None and self.table is not None and self.table.done_with_inner:
             self.result, self.clean = self.inner_result, True
             return True
         return False
@@ -636,8 +631,7 @@ class HookCall:
     async def _flush_copies(self) -> None:
         try:
             while self.copies:
-                copies, self.copies = self.copies, []
-                await self._send(self._batched(copies))
+                await self._send(self._with_pending())
         except Exception as exc:  # StreamBroken, a timeout: the invocation's, raised where it waits next
             self.copy_error = exc
         finally:
@@ -651,18 +645,21 @@ class HookCall:
         if self.copy_error is not None:
             raise self.copy_error
 
-    def _batched(self, messages: list[hooks_pb2.HostMessage]) -> hooks_pb2.HostMessage:
+    def _with_pending(self, msg: hooks_pb2.HostMessage | None = None) -> hooks_pb2.HostMessage:
+        """``msg`` after what must go before it (a held begin, queued copies): one message, a
+        Batch when there are several; what it took is no longer pending."""
+        messages = [self.held_begin] if self.held_begin is not None else []
+        messages += self.copies
+        if msg is not None:
+            messages.append(msg)
+        self.held_begin, self.copies = None, []
         if len(messages) == 1:
             return messages[0]
         return hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=messages), invocation=self.invocation)
 
     async def _write(self, msg: hooks_pb2.HostMessage) -> None:
         await self._settle_copies()
-        if self.held_begin is not None or self.copies:
-            held = [self.held_begin] if self.held_begin is not None else []
-            msg = self._batched([*held, *self.copies, msg])
-            self.held_begin, self.copies = None, []
-        await self._send(msg)
+        await self._send(self._with_pending(msg) if self.held_begin is not None or self.copies else msg)
 
     async def _send(self, msg: hooks_pb2.HostMessage) -> None:
         try:

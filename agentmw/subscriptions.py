@@ -44,6 +44,9 @@ class Subscription:
     # Does nothing once its inner pipeline ended normally (no emit, change or next; a value hook's
     # result is the inner one's): the host does not wait for its finish. No observed items.
     done_with_inner: bool = False
+    # Has work to do only while this member of its slot is true; a pure pass-through otherwise, so
+    # the host does not call it then (served remotely; in-process it is always called).
+    only_when: str = ""
 
 
 def subscribe(
@@ -56,6 +59,7 @@ def subscribe(
     detached: bool = False,
     run_ahead: bool = False,
     done_with_inner: bool = False,
+    only_when: str = "",
 ) -> Subscription:
     """Declare what a hook sees. ``eager_next``: the hook calls ``next_handler()`` first thing with
     no overrides (saves a round trip). ``detached``: the hook only watches (a tracer): the host
@@ -65,7 +69,11 @@ def subscribe(
     ``done_with_inner``: the hook does nothing after its inner pipeline ends normally (no yield,
     no state change, no next_handler(); a value hook returns the inner result): the host ends the
     call with the inner pipeline, one round trip less (not with observed items; the SDK raises in
-    the hook's code if it breaks the promise)."""
+    the hook's code if it breaks the promise). ``only_when``: the name of a member of this
+    middleware's slot (a dict) that it sets to True while the hook has work to do; whenever it is
+    not True the hook is a pure pass-through (next_handler() once, unchanged; every item
+    forwarded; no state change), and the host, served remotely, runs the inner pipeline without
+    calling it (no effect in-process)."""
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
     if done_with_inner and Mode.OBSERVE in (default, *modes.values()):
@@ -78,6 +86,7 @@ def subscribe(
         detached=detached,
         run_ahead=run_ahead,
         done_with_inner=done_with_inner,
+        only_when=only_when,
     )
 
 
@@ -101,6 +110,7 @@ def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
         eager_next=sub.eager_next or sub.detached,
         detached=sub.detached,
         done_with_inner=sub.done_with_inner,
+        only_when=sub.only_when,
     )
     for kind, mode in sub.modes.items():
         for item_type in _item_types(kind):
@@ -115,6 +125,9 @@ _CLASS_BY_ITEM_TYPE = {
 }
 
 
+MAX_FLAG_NAME = 256  # only_when: a slot member's name, not a document
+
+
 class SubscriptionTable:
     """The host's view of one middleware's subscription at one hook."""
 
@@ -126,6 +139,7 @@ class SubscriptionTable:
         "detached",
         "done_with_inner",
         "eager_next",
+        "only_when",
         "wants_context",
     )
 
@@ -156,6 +170,16 @@ class SubscriptionTable:
             raise ValueError(
                 "done_with_inner cannot go with observed items (their changes may arrive after inner_done)"
             )
+        if len(desc.only_when) > MAX_FLAG_NAME:
+            raise ValueError(
+                f"only_when names a slot member of {len(desc.only_when)} characters (at most {MAX_FLAG_NAME})"
+            )
+        self.only_when = desc.only_when
+
+    def skips(self, slot: Any) -> bool:
+        """Declared ``only_when`` and that member of the middleware's ``slot`` is not True: the hook
+        would pass everything through, so it need not be called."""
+        return bool(self.only_when) and not (isinstance(slot, dict) and slot.get(self.only_when) is True)
 
     def mode_of(self, item: Any) -> Mode:
         cls = type(item)

@@ -740,3 +740,44 @@ class AfterYieldRunsAhead(AfterYieldReads):
 
 
 MIDDLEWARE[AfterYieldRunsAhead.__name__] = AfterYieldRunsAhead
+
+
+class OnlyWhen(MiddlewareBase):
+    """on_reasoning declared ``only_when="armed"``: it acts (a CustomEvent per step) once on_reply
+    has counted a model call and set the flag; until then it is a pure pass-through, as the
+    declaration promises. Remotely the host does not call it while the flag is off."""
+
+    subscriptions = {
+        "on_reply": subscribe(intercept=[ModelCallEndEvent]),
+        "on_reasoning": subscribe(only_when="armed"),
+    }
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ModelCallEndEvent):
+                slot = agent.state.middle_context.get(await self.get_middleware_key()) or {"calls": 0}
+                calls = slot["calls"] + 1
+                agent.state.middle_context[await self.get_middleware_key()] = {"calls": calls, "armed": calls >= 1}
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        slot = agent.state.middle_context.get(await self.get_middleware_key())
+        if isinstance(slot, dict) and slot.get("armed") is True:
+            yield CustomEvent(name="armed_step", value={"calls": slot["calls"]})
+        async for item in next_handler():
+            yield item
+
+
+class OnlyWhenTattletale(OnlyWhen):
+    """OnlyWhen whose on_reasoning fails when it is called with its flag off: served remotely, a
+    reply ends well only if the host skipped it then."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        slot = agent.state.middle_context.get(await self.get_middleware_key())
+        if not (isinstance(slot, dict) and slot.get("armed") is True):
+            raise RuntimeError("on_reasoning was called while its only_when flag was off")
+        async for item in super().on_reasoning(agent, input_kwargs, next_handler):
+            yield item
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (OnlyWhen, OnlyWhenTattletale)})

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from agent_host.agent import STRUCTURED_OUTPUT_TOOL, Agent
 from agent_host.models import OfflineRuleModel
@@ -179,6 +180,12 @@ def servers(budget: float) -> Iterator[dict[str, ServerProcess]]:
         proc.stop()
 
 
+def reasoning_calls(remote: RemoteMiddleware) -> float:
+    """The host's count of on_reasoning invocations of this middleware (its latency histogram)."""
+    labels = {"middleware": remote.name, "hook": "on_reasoning"}
+    return REGISTRY.get_sample_value("agentmw_hook_duration_seconds_count", labels) or 0.0
+
+
 async def attach(address: str) -> RemoteMiddleware:
     return await RemoteMiddleware(address, policy=Policy(timeout=5, connect_timeout=5)).connect()
 
@@ -201,8 +208,11 @@ async def test_tools_stop_after_the_step_that_crosses_the_budget(
     for name, weights in (("one", (1.0, 1.0)), ("weighted", OTHER_WEIGHTS)):
         remote = await attach(servers[name].address)
         agent = make_agent([remote])
+        called = reasoning_calls(remote)
         items = await reply(agent)
         stops[name] = check_stopped(items, budget, weights)
+        # on_reasoning declares only_when="exhausted": the host calls it only for restricted steps
+        assert reasoning_calls(remote) - called == len(exhausted(items)) > 0
         check_hint(agent)
         slot = agent.state.middle_context[DEFAULT_KEY if name == "one" else "weighted"]
         assert slot["reply_id"] == end_of(items).reply_id

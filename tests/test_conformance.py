@@ -417,6 +417,7 @@ def _in_place_tool_choice(events, state):
 EDIT_MODEL_MESSAGE = Scenario("edit_model_message", [Layer("InPlaceEditMessage")])
 COPIED_KWARGS_EDIT = Scenario("copied_kwargs_edit", [Layer("CopiedKwargsEdit")])
 LATE_AFTER_INNER = Scenario("late_after_inner", [Layer("LateAfterInner")])
+ONLY_WHEN_TATTLETALE = Scenario("only_when_tattletale", [Layer("OnlyWhenTattletale")], message="call add a=1 b=2")
 IN_PLACE_TOOL_INPUT = Scenario("in_place_tool_input", [Layer("InPlaceToolInput")], message="call add a=1 b=2")
 
 
@@ -424,6 +425,13 @@ def _done_with_inner(events, state):
     """Every call of a done_with_inner middleware ends at inner_done; what it did before stands."""
     assert state["middle_context"]["DoneWithInner"] == {"started": True}
     assert [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"] == ["3"]
+    assert kinds(events)[-1] == "Msg"
+
+
+def _only_when(events, state):
+    """on_reasoning acts from the step after the first model call (its flag set), not before."""
+    armed = [e["value"] for e in events if e["class"] == "CustomEvent" and e["name"] == "armed_step"]
+    assert armed == [{"calls": 1}] and state["middle_context"]["OnlyWhen"] == {"calls": 2, "armed": True}
     assert kinds(events)[-1] == "Msg"
 
 
@@ -473,6 +481,7 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
     (Scenario("in_place_append_message", [Layer("InPlaceAppendMessage")]), _in_place_append_message),
     (Scenario("done_with_inner", [Layer("DoneWithInner")], message="call add a=1 b=2"), _done_with_inner),
+    (Scenario("only_when", [Layer("OnlyWhen")], message="call add a=1 b=2"), _only_when),
     (
         Scenario("in_place_context_hint", [Layer("InPlaceContextHint")], message="call add a=1 b=2"),
         _in_place_context_hint,
@@ -517,6 +526,7 @@ def sdk_fidelity_servers():
         [
             *(scenario for scenario, _ in SDK_FIDELITY_CASES),
             SHARED_SLOT,
+            ONLY_WHEN_TATTLETALE,
             Scenario("edit", [Layer("InPlaceUserEdit")]),
             EDIT_MODEL_MESSAGE,
             COPIED_KWARGS_EDIT,
@@ -588,6 +598,19 @@ async def test_a_hook_that_breaks_its_done_with_inner_promise_is_refused_remotel
         raise AssertionError(f"the SDK did not refuse the late write:\n{server.tail()}")
     _, state = await run(LATE_AFTER_INNER, ["local"], None)
     assert state["middle_context"]["LateAfterInner"] == {"late": True}
+
+
+async def test_a_hook_declared_only_when_is_not_called_while_its_flag_is_off(sdk_fidelity_servers: Servers) -> None:
+    """The host skips an only_when hook while its slot flag is off: this one fails when called
+    then, and the reply still ends well, with the step that found the flag set acted on. In-process
+    the declaration has no effect: the same class fails the reply at its first step."""
+    for _ in range(2):  # the second on the reused streams
+        events, state = await run(ONLY_WHEN_TATTLETALE, ["remote"], sdk_fidelity_servers)
+        armed = [e["value"] for e in events if e["class"] == "CustomEvent" and e["name"] == "armed_step"]
+        assert armed == [{"calls": 1}] and kinds(events)[-1] == "Msg"
+        assert state["middle_context"]["OnlyWhenTattletale"] == {"calls": 2, "armed": True}
+    events, _ = await run(ONLY_WHEN_TATTLETALE, ["local"], None)
+    assert "only_when flag was off" in str(events[-1])
 
 
 async def test_a_slot_shared_by_an_in_process_and_a_remote_layer(sdk_fidelity_servers: Servers) -> None:

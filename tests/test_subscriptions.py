@@ -12,7 +12,9 @@ from agent_host.agent import Agent
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
 from agentmw.data import TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
+from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import Toolkit
+from agentmw.v1 import hooks_pb2
 from clients.launch import middleware_server, start_all
 
 from .harness import add
@@ -99,3 +101,15 @@ async def test_system_prompt_is_called_once_per_iteration(servers: dict[str, str
     assert counts["on_system_prompt"] == 2
     assert sum(counts.values()) == 2
     await remote.close()
+
+
+def test_only_when_skips_unless_its_slot_member_is_exactly_true() -> None:
+    """The host's reading of HookDescription.only_when: anything but a JSON true keeps the hook idle;
+    a name longer than a slot member's is refused at Describe."""
+    table = SubscriptionTable(hooks_pb2.HookDescription(only_when="armed"))
+    for slot in (None, "armed", ["armed"], {}, {"armed": False}, {"armed": 1}, {"armed": "true"}, {"other": True}):
+        assert table.skips(slot), slot
+    assert not table.skips({"armed": True, "n": 3})
+    assert not SubscriptionTable(hooks_pb2.HookDescription()).skips(None)  # not declared: always called
+    with pytest.raises(ValueError, match="only_when names a slot member of 257 characters"):
+        SubscriptionTable(hooks_pb2.HookDescription(only_when="x" * 257))

@@ -255,15 +255,19 @@ class RemoteMiddleware:
     async def get_middleware_key(self) -> str:
         return self.key
 
-    async def ensure_described(self) -> None:
-        """Describe again when the last call failed or the connection was re-established since
-        (a server restarted between replies may implement other hooks now; its idle streams have
-        ended then, even when the channel is READY again by the time the next call comes)."""
-        if (
+    def needs_describe(self) -> bool:
+        """The last Describe may be out of date: the last call failed, or the connection was
+        re-established since (a server restarted between replies may implement other hooks now;
+        its idle streams have ended then, even when the channel is READY again by the time the
+        next call comes)."""
+        return (
             not self.described
             or self.channel.get_state() != grpc.ChannelConnectivity.READY
             or any(call.done() for idle in self.idle.values() for call in idle)
-        ):
+        )
+
+    async def ensure_described(self) -> None:
+        if self.needs_describe():
             await self.connect(timeout=self.policy.timeout)
 
     def new_invocation(self) -> int:

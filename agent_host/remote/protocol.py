@@ -90,12 +90,16 @@ class HookCall:
     # -- faces ------------------------------------------------------------------------------------
 
     def items(self) -> AsyncIterator[Any]:
+        if self._skipped():
+            return self.next_handler()
         if watching(self.mw, self.spec.name):  # a detached hook: the flat path (detached.py)
             return Watch(self).items()
         return self._guarded()
 
     async def stream(self) -> AsyncIterator[Any]:
         """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
+        if self._skipped():
+            return await self.next_handler()
         if watching(self.mw, self.spec.name):
             return await Watch(self).stream()
         gen = self._guarded()
@@ -109,9 +113,21 @@ class HookCall:
         return prepend(first, gen)
 
     async def value(self) -> Any:
+        if self._skipped():
+            return self.input_kwargs["prompt"] if self.spec.kind is Kind.TRANSFORM else await self.next_handler()
         async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
             pass
         return self.result
+
+    def _skipped(self) -> bool:
+        """The hook declared ``only_when`` and that flag of its slot is off (as last described, and
+        that description is current): it would only pass through, so the inner pipeline runs
+        without it, no begin and no round trip (hooks.proto, HookDescription.only_when)."""
+        mw = self.mw
+        table = mw.tables.get(self.spec.name)
+        if table is None or not table.only_when:
+            return False
+        return table.skips(self.agent.state.middle_context.get(mw.key)) and not mw.needs_describe()
 
     # -- failure policy ------------------------------------------------------------------------
 

@@ -6,13 +6,13 @@ After AgentScope's ReplyBudgetControlMiddleware (see docs/budget.md). Two hooks:
   ``ModelCallEndEvent`` adds ``input_token_weight * input_tokens + output_token_weight *
   output_tokens``. Both are intercepted (lock-step), so the count is in the slot before the next
   step starts; every other item bypasses the middleware.
-- ``on_reasoning`` enforces. Once ``used >= token_budget``, each reasoning step gets a hint
+- ``on_reasoning`` enforces. Once ``used >= token_budget`` (the slot's ``exhausted``), each reasoning step gets a hint
   (appended to the agent's last assistant message, or a new one for this reply) and
   ``tool_choice`` "none"; while a structured output is still owed, only the structured-output
   tool stays allowed instead. A ``CustomEvent("budget_exhausted")`` tells the client.
 
 All state is in the session: ``agent.state.middle_context[key]`` holds ``{"reply_id", "used",
-"budget", "remaining"}``, written by ``on_reply`` only (``on_reasoning`` just reads it). The
+"budget", "remaining", "exhausted"}``, written by ``on_reply`` only (``on_reasoning`` just reads it). The
 process keeps nothing between calls, so it can be restarted or replicated freely, and the same
 class works in-process
 (``Agent(middlewares=[ReplyBudget(token_budget=...)])``) and as a server
@@ -21,13 +21,14 @@ class works in-process
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from typing import Any
 
 from agent_host.agent import STRUCTURED_OUTPUT_TOOL
 from agentmw.data import CustomEvent, HintBlock, ModelCallEndEvent, ReplyStartEvent, ToolChoice
-from agentmw.sdk import MiddlewareBase, ReasoningKwargs, ReplyKwargs, subscribe
+from agentmw.sdk import MiddlewareBase, ReasoningKwargs, ReplyKwargs, Subscription, subscribe
 
 DEFAULT_KEY = "ReplyBudget"
 DEFAULT_HINT = (
@@ -56,8 +57,9 @@ class ReplyBudget(MiddlewareBase):
         "on_reply": subscribe(
             intercept=[ReplyStartEvent, ModelCallEndEvent], eager_next=True, run_ahead=True, done_with_inner=True
         ),
-        # Acts before calling next; no item of the step concerns it, nothing comes after it.
-        "on_reasoning": subscribe(done_with_inner=True),
+        # Acts before calling next; no item of the step concerns it, nothing comes after it; and
+        # it passes through until the slot says the budget is spent (see subscription()).
+        "on_reasoning": subscribe(done_with_inner=True, only_when="exhausted"),
     }
 
     def __init__(
@@ -86,12 +88,19 @@ class ReplyBudget(MiddlewareBase):
     async def get_middleware_key(self) -> str:
         return self.key
 
+    def subscription(self, hook: str) -> Subscription:
+        # only_when promises a pass-through while the flag is off. A budget of 0 restricts even a
+        # step that finds no slot of this reply (attached while the reply was paused): always called.
+        sub = super().subscription(hook)
+        return dataclasses.replace(sub, only_when="") if hook == "on_reasoning" and not self.token_budget else sub
+
     def _slot(self, reply_id: str, used: float = 0) -> dict[str, Any]:
         return {
             "reply_id": reply_id,
             "used": _number(used),
             "budget": self.token_budget,
             "remaining": _number(max(self.token_budget - used, 0)),
+            "exhausted": used >= self.token_budget,  # on_reasoning's only_when: it acts from then on
         }
 
     def _current(self, agent: Any, reply_id: str) -> dict[str, Any]:
@@ -112,7 +121,7 @@ class ReplyBudget(MiddlewareBase):
     async def on_reasoning(self, agent: Any, input_kwargs: ReasoningKwargs, next_handler: Any) -> AsyncIterator[Any]:
         state = agent.state
         slot = self._current(agent, state.reply_id)
-        if slot["used"] < self.token_budget:
+        if slot["used"] < self.token_budget:  # not exhausted: the pass-through only_when promises
             async for item in next_handler():
                 yield item
             return

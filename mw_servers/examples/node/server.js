@@ -241,6 +241,7 @@ const DESCRIPTION = {
     { hook: 'HOOK_ON_SYSTEM_PROMPT' },
     {
       // Not done_with_inner: it observes deltas, and its finish carries the slot with their count.
+      // Not only_when either: it counts every reply (only_when suits a hook idle until a flag is set).
       hook: 'HOOK_ON_REPLY',
       default_mode: 'SUBSCRIPTION_MODE_BYPASS', // UNSPECIFIED would mean INTERCEPT
       subscriptions: [

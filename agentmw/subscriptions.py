@@ -47,6 +47,9 @@ class Subscription:
     # Has work to do only while this member of its slot is true; a pure pass-through otherwise, so
     # the host does not call it then (served remotely; in-process it is always called).
     only_when: str = ""
+    # on_system_prompt: the answer depends on the input prompt and the slot alone, so the host may
+    # reuse it across iterations, replies and sessions (served remotely; in-process no effect).
+    cacheable: bool = False
 
 
 def subscribe(
@@ -60,6 +63,7 @@ def subscribe(
     run_ahead: bool = False,
     done_with_inner: bool = False,
     only_when: str = "",
+    cacheable: bool = False,
 ) -> Subscription:
     """Declare what a hook sees. ``eager_next``: the hook calls ``next_handler()`` first thing with
     no overrides (saves a round trip). ``detached``: the hook only watches (a tracer): the host
@@ -73,7 +77,9 @@ def subscribe(
     middleware's slot (a dict) that it sets to True while the hook has work to do; whenever it is
     not True the hook is a pure pass-through (next_handler() once, unchanged; every item
     forwarded; no state change), and the host, served remotely, runs the inner pipeline without
-    calling it (no effect in-process)."""
+    calling it (no effect in-process). ``cacheable`` (on_system_prompt only): the new prompt
+    depends on the input prompt and this middleware's slot alone, so the host, served remotely,
+    reuses an answer for the same two instead of calling again at every reasoning step."""
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
     if done_with_inner and Mode.OBSERVE in (default, *modes.values()):
@@ -87,6 +93,7 @@ def subscribe(
         run_ahead=run_ahead,
         done_with_inner=done_with_inner,
         only_when=only_when,
+        cacheable=cacheable,
     )
 
 
@@ -111,6 +118,7 @@ def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
         detached=sub.detached,
         done_with_inner=sub.done_with_inner,
         only_when=sub.only_when,
+        cacheable=sub.cacheable,
     )
     for kind, mode in sub.modes.items():
         for item_type in _item_types(kind):
@@ -133,6 +141,7 @@ class SubscriptionTable:
 
     __slots__ = (
         "by_class",
+        "cacheable",
         "chat_delta",
         "chat_final",
         "default",
@@ -175,6 +184,7 @@ class SubscriptionTable:
                 f"only_when names a slot member of {len(desc.only_when)} characters (at most {MAX_FLAG_NAME})"
             )
         self.only_when = desc.only_when
+        self.cacheable = desc.cacheable
 
     def skips(self, slot: Any) -> bool:
         """Declared ``only_when`` and that member of the middleware's ``slot`` is not True: the hook

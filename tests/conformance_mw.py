@@ -137,6 +137,19 @@ class PromptTag(MiddlewareBase):
         return f"PromptTag{self.tag}"
 
 
+class PromptNote(MiddlewareBase):
+    """Appends its note to the system prompt, declared cacheable: the answer depends on the input
+    prompt alone, so the host asks once and reuses it (until it describes the server again)."""
+
+    subscriptions = {"on_system_prompt": subscribe(cacheable=True)}
+
+    def __init__(self, note: str = "noted") -> None:
+        self.note = note
+
+    async def on_system_prompt(self, agent, prompt):
+        return f"{prompt} +{self.note}"
+
+
 @tool(description="Shout a text back in capitals.", is_read_only=True)
 def shout(text: str) -> str:
     return text.upper() + "!"

@@ -20,8 +20,8 @@ one it behaves: a pass-through that intercepts every item. A script is a JSON ob
 Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
 (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
-JSON list of ToolDescriptor objects served by ListTools), ``--done-with-inner`` (declares every hook
-so), ``--default-mode observe`` (every item observed).
+JSON list of ToolDescriptor objects served by ListTools), ``--done-with-inner`` and ``--cacheable``
+(declare every hook so), ``--default-mode observe`` (every item observed).
 """
 
 from __future__ import annotations
@@ -142,12 +142,21 @@ def hook_handler(scripts: Path | None) -> grpc.RpcMethodHandler:
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
-    def __init__(self, hooks: list[str], tools: bool, *, done_with_inner: bool = False, default_mode: int = 0) -> None:
+    def __init__(
+        self,
+        hooks: list[str],
+        tools: bool,
+        *,
+        done_with_inner: bool = False,
+        cacheable: bool = False,
+        default_mode: int = 0,
+    ) -> None:
         self.description = hooks_pb2.MiddlewareDescription(key="Evil", protocol_version="v1", provides_tools=tools)
         for hook in hooks:
             self.description.hooks.add(
                 hook=HOOKS[hook].number,  # type: ignore[arg-type]
                 done_with_inner=done_with_inner,
+                cacheable=cacheable,
                 default_mode=default_mode,  # type: ignore[arg-type]
             )
 
@@ -175,6 +184,7 @@ async def main() -> None:
     parser.add_argument("--max-streams", type=int)
     parser.add_argument("--tools", type=Path)
     parser.add_argument("--done-with-inner", action="store_true")
+    parser.add_argument("--cacheable", action="store_true")
     parser.add_argument("--default-mode", choices=("intercept", "observe"), default="intercept")
     args = parser.parse_args()
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
@@ -184,7 +194,9 @@ async def main() -> None:
         hooks_pb2_grpc.add_ToolSourceServicer_to_server(ToolSource(args.tools), server)
     handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts) for hook in hooks}
     mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE if args.default_mode == "observe" else 0
-    describe = Describe(hooks, args.tools is not None, done_with_inner=args.done_with_inner, default_mode=mode)
+    describe = Describe(
+        hooks, args.tools is not None, done_with_inner=args.done_with_inner, cacheable=args.cacheable, default_mode=mode
+    )
     await serve_raw("evil middleware", args.address, describe, handlers, server)
 
 

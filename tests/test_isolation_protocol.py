@@ -137,6 +137,12 @@ async def test_done_with_inner_with_observed_items_is_refused_at_attach(evil: An
         await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
 
 
+async def test_an_onion_declared_cacheable_is_refused_at_attach(evil: Any) -> None:
+    proc = evil("--cacheable")
+    with pytest.raises(ProtocolError, match="on_reply cannot be cacheable"):
+        await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+
+
 @pytest.mark.parametrize(
     ("which", "error"),
     [

@@ -103,6 +103,33 @@ async def test_system_prompt_is_called_once_per_iteration(servers: dict[str, str
     await remote.close()
 
 
+async def test_a_cacheable_system_prompt_is_asked_once_until_the_server_is_described_again() -> None:
+    """PromptNote declares on_system_prompt cacheable: one call serves every step of three replies.
+    Restarted with another note on the same port, it is described again and asked again."""
+    first = middleware_server("tests.conformance_mw:PromptNote", note="one").start()
+    second = middleware_server("tests.conformance_mw:PromptNote", note="two")
+    try:
+        remote = await RemoteMiddleware(first.address).connect()
+        counts = count_rpcs(remote)
+        agent = Agent(model=OfflineRuleModel(reply_template="{system}"), middlewares=[remote])
+
+        async def system_prompt() -> str:
+            return [i async for i in agent.reply_stream(UserMsg("hi"))][-1].text
+
+        for _ in range(3):  # each reply builds the prompt twice (compression check, model input)
+            assert (await system_prompt()).endswith(" +one")
+        assert counts["on_system_prompt"] == 1
+        first.stop()
+        second.port = first.port
+        second.start()
+        assert (await system_prompt()).endswith(" +two")
+        assert counts["on_system_prompt"] == 2
+        await remote.close()
+    finally:
+        first.stop()
+        second.stop()
+
+
 def test_only_when_skips_unless_its_slot_member_is_exactly_true() -> None:
     """The host's reading of HookDescription.only_when: anything but a JSON true keeps the hook idle;
     a name longer than a slot member's is refused at Describe."""

@@ -191,6 +191,8 @@ class RemoteMiddleware:
             if (hook.detached or hook.done_with_inner) and spec.kind is Kind.TRANSFORM:
                 what = "detached" if hook.detached else "done_with_inner"
                 raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be {what} (it returns a prompt)")
+            if hook.cacheable and spec.kind is not Kind.TRANSFORM:
+                raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be cacheable (only on_system_prompt)")
             try:
                 tables[spec.name] = SubscriptionTable(hook)
             except ValueError as exc:
@@ -204,6 +206,7 @@ class RemoteMiddleware:
                 raise ProtocolError(self.name, "Describe", f"declares {', '.join(missing)} but does not serve it")
         self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
         self.described = True
+        self.prompt_cache.clear()  # answers of the server as it was described before
         self._drop_idle()  # streams of an earlier connection are of no use
         return self
 
@@ -348,16 +351,23 @@ class RemoteMiddleware:
         return await self._call(HOOKS["on_model_call"], agent, input_kwargs, next_handler).stream()
 
     async def on_system_prompt(self, agent: Any, prompt: str) -> str:
-        # At most one call per ReAct iteration: cache by (prompt, reply, iteration, own slot).
-        slot = agent.state.middle_context.get(self.key)
-        key = (prompt, agent.state.session_id, agent.state.reply_id, agent.state.cur_iter, repr(slot))
-        cached = self.prompt_cache.get(key)
+        state = agent.state
+        slot = repr(state.middle_context.get(self.key))
+        cached = self.prompt_cache.get(self._prompt_key(prompt, slot, state))
         if cached is None:
             cached = await self._call(HOOKS["on_system_prompt"], agent, {"prompt": prompt}, None).value()
             if len(self.prompt_cache) > 256:
                 self.prompt_cache.clear()
-            self.prompt_cache[key] = cached
+            self.prompt_cache[self._prompt_key(prompt, slot, state)] = cached  # as described now
         return cached
+
+    def _prompt_key(self, prompt: str, slot: str, state: Any) -> tuple[Any, ...]:
+        """At most one call per ReAct iteration: an answer is kept by (prompt, reply, iteration, own
+        slot); one declared cacheable by (prompt, own slot) alone, while its description is current."""
+        table = self.tables.get("on_system_prompt")
+        if table is not None and table.cacheable and not self.needs_describe():
+            return (prompt, slot)
+        return (prompt, state.session_id, state.reply_id, state.cur_iter, slot)
 
     def _call(self, spec: HookSpec, agent: Any, input_kwargs: dict, next_handler: Any) -> Any:
         return HookCall(self, spec, agent, input_kwargs, next_handler)

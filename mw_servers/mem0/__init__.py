@@ -124,6 +124,8 @@ class Mem0Middleware(MiddlewareBase):
         return KEY
 
     def subscription(self, hook: str) -> Subscription:
+        if hook == "on_system_prompt":  # the instructions are fixed: one call serves every step
+            return subscribe(cacheable=True)
         if hook != "on_reply":
             return super().subscription(hook)
         if self.mode == "agent":  # on_reply only notes whose memory the tools use

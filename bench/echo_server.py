@@ -33,6 +33,7 @@ import grpc
 from agentmw import loops
 from agentmw.hooks import HOOKS, PROTOCOL_VERSION
 from agentmw.subscriptions import Mode, subscribe, to_proto
+from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 SERVICE = "bench.Echo"
@@ -94,7 +95,7 @@ class _Describe(hooks_pb2_grpc.DescribeServicer):
 
 
 async def serve(address: str) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
     handlers = {
         "Exchange": grpc.stream_stream_rpc_method_handler(_exchange),
         "PingPong": grpc.stream_stream_rpc_method_handler(_ping_pong),

@@ -6,6 +6,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from agent_host.remote.client import CHANNEL_OPTIONS
+from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
 from clients.launch import ServerProcess, middleware_server
 
@@ -39,3 +41,15 @@ async def test_describe_health_reflection_and_sigterm() -> None:
         assert proc.stop() == 0  # SIGTERM: a graceful stop (a SIGKILL after 10 s would give -9)
     finally:
         proc.stop()
+
+
+def test_the_host_pings_no_more_often_than_default_grpc_servers_allow() -> None:
+    """A default gRPC server (C-core, Go, Java) counts a ping less than 5 minutes after the previous
+    one, with no data between, as a strike and sends GOAWAY too_many_pings after two. Pinging every
+    30 s, the host lost its quiet connections to such servers after ~90 s, and with them any
+    invocation in flight (an on_reply waiting out a long tool call): agentmw/transport.py. Waiting
+    that long has no place here, so this guards the numbers; our own servers accept what it sends."""
+    host = dict(CHANNEL_OPTIONS)["grpc.keepalive_time_ms"]
+    assert host > 5 * 60 * 1000
+    ours = dict(SERVER_OPTIONS)
+    assert ours["grpc.http2.min_ping_interval_without_data_ms"] <= host and ours["grpc.keepalive_permit_without_calls"]

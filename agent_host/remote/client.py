@@ -26,6 +26,7 @@ from agentmw.data import ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, Kind
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import Tool
+from agentmw.transport import HOST_KEEPALIVE_MS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..config import Permissions, check_seconds
@@ -41,7 +42,7 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 30000),
+    ("grpc.keepalive_time_ms", HOST_KEEPALIVE_MS),  # what default servers accept (agentmw/transport.py)
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.lb_policy_name", "round_robin"),

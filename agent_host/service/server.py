@@ -20,6 +20,7 @@ from agentmw import loops
 from agentmw.codec import CodecError, codec
 from agentmw.data import new_id
 from agentmw.hooks import HOOKS
+from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
@@ -362,7 +363,7 @@ async def build_host(config: HostConfig) -> Host:
 
 async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
     sec = host.config.security
-    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", sec.max_message_bytes)]
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", sec.max_message_bytes), *SERVER_OPTIONS]
     interceptors = [_Authorize(Authenticator(sec.users)), _DecodeErrors()]  # the first is the outermost
     server = grpc.aio.server(options=options, interceptors=interceptors)
     host_pb2_grpc.add_AgentHostServicer_to_server(AgentHostServicer(host), server)

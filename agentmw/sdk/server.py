@@ -34,6 +34,7 @@ from agentmw.middleware import MiddlewareBase
 from agentmw.security import TlsFiles, abort, presented_token, read_secret, token_digest, token_matches
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
+from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -170,7 +171,7 @@ async def start(
     """Start serving in the running event loop; returns the server and the bound port."""
     security = security or ServeSecurity()
     interceptors = [_HostToken(security.token_sha256)] if security.token_sha256 else []
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS], interceptors=interceptors)
     description = await describe(middleware)
     services = []
     for hook in description.hooks:

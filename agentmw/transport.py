@@ -1,0 +1,25 @@
+"""HTTP/2 keepalive as the host and the servers agree on it.
+
+A gRPC server left at its defaults (C-core, grpc-go, grpc-java alike) takes a ping that comes less
+than 5 minutes after the previous one, with no data sent in between, as abuse; after two of them it
+sends GOAWAY ``too_many_pings`` and closes the connection, with every stream on it. The host keeps
+streams open between calls (reused for the next invocation) and during long quiet stretches of one
+(an on_reply open while a tool runs for minutes), so a host pinging every 30 s had its connections
+to idle default servers torn down after about 90 s, and with them any invocation in flight.
+
+So the host pings no more often than any default server allows, and our own servers (the SDK's
+``serve()``, the host's service) accept pings from every 10 s, also on a connection without calls,
+for clients that want to notice a dead peer sooner.
+"""
+
+from __future__ import annotations
+
+# The host's ping interval on a quiet connection: over the 5-minute floor of default servers, with
+# a margin for timer jitter (a ping a millisecond early is already a strike).
+HOST_KEEPALIVE_MS = 330_000
+
+# What our servers accept (gRPC channel arguments).
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]

@@ -15,6 +15,7 @@ from agentmw.v1 import events_pb2, hooks_pb2
 
 from .codec import codec
 from .data import ChatResponse
+from .hooks import HOOKS_BY_NUMBER, Kind
 
 CHAT_DELTA = "chat_response_delta"
 CHAT_FINAL = "chat_response_final"
@@ -82,8 +83,7 @@ def subscribe(
     reuses an answer for the same two instead of calling again at every reasoning step."""
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
-    if done_with_inner and Mode.OBSERVE in (default, *modes.values()):
-        raise ValueError("done_with_inner cannot go with observed items (their changes may arrive after inner_done)")
+    _check_done_with_inner(done_with_inner, [default, *modes.values()])
     return Subscription(
         default=default,
         modes=modes,
@@ -95,6 +95,12 @@ def subscribe(
         only_when=only_when,
         cacheable=cacheable,
     )
+
+
+def _check_done_with_inner(done_with_inner: bool, modes: Iterable[Mode]) -> None:
+    """One rule for the author's declaration (subscribe) and the host's reading of it (Describe)."""
+    if done_with_inner and Mode.OBSERVE in modes:
+        raise ValueError("done_with_inner cannot go with observed items (their changes may arrive after inner_done)")
 
 
 def _item_types(kind: Any) -> list[int]:
@@ -137,7 +143,8 @@ MAX_FLAG_NAME = 256  # only_when: a slot member's name, not a document
 
 
 class SubscriptionTable:
-    """The host's view of one middleware's subscription at one hook."""
+    """The host's view of one middleware's subscription at one hook; a description that cannot
+    work is refused here (ValueError, a protocol violation at Describe)."""
 
     __slots__ = (
         "by_class",
@@ -170,15 +177,15 @@ class SubscriptionTable:
             else:
                 raise ValueError(f"unknown item type {sub.item_type} in a subscription")
         self.done_with_inner = desc.done_with_inner
-        if self.done_with_inner and Mode.OBSERVE in (
-            self.default,
-            self.chat_delta,
-            self.chat_final,
-            *self.by_class.values(),
-        ):
+        modes = [self.default, self.chat_delta, self.chat_final, *self.by_class.values()]
+        _check_done_with_inner(self.done_with_inner, modes)
+        spec = HOOKS_BY_NUMBER.get(desc.hook)
+        if spec is not None and spec.kind is Kind.TRANSFORM and (desc.detached or desc.done_with_inner):
             raise ValueError(
-                "done_with_inner cannot go with observed items (their changes may arrive after inner_done)"
+                f"{spec.name} cannot be {'detached' if desc.detached else 'done_with_inner'} (it returns a prompt)"
             )
+        if spec is not None and spec.kind is not Kind.TRANSFORM and desc.cacheable:
+            raise ValueError(f"{spec.name} cannot be cacheable (only on_system_prompt)")
         if len(desc.only_when) > MAX_FLAG_NAME:
             raise ValueError(
                 f"only_when names a slot member of {len(desc.only_when)} characters (at most {MAX_FLAG_NAME})"

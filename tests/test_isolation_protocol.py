@@ -118,8 +118,8 @@ async def test_done_with_inner_ends_the_call_at_inner_done_and_drops_what_comes_
 
 async def test_done_with_inner_does_not_wait_for_the_finish(evil: Any, scripts: Path) -> None:
     """A middleware declared done_with_inner that never sends its finish does not hold the reply
-    up: the host ended the call at inner_done (without the declaration, this reply would fail
-    after the timeout: see the next test)."""
+    up: the host ended the call at inner_done. The same script without the declaration fails the
+    reply after the timeout."""
     for flags, completes in ((("--done-with-inner",), True), ((), False)):
         proc = evil(*flags)
         remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=2)).connect()

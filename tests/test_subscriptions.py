@@ -140,3 +140,23 @@ def test_only_when_skips_unless_its_slot_member_is_exactly_true() -> None:
     assert not SubscriptionTable(hooks_pb2.HookDescription()).skips(None)  # not declared: always called
     with pytest.raises(ValueError, match="only_when names a slot member of 257 characters"):
         SubscriptionTable(hooks_pb2.HookDescription(only_when="x" * 257))
+
+
+@pytest.mark.parametrize(
+    ("description", "error"),
+    [
+        (dict(hook=hooks_pb2.HOOK_ON_SYSTEM_PROMPT, detached=True), "on_system_prompt cannot be detached"),
+        (dict(hook=hooks_pb2.HOOK_ON_SYSTEM_PROMPT, done_with_inner=True), "cannot be done_with_inner"),
+        (dict(hook=hooks_pb2.HOOK_ON_REPLY, cacheable=True), "on_reply cannot be cacheable"),
+        (
+            dict(hook=hooks_pb2.HOOK_ON_REPLY, done_with_inner=True, default_mode=hooks_pb2.SUBSCRIPTION_MODE_OBSERVE),
+            "done_with_inner cannot go with observed items",
+        ),
+    ],
+)
+def test_a_declaration_that_cannot_work_at_its_hook_is_refused(description: dict, error: str) -> None:
+    """The host reads every HookDescription through SubscriptionTable: what cannot work is refused
+    there, and Describe fails with that message."""
+    with pytest.raises(ValueError, match=error):
+        SubscriptionTable(hooks_pb2.HookDescription(**description))
+    assert SubscriptionTable(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_SYSTEM_PROMPT, cacheable=True)).cacheable

@@ -23,7 +23,7 @@ import jsonschema
 
 from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
-from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, Kind
+from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import Tool
 from agentmw.transport import HOST_KEEPALIVE_MS
@@ -189,11 +189,6 @@ class RemoteMiddleware:
             spec = HOOKS_BY_NUMBER.get(hook.hook)
             if spec is None:
                 raise ProtocolError(self.name, "Describe", f"unknown hook number {hook.hook}")
-            if (hook.detached or hook.done_with_inner) and spec.kind is Kind.TRANSFORM:
-                what = "detached" if hook.detached else "done_with_inner"
-                raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be {what} (it returns a prompt)")
-            if hook.cacheable and spec.kind is not Kind.TRANSFORM:
-                raise ProtocolError(self.name, "Describe", f"{spec.name} cannot be cacheable (only on_system_prompt)")
             try:
                 tables[spec.name] = SubscriptionTable(hook)
             except ValueError as exc:

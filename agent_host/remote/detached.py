@@ -252,12 +252,6 @@ async def _send_all(group: list[DetachedDelivery]) -> None:
 # -- the flat path: a detached invocation in one generator layer ----------------------------------
 
 
-def watching(mw: RemoteMiddleware, hook: str) -> bool:
-    """The hook is detached (as last described): its invocations take the flat path."""
-    table = mw.tables.get(hook)
-    return table is not None and table.detached
-
-
 _UNOPENED: Any = object()
 
 

@@ -34,7 +34,7 @@ from agentmw.wire import (
 )
 
 from .. import metrics, tracing
-from .detached import Watch, watching
+from .detached import Watch
 from .errors import MiddlewareFailure, OutputLimitExceeded, ProtocolError, RemoteMiddlewareError, StreamBroken
 
 if TYPE_CHECKING:
@@ -89,19 +89,26 @@ class HookCall:
 
     # -- faces ------------------------------------------------------------------------------------
 
+    # Each face reads the hook's description as last received once: a hook idle by its only_when
+    # flag is not called; a detached one takes the flat path (detached.py); the rest, the protocol.
+
     def items(self) -> AsyncIterator[Any]:
-        if self._skipped():
-            return self.next_handler()
-        if watching(self.mw, self.spec.name):  # a detached hook: the flat path (detached.py)
-            return Watch(self).items()
+        table = self.mw.tables.get(self.spec.name)
+        if table is not None:
+            if self._skipped(table):
+                return self.next_handler()
+            if table.detached:
+                return Watch(self).items()
         return self._guarded()
 
     async def stream(self) -> AsyncIterator[Any]:
         """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
-        if self._skipped():
-            return await self.next_handler()
-        if watching(self.mw, self.spec.name):
-            return await Watch(self).stream()
+        table = self.mw.tables.get(self.spec.name)
+        if table is not None:
+            if self._skipped(table):
+                return await self.next_handler()
+            if table.detached:
+                return await Watch(self).stream()
         gen = self._guarded()
         try:
             first = await anext(gen)
@@ -113,20 +120,20 @@ class HookCall:
         return prepend(first, gen)
 
     async def value(self) -> Any:
-        if self._skipped():
+        table = self.mw.tables.get(self.spec.name)
+        if table is not None and self._skipped(table):
             return self.input_kwargs["prompt"] if self.spec.kind is Kind.TRANSFORM else await self.next_handler()
         async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
             pass
         return self.result
 
-    def _skipped(self) -> bool:
-        """The hook declared ``only_when`` and that flag of its slot is off (as last described, and
-        that description is current): it would only pass through, so the inner pipeline runs
-        without it, no begin and no round trip (hooks.proto, HookDescription.only_when)."""
-        mw = self.mw
-        table = mw.tables.get(self.spec.name)
-        if table is None or not table.only_when:
+    def _skipped(self, table: SubscriptionTable) -> bool:
+        """The hook declared ``only_when`` and that flag of its slot is off (and the description is
+        current): it would only pass through, so the inner pipeline runs without it, no begin and
+        no round trip (hooks.proto, HookDescription.only_when)."""
+        if not table.only_when:  # the usual case: no slot lookup
             return False
+        mw = self.mw
         return table.skips(self.agent.state.middle_context.get(mw.key)) and not mw.needs_describe()
 
     # -- failure policy ------------------------------------------------------------------------

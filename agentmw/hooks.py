@@ -25,15 +25,13 @@ class HookSpec:
     params: frozenset[str]
     service: str  # the gRPC service of this hook position
     number: int  # agentmw.v1.Hook
-
-    @property
-    def has_items(self) -> bool:
-        return self.kind in (Kind.STREAM, Kind.MODEL)
+    has_items: bool  # STREAM and MODEL hooks carry items (a field, not a property: read per item)
 
 
 def _spec(name: str, kind: Kind, *params: str) -> HookSpec:
     service = "".join(part.title() for part in name.split("_"))
-    return HookSpec(name, kind, frozenset(params), service, hooks_pb2.Hook.Value("HOOK_" + name.upper()))
+    number = hooks_pb2.Hook.Value("HOOK_" + name.upper())
+    return HookSpec(name, kind, frozenset(params), service, number, kind in (Kind.STREAM, Kind.MODEL))
 
 
 HOOKS: dict[str, HookSpec] = {

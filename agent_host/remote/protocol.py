@@ -10,7 +10,8 @@ import asyncio
 import copy
 import logging
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,7 @@ class HookCall:
         self.deferred: hooks_pb2.MiddlewareMessage | None = None  # a command read while items flowed
         self.loop: asyncio.AbstractEventLoop  # set by _watch, before the first wait
         self.watchdog: asyncio.TimerHandle | None = None
-        self.waiting_since: float | None = None  # loop time since when the host waits on the stream
+        self.waiting_since: float | None = None  # time.monotonic() since when the host waits on the stream
         self.waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
         self.timed_out = False
         self.started_reply = False  # a ReplyStartEvent went outward (on_reply)
@@ -250,7 +251,9 @@ class HookCall:
             return
         self.call, self.reused = self.mw.take_stream(self.spec.name)
         self._watch()
-        if self.table.eager_next:  # the middleware calls next first thing: do not wait for it
+        table = self.table
+        advance = 0  # credits granted: run the inner pipeline to its next intercepted item first
+        if table.eager_next:  # the middleware calls next first thing: do not wait for it
             if self.spec.kind is Kind.CALL:
                 # A value hook's inner pipeline is short: send begin together with its outcome
                 # (one Batch, one message fewer); see _write.
@@ -258,11 +261,52 @@ class HookCall:
             else:
                 await self._write(begin)
             await self._start_inner(hooks_pb2.CallNext())
-            async for item in self._advance(DEFAULT_CREDITS):
-                yield item
+            advance = DEFAULT_CREDITS
         else:
             await self._write(begin)
         while True:
+            if advance:
+                # Run the inner pipeline to its next intercepted item (or its end), forwarding the
+                # rest. Inline, not a generator per call_next / pull: this is the per-item path.
+                self.credits += advance
+                advance = 0
+                self.pending = None
+                inner = self.inner
+                assert inner is not None
+                while True:
+                    try:
+                        item = await anext(inner)
+                    except StopAsyncIteration:
+                        self.inner, self.inner_done = None, True
+                        await self._write(self._done_message())
+                        break
+                    except Exception as exc:  # the inner pipeline raised: the middleware decides
+                        self.inner, self.inner_done, self.inner_exc = None, True, exc
+                        await self._write(self._error_message(exc))
+                        break
+                    mode = table.mode_of(item)
+                    if mode is Mode.BYPASS:
+                        yield item
+                        continue
+                    if mode is Mode.OBSERVE:
+                        self.in_hand = item  # taken from the inner pipeline, not yet forwarded
+                        if self.credits <= 0:
+                            async for emitted in self._await_credits():
+                                yield emitted
+                        self.in_hand = None
+                        if self.deferred is not None:  # a command came first: the loop below takes it
+                            yield item  # observed items are the host's to forward
+                            break
+                        self.credits -= 1
+                        self.seq += 1
+                        self._queue_copy(self._item_message(item, observed=True))
+                        yield item
+                        continue
+                    self.seq += 1
+                    self.pending, self.held_seq = item, self.seq
+                    self.credits = 0
+                    await self._write(self._item_message(item, observed=False))
+                    break
             if self.inner_done and self._done_with_inner():  # no finish to wait for (hooks.proto)
                 return
             msg = self.deferred or await self._read()
@@ -276,8 +320,7 @@ class HookCall:
                 if spec.kind is Kind.TRANSFORM:
                     raise self._violation("call_next in on_system_prompt (a transformer has no inner pipeline)")
                 await self._start_inner(msg.call_next)
-                async for item in self._advance(msg.call_next.credits):
-                    yield item
+                advance = max(msg.call_next.credits, 1)
             elif command == "pull":
                 pull = msg.pull
                 if self.inner is None:
@@ -288,8 +331,7 @@ class HookCall:
                     self.credits += max(pull.credits, 1)  # a credit grant, not the answer to the held item
                     continue
                 self.held_seq = 0
-                async for item in self._advance(pull.credits):
-                    yield item
+                advance = max(pull.credits, 1)
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
@@ -398,56 +440,24 @@ class HookCall:
             async for item in value:
                 yield item
 
-    async def _advance(self, credits: int) -> AsyncIterator[Any]:
-        """Run the inner pipeline to the next intercepted item (or its end), forwarding the rest."""
-        self.credits += max(credits, 1)
-        self.pending = None
-        table, inner = self.table, self.inner
-        assert table is not None and inner is not None
-        while True:
-            try:
-                item = await anext(inner)
-            except StopAsyncIteration:
-                self.inner, self.inner_done = None, True
-                await self._write(self._done_message())
+    async def _await_credits(self) -> AsyncIterator[Any]:
+        """Out of credits with an observed item in hand: read until the middleware grants more,
+        yielding what its actions emit meanwhile. A command other than pull (finish, fail,
+        call_next) is left in ``self.deferred`` for the main loop."""
+        while self.credits <= 0:
+            msg = await self._read()
+            for action in msg.actions:
+                emitted = self._apply(action)
+                if emitted is not NOTHING:
+                    yield emitted
+            command = msg.WhichOneof("command")
+            if command == "pull":
+                self.credits += max(msg.pull.credits, 1)
+            elif command is not None:
+                self.deferred = hooks_pb2.MiddlewareMessage()
+                self.deferred.CopyFrom(msg)
+                del self.deferred.actions[:]
                 return
-            except Exception as exc:  # the inner pipeline raised: the middleware decides
-                self.inner, self.inner_done, self.inner_exc = None, True, exc
-                await self._write(self._error_message(exc))
-                return
-            mode = table.mode_of(item)
-            if mode is Mode.BYPASS:
-                yield item
-                continue
-            if mode is Mode.OBSERVE:
-                self.in_hand = item  # taken from the inner pipeline, not yet forwarded
-                while self.credits <= 0:  # out of credits: read until the middleware grants more
-                    msg = await self._read()
-                    for action in msg.actions:
-                        emitted = self._apply(action)
-                        if emitted is not NOTHING:
-                            yield emitted
-                    command = msg.WhichOneof("command")
-                    if command == "pull":
-                        self.credits += max(msg.pull.credits, 1)
-                    elif command is not None:  # finish, fail or call_next: the main loop's business
-                        self.deferred = hooks_pb2.MiddlewareMessage()
-                        self.deferred.CopyFrom(msg)
-                        del self.deferred.actions[:]
-                        self.in_hand = None
-                        yield item  # observed items are the host's to forward
-                        return
-                self.credits -= 1
-                self.seq += 1
-                self._queue_copy(self._item_message(item, observed=True))
-                self.in_hand = None
-                yield item
-                continue
-            self.seq += 1
-            self.pending, self.held_seq = item, self.seq
-            self.credits = 0
-            await self._write(self._item_message(item, observed=False))
-            return
 
     # -- host messages (the same for interactive and detached hooks) ------------------------------
 
@@ -611,11 +621,11 @@ class HookCall:
         self.watchdog = self.loop.call_later(self.mw.policy.timeout, self._check_wait)
 
     def _check_wait(self) -> None:
-        timeout, since, now = self.mw.policy.timeout, self.waiting_since, self.loop.time()
+        timeout, since, now = self.mw.policy.timeout, self.waiting_since, time.monotonic()
         if since is not None and now - since >= timeout:
             self.timed_out = True
             if self.waiter is not None:
-                self.waiter.cancel()  # see _wait
+                self.waiter.cancel()  # see _timeout
             if self.call is not None:
                 self.call.cancel()
             return
@@ -623,23 +633,26 @@ class HookCall:
             timeout - (now - since) if since is not None else timeout, self._check_wait
         )
 
-    async def _wait(self, operation: Any, what: str, since: float | None = None) -> Any:
-        self.waiting_since = self.loop.time() if since is None else since
-        self.waiter = task = asyncio.current_task()
-        try:
-            return await operation
-        except asyncio.CancelledError:
-            if self.timed_out:  # our watchdog, not (only) a cancellation of the reply
-                if task is not None and task.uncancel() > 0:
-                    raise  # the reply was cancelled as well: that wins
-                if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
-                    what = f"{what} within {self.mw.policy.timeout}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
-                else:
-                    what = f"{what} within {self.mw.policy.timeout}s (timeout)"
-                raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
-            raise
-        finally:
-            self.waiting_since = self.waiter = None
+    def _waiting(self, since: float | None = None) -> None:
+        """The host starts to wait on the stream (the watchdog measures from ``since``, else now).
+        Inline around each read and write, not a coroutine wrapping them: every frame between the
+        host's task and grpc is resumed at each wakeup, four per intercepted item."""
+        self.waiting_since = time.monotonic() if since is None else since
+        self.waiter = asyncio.current_task(self.loop)  # with the loop given: no running-loop lookup
+
+    def _timeout(self, what: str) -> MiddlewareFailure | None:
+        """On a CancelledError while waiting: the failure to raise when our watchdog cancelled the
+        wait; None when the reply itself was cancelled (that wins: re-raise)."""
+        if not self.timed_out:
+            return None
+        task = self.waiter
+        if task is not None and task.uncancel() > 0:
+            return None  # the reply was cancelled as well
+        if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
+            what = f"{what} within {self.mw.policy.timeout}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
+        else:
+            what = f"{what} within {self.mw.policy.timeout}s (timeout)"
+        return MiddlewareFailure(self.mw.name, self.spec.name, what)
 
     def _queue_copy(self, copy: hooks_pb2.HostMessage) -> None:
         """An observed copy goes out when the host next yields to its event loop, together with
@@ -680,32 +693,53 @@ class HookCall:
             return messages[0]
         return hooks_pb2.HostMessage(batch=hooks_pb2.Batch(messages=messages), invocation=self.invocation)
 
-    async def _write(self, msg: hooks_pb2.HostMessage) -> None:
+    def _write(self, msg: hooks_pb2.HostMessage) -> Awaitable[None]:
+        """Send ``msg`` after whatever must go before it (copies in flight, a held begin). The usual
+        case returns ``_send`` itself: one frame fewer between the host's task and grpc."""
+        if self.flusher is not None or self.copy_error is not None or self.held_begin is not None or self.copies:
+            return self._write_after_pending(msg)
+        return self._send(msg)
+
+    async def _write_after_pending(self, msg: hooks_pb2.HostMessage) -> None:
         await self._settle_copies()
         await self._send(self._with_pending(msg) if self.held_begin is not None or self.copies else msg)
 
     async def _send(self, msg: hooks_pb2.HostMessage) -> None:
+        self._waiting()
         try:
-            await self._wait(self.call.write(msg), "could not send")  # a middleware that stops reading blocks it
+            await self.call.write(msg)  # a middleware that stops reading blocks it
+        except asyncio.CancelledError:
+            if (failure := self._timeout("could not send")) is None:
+                raise
+            raise failure from None
         except grpc.aio.AioRpcError as exc:
             raise StreamBroken(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
         except asyncio.InvalidStateError:
             raise StreamBroken(self.mw.name, self.spec.name, "the stream is closed") from None
+        finally:
+            self.waiting_since = self.waiter = None
 
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
         """The middleware's next message of this invocation. Messages of finished invocations on this
         stream (sent after their finish) are dropped; they count against the same deadline."""
         if self.copies or self.flusher is not None or self.copy_error is not None:
             await self._write_copies()  # what it may be waiting for goes out first (or their failure)
-        since = self.loop.time()
+        since = time.monotonic()
         while True:
+            self._waiting(since)
             try:
-                msg = await self._wait(self.call.read(), "no answer", since)
+                msg = await self.call.read()
+            except asyncio.CancelledError:
+                if (failure := self._timeout("no answer")) is None:
+                    raise
+                raise failure from None
             except grpc.aio.AioRpcError as exc:
                 what = f"{exc.code().name}: {exc.details()}"
                 if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
                     raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
                 raise StreamBroken(self.mw.name, self.spec.name, what) from None
+            finally:
+                self.waiting_since = self.waiter = None
             if msg is grpc.aio.EOF:
                 raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish")
             if msg is None:  # grpc.aio hands over None when the bytes do not parse

@@ -8,7 +8,9 @@ steal_id (appends a block under the id of the user's own text block), unserved (
 on_reasoning in Describe without serving it), forward_twice (forwards the item it holds twice),
 reply_result (finishes on_reply with a result), seqs (observes every item but the final Msg, and
 finishes only if the items were numbered 1, 2, ...; else fails saying what it got), burst (seqs,
-and fails unless some message carried several items: a burst of observed copies comes batched).
+and fails unless some message carried several items: a burst of observed copies comes batched),
+finish_early (observes every item with one credit, and finishes after the first copy: the host then
+holds the next item, taken from the inner pipeline while it waited for credits).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         self.hooks = [hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
         if mode == "unserved":
             self.hooks.append(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REASONING))
+        if mode == "finish_early":
+            self.hooks[0].default_mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE
         if mode in ("seqs", "burst"):
             self.hooks[0].default_mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE
             msg = self.hooks[0].subscriptions.add(item_type=events_pb2.ITEM_TYPE_MSG)
@@ -106,6 +110,10 @@ def on_reply(mode: str):
                 await context.write(out(hooks_pb2.MiddlewareMessage(fail=fail)))
             else:
                 await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
+        elif mode == "finish_early":
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext(credits=1))))
+            await context.read()  # the first item's copy; the host now waits for credits
+            await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
         await asyncio.sleep(30)  # the host must give up on its own

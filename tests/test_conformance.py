@@ -682,6 +682,35 @@ async def test_every_delivered_item_is_numbered_and_a_burst_of_copies_comes_batc
         proc.stop()
 
 
+async def test_an_observed_item_in_hand_is_forwarded_when_the_middleware_finishes_instead_of_granting() -> None:
+    """The host took the second item from the inner pipeline and waits for credits to copy it; the
+    middleware finishes instead. The item is the host's to forward (observed items never wait on the
+    middleware), so the stream ends after it: nothing taken from the inner pipeline is lost."""
+    from agent_host.agent import Agent
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import RemoteMiddleware
+    from agentmw.chain import Chain
+    from agentmw.data import TextBlockDeltaEvent
+    from clients.launch import ServerProcess
+
+    deltas = [TextBlockDeltaEvent(reply_id="r", block_id="b", delta=f"w{i}") for i in range(5)]
+
+    async def core(inputs: Any = None, structured_schema: Any = None) -> Any:
+        for delta in deltas:
+            yield delta
+
+    proc = ServerProcess(["-m", "tests.raw_mw", "finish_early", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        chain = Chain("on_reply", [remote], core)
+        agent = Agent(model=OfflineRuleModel(), middlewares=[])
+        out = [item async for item in chain(agent, inputs=None, structured_schema=None)]
+        assert [d.delta for d in out] == ["w0", "w1"]
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 RUN_AHEAD = Scenario("run_ahead", [Layer("MaxItersAtStart"), Layer("AfterYieldRunsAhead")])
 
 

@@ -794,3 +794,33 @@ class OnlyWhenTattletale(OnlyWhen):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (OnlyWhen, OnlyWhenTattletale)})
+
+
+class SlotAfterYield(MiddlewareBase):
+    """Outer layer: after yielding its k-th text delta, sets its slot to ``{"n": k}`` (code after
+    a yield, which runs before it asks its inner pipeline for the next item)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockDeltaEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key, n = await self.get_middleware_key(), 0
+        async for item in next_handler():
+            yield item
+            if isinstance(item, TextBlockDeltaEvent):
+                n += 1
+                agent.state.middle_context[key] = {"n": n}
+
+
+class ReadsOuterSlot(MiddlewareBase):
+    """Inner layer (in-process): notes SlotAfterYield's ``n`` as each text delta passes it."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key, seen = await self.get_middleware_key(), []
+        async for item in next_handler():
+            if isinstance(item, TextBlockDeltaEvent):
+                seen.append((agent.state.middle_context.get("SlotAfterYield") or {}).get("n", 0))
+                agent.state.middle_context[key] = {"seen": list(seen)}
+            yield item
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (SlotAfterYield, ReadsOuterSlot)})

@@ -515,6 +515,11 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
         _observe_deltas_intercept_end,
     ),
 ]
+SLOT_AFTER_YIELD = Scenario(
+    "slot_after_yield",
+    [Layer("SlotAfterYield"), Layer("ReadsOuterSlot")],
+    models={"main": {"reply_template": "one two three four"}},
+)
 SHARED_SLOT = Scenario(
     "shared_slot", [Layer("SharedCounter"), Layer("SharedCounter")], models={"main": {"reply_template": WORDS_25}}
 )
@@ -532,6 +537,7 @@ def sdk_fidelity_servers():
             COPIED_KWARGS_EDIT,
             IN_PLACE_TOOL_INPUT,
             LATE_AFTER_INNER,
+            SLOT_AFTER_YIELD,
             Scenario("raises", [Layer("Raises")]),
         ]
     )
@@ -548,6 +554,21 @@ async def test_sdk_fidelity_same_in_process_and_remote(
     check(local_events, local_state)
     check(remote_events, remote_state)
     assert remote_events == local_events and remote_state == local_state
+
+
+async def test_a_slot_set_after_a_yield_reaches_inner_layers_before_the_next_item(
+    sdk_fidelity_servers: Servers,
+) -> None:
+    """The outer layer's code after ``yield`` sets its slot, then asks for the next item: in-process
+    the inner layer producing that item sees the new value. Served remotely, the change goes with
+    the pull that asks for the item (the SDK syncs the view there), so it sees the same."""
+    local_events, local_state = await run(SLOT_AFTER_YIELD, ["local", "local"], None)
+    remote_events, remote_state = await run(SLOT_AFTER_YIELD, ["remote", "local"], sdk_fidelity_servers)
+    deltas = sum(e["class"] == "TextBlockDeltaEvent" for e in local_events)
+    assert deltas >= 3
+    assert local_state["middle_context"]["ReadsOuterSlot"] == {"seen": list(range(deltas))}
+    assert remote_state["middle_context"] == local_state["middle_context"]
+    assert remote_events == local_events
 
 
 async def test_a_model_call_message_edited_in_place_reaches_the_model(sdk_fidelity_servers: Servers) -> None:

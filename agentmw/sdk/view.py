@@ -33,6 +33,12 @@ if TYPE_CHECKING:
     from .session import HookSession
 
 
+# The slot's canonical text (what json.dumps(value, sort_keys=True) gives), by one encoder made
+# once: json.dumps builds a new encoder per call when given sort_keys, and a dict or list slot is
+# compared this way at every message the SDK sends (twice per intercepted item).
+_canonical = json.JSONEncoder(sort_keys=True).encode
+
+
 class SlotDict(dict):
     """``middle_context`` seen from a middleware: its own key only; reads mark it for a sync."""
 
@@ -50,7 +56,7 @@ class SlotDict(dict):
         if applied < self.pending_message:
             return
         self.pending_message = 0
-        text = "null" if value is None else json.dumps(value, sort_keys=True)
+        text = "null" if value is None else _canonical(value)
         dict.clear(self)
         if value is not None:
             dict.__setitem__(self, self.key, value)
@@ -93,7 +99,7 @@ class SlotDict(dict):
         if not self.touched and not isinstance(value, (dict, list)):
             return False, None
         self.touched = False
-        text = json.dumps(value, sort_keys=True)
+        text = _canonical(value)
         if text == self.synced:
             return False, None
         self.synced = text

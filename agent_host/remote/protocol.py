@@ -236,6 +236,9 @@ class HookCall:
     # -- the protocol -----------------------------------------------------------------------------
 
     async def _run(self) -> AsyncGenerator[Any, None]:
+        """One invocation: the begin, then until finish or fail: while the middleware has granted
+        credits, run the inner pipeline to its next intercepted item (``advance``); read the
+        middleware's next message, apply its actions in order, obey its command."""
         mw, spec = self.mw, self.spec
         await mw.ensure_described()
         self.table = mw.tables.get(spec.name)

@@ -172,6 +172,17 @@ OPTIMIZATIONS += [
 ]
 
 
+# Then: a middleware's dict or list slot, compared at every message the SDK sends (twice per
+# intercepted item), is encoded by one sort_keys encoder made once instead of json.dumps (which
+# builds an encoder per call when given sort_keys). The SDK's per-item loop in-process over a fake
+# stream (HookSession with a scripted reader and writer, 200 lock-step items, 20 alternating rounds),
+# 2026-12-01 08:20 UTC; the same middleware without a slot: 17.1 µs.
+_SLOT_TEXT = "SDK: the slot's canonical text by one encoder (agentmw/sdk/view.py)"
+OPTIMIZATIONS += [
+    (_SLOT_TEXT, "0bc568f", "SDK CPU per lock-step item, middleware with a 3-key dict slot", "22.9 µs", "21.1 µs"),
+]
+
+
 def optimization_rows() -> list[list[str]]:
     return [list(row) for row in OPTIMIZATIONS] or [["(none recorded)", "", "", "", ""]]
 

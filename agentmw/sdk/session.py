@@ -338,12 +338,11 @@ class HookSession:
         """Send pending actions (in order) together with ``msg``'s command. ``check``: first turn
         in-place view changes into mutations (raises in the author's code if one cannot be carried);
         ``synced``: the caller just did, and no author code ran since."""
-        if synced:
-            pass
-        elif check:
-            self.sync_state()
-        else:
-            self.sync_slot()
+        if not synced:
+            if check:
+                self.sync_state()
+            else:
+                self.sync_slot()
         msg.invocation = self.invocation
         # acquire/release, not ``async with``: two Python calls fewer, twice per item.
         lock = self.write_lock

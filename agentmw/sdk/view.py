@@ -328,6 +328,16 @@ def _blocks(blocks: list[ContentBlock], out: Any) -> None:
         codec.encode(block, getattr(wrapper, codec.block_field_by_py[type(block)]))
 
 
+class _Ended:
+    """The session of a view whose hook invocation has ended (``AgentView.close``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this agent view's hook invocation has ended: a change made through it reaches no host")
+
+
+_ENDED: Any = _Ended()
+
+
 class AgentView:
     def __init__(self, session: HookSession, key: str) -> None:
         self._session = session
@@ -358,6 +368,11 @@ class AgentView:
 
     def set_model(self, model_id: str) -> None:
         self._session.mutate(hooks_pb2.Mutation(set_model=model_id))
+
+    def close(self) -> None:
+        """The invocation ended: the view lets go of its session (no reference cycle is left), and a
+        change made through a view kept past the end raises instead of going nowhere."""
+        self._session = self.state._session = self.state.context.session = _ENDED
 
     def refresh(self, ctx: hooks_pb2.HookContext) -> None:
         """Take in the host's state as sent with Begin / an item / inner_done."""

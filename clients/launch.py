@@ -21,8 +21,10 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,11 +42,41 @@ class LaunchError(RuntimeError):
     """A child process exited or stayed silent instead of printing its listening line."""
 
 
+_ports = random.Random()  # its own generator: choosing ports touches no global random state
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def unused_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range (0 if none is found).
+
+    A child asked for port 0 gets one from that range, and once it is gone the port can become the
+    source port of any outgoing connection, even of a reconnect attempt to that very port (which then
+    connects to itself): a restart on it fails to bind. Ports below the range are never handed out
+    that way."""
+    low = _ephemeral_low()
+    for _ in range(50):
+        port = _ports.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return 0
+
+
 class ServerProcess:
     """``python <argv>`` run from the repository root, ready once it prints "listening on HOST:PORT".
 
-    ``argv`` may contain ``{port}``: it becomes ``port`` (0 at first, so the child picks a free
-    one; after a start, the port it announced, so that ``restart()`` binds the same one again).
+    ``argv`` may contain ``{port}``: it becomes ``port``; when that is 0, a free one below the
+    ephemeral range (``unused_port``), and after a start, the port it announced, so that
+    ``restart()`` binds the same one again.
     ``executable`` runs ``<executable> <argv>`` instead (e.g. "node"); the default is this Python.
     """
 
@@ -88,7 +120,19 @@ class ServerProcess:
         """
         if self.running:
             raise LaunchError(f"{self.name} is already running at {self.address}")
-        argv = [a.replace("{port}", str(self.port)) for a in self.argv]
+        chosen = self.port == 0 and any("{port}" in a for a in self.argv)
+        attempts = 3 if chosen else 1
+        while True:
+            attempts -= 1
+            try:
+                return self._start(unused_port() if chosen else self.port)
+            except LaunchError as exc:
+                # A port chosen here can be taken between the probe and the child's bind: another one.
+                if attempts == 0 or "bind" not in str(exc).lower():
+                    raise
+
+    def _start(self, port: int) -> ServerProcess:
+        argv = [a.replace("{port}", str(port)) for a in self.argv]
         if self.log_path is not None:
             self._log = self.log_path.open("a" if self.popen else "w")  # a restart appends
         self.address = ""

@@ -6,6 +6,7 @@ dead server, and the context sent only to hooks that asked for it. Real processe
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,3 +150,30 @@ async def test_a_middleware_restarted_between_replies_is_described_again(servers
         assert "key changed from 'one' to 'two'" in end.error.message
     finally:
         await remote.close()
+
+
+def test_servers_listen_below_the_ephemeral_range_so_a_restart_finds_their_port_free(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that picked port 0 got one from the kernel's ephemeral range; once it was killed,
+    that port could become the source port of any outgoing connection (a reconnect attempt to it
+    even connects to itself), and the restart on it failed to bind (a guard test failed so once).
+    The launcher picks ports below that range, and picks another when one is taken between its
+    probe and the child's bind."""
+    from clients import launch
+
+    low = launch._ephemeral_low()
+    assert all(1024 <= launch.unused_port() < low for _ in range(20))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        free = launch.unused_port()
+        chosen = iter([taken.getsockname()[1], free])
+        monkeypatch.setattr(launch, "unused_port", lambda: next(chosen))
+        proc = ServerProcess(["-m", "tests.raw_mw", "garbage", "--address", "127.0.0.1:{port}"]).start()
+    try:
+        assert proc.port == free
+        proc.kill()
+        assert proc.restart().port == free
+    finally:
+        proc.stop()

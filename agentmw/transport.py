@@ -8,8 +8,8 @@ streams open between calls (reused for the next invocation) and during long quie
 to idle default servers torn down after about 90 s, and with them any invocation in flight.
 
 So the host pings no more often than any default server allows, and our own servers (the SDK's
-``serve()``, the host's service) accept pings from every 10 s, also on a connection without calls,
-for clients that want to notice a dead peer sooner.
+``serve()``, the host's service, the bench's floors) accept pings from every 10 s, also on a
+connection without calls, for clients that want to notice a dead peer sooner.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from __future__ import annotations
 # a margin for timer jitter (a ping a millisecond early is already a strike).
 HOST_KEEPALIVE_MS = 330_000
 
-# What our servers accept (gRPC channel arguments).
+# The options every server of ours starts with (gRPC channel arguments): one process per port (a
+# second server on a taken port fails to bind instead of sharing it), and the pings it accepts.
 SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.so_reuseport", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]

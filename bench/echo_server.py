@@ -95,7 +95,7 @@ class _Describe(hooks_pb2_grpc.DescribeServicer):
 
 
 async def serve(address: str) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS])
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     handlers = {
         "Exchange": grpc.stream_stream_rpc_method_handler(_exchange),
         "PingPong": grpc.stream_stream_rpc_method_handler(_ping_pong),

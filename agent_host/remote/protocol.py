@@ -628,7 +628,7 @@ class HookCall:
         if since is not None and now - since >= timeout:
             self.timed_out = True
             if self.waiter is not None:
-                self.waiter.cancel()  # see _timeout
+                self.waiter.cancel()  # see _fail_if_timed_out
             if self.call is not None:
                 self.call.cancel()
             return
@@ -643,19 +643,19 @@ class HookCall:
         self.waiting_since = time.monotonic() if since is None else since
         self.waiter = asyncio.current_task(self.loop)  # with the loop given: no running-loop lookup
 
-    def _timeout(self, what: str) -> MiddlewareFailure | None:
-        """On a CancelledError while waiting: the failure to raise when our watchdog cancelled the
-        wait; None when the reply itself was cancelled (that wins: re-raise)."""
+    def _fail_if_timed_out(self, what: str) -> None:
+        """On a CancelledError while waiting: raise the failure when our watchdog cancelled the
+        wait; return when the reply itself was cancelled (that wins: the caller re-raises)."""
         if not self.timed_out:
-            return None
+            return
         task = self.waiter
         if task is not None and task.uncancel() > 0:
-            return None  # the reply was cancelled as well
+            return  # the reply was cancelled as well
         if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
             what = f"{what} within {self.mw.policy.timeout}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
         else:
             what = f"{what} within {self.mw.policy.timeout}s (timeout)"
-        return MiddlewareFailure(self.mw.name, self.spec.name, what)
+        raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
 
     def _queue_copy(self, copy: hooks_pb2.HostMessage) -> None:
         """An observed copy goes out when the host next yields to its event loop, together with
@@ -712,9 +712,8 @@ class HookCall:
         try:
             await self.call.write(msg)  # a middleware that stops reading blocks it
         except asyncio.CancelledError:
-            if (failure := self._timeout("could not send")) is None:
-                raise
-            raise failure from None
+            self._fail_if_timed_out("could not send")
+            raise
         except grpc.aio.AioRpcError as exc:
             raise StreamBroken(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
         except asyncio.InvalidStateError:
@@ -733,9 +732,8 @@ class HookCall:
             try:
                 msg = await self.call.read()
             except asyncio.CancelledError:
-                if (failure := self._timeout("no answer")) is None:
-                    raise
-                raise failure from None
+                self._fail_if_timed_out("no answer")
+                raise
             except grpc.aio.AioRpcError as exc:
                 what = f"{exc.code().name}: {exc.details()}"
                 if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():

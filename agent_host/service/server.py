@@ -363,7 +363,7 @@ async def build_host(config: HostConfig) -> Host:
 
 async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
     sec = host.config.security
-    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", sec.max_message_bytes), *SERVER_OPTIONS]
+    options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", sec.max_message_bytes)]
     interceptors = [_Authorize(Authenticator(sec.users)), _DecodeErrors()]  # the first is the outermost
     server = grpc.aio.server(options=options, interceptors=interceptors)
     host_pb2_grpc.add_AgentHostServicer_to_server(AgentHostServicer(host), server)

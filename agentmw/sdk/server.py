@@ -171,7 +171,7 @@ async def start(
     """Start serving in the running event loop; returns the server and the bound port."""
     security = security or ServeSecurity()
     interceptors = [_HostToken(security.token_sha256)] if security.token_sha256 else []
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_OPTIONS], interceptors=interceptors)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     description = await describe(middleware)
     services = []
     for hook in description.hooks:

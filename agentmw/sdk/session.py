@@ -412,12 +412,6 @@ class HookSession:
         finally:
             lock.release()
 
-    async def read(self) -> hooks_pb2.HostMessage:
-        """The host's next message of this invocation (read ahead or from the stream)."""
-        if not self.inbox:
-            await self.fetch(_has_inbox)
-        return self.inbox.popleft()
-
 
 # What fetch() waits for. Module functions, not lambdas made per call (one per item) or stored on
 # the session (each a reference cycle, left to the garbage collector).
@@ -529,7 +523,7 @@ class InnerStream:
         s = self.session
         inbox = s.inbox
         while True:
-            if not inbox:  # s.read() inline: one frame fewer on the wait for each item
+            if not inbox:  # the host's next message of this invocation: read ahead, or read it now
                 await s.fetch(_has_inbox)
             msg = inbox.popleft()
             which = msg.WhichOneof("message")

@@ -11,6 +11,7 @@ import asyncio
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +28,7 @@ from agentmw.data import (
     ReplyStartEvent,
     RequireUserConfirmEvent,
     TextBlockDeltaEvent,
+    ToolResultEndEvent,
     UserConfirmResultEvent,
     UserMsg,
 )
@@ -187,3 +189,54 @@ async def test_node_refills_credits_as_its_last_observed_item_uses_the_grant(nod
         assert remote.bypasses == 0
     finally:
         await remote.close()
+
+
+@tool(description="Add two numbers.")
+def add(a: int, b: int) -> str:
+    return str(a + b)
+
+
+class PromptSeen(MiddlewareBase):
+    """In-process, after NodeTagger: notes the system prompt each reasoning step ends up with."""
+
+    def __init__(self) -> None:
+        self.prompts: list[str] = []
+
+    async def on_system_prompt(self, agent: Any, prompt: str) -> str:
+        self.prompts.append(prompt)
+        return prompt
+
+
+async def test_node_declares_its_prompt_cacheable_and_is_asked_once(tmp_path: Path) -> None:
+    """NodeTagger's new prompt is the input plus a fixed tag: declared ``cacheable`` (hooks.proto,
+    HookDescription), it is asked once for a reply of two reasoning steps (a tool round), where an
+    undeclared prompt is asked at every step; the tag is in the answer. Its slot changes from one
+    reply to the next, and the host asks again then (the answer may depend on the slot).
+    NodeTagger's AGENTMW_DEBUG log counts the begins it received; an in-process layer after it sees
+    the tagged prompt every time the agent asks (at both steps)."""
+    ensure_node_modules()
+    proc = ServerProcess(
+        [str(NODE_DIR / "server.js"), "--address", "127.0.0.1:{port}"],
+        name="NodeTagger-debug",
+        executable="node",
+        env={"AGENTMW_DEBUG": "1"},
+        log_dir=tmp_path,
+    ).start()
+    try:
+        remote = await connect(proc.address)
+        assert remote.tables["on_system_prompt"].cacheable
+        seen = PromptSeen()
+        agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([add]), middlewares=[remote, seen])
+        try:
+            items = await reply(agent, "call add a=1 b=2")
+            assert sum(isinstance(i, ToolResultEndEvent) for i in items) == 1
+            assert check_reply(items) == "Done: add returned 3."
+            assert len(seen.prompts) >= 2 and all(p.endswith(TAG) for p in seen.prompts), seen.prompts
+        finally:
+            await remote.close()
+    finally:
+        proc.stop()
+    assert proc.log_path is not None
+    log = proc.log_path.read_text().splitlines()
+    begins = [line for line in log if line.startswith("[on_system_prompt ") and ' <- {"begin"' in line]
+    assert len(begins) == 1, begins

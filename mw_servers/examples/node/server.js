@@ -1,7 +1,7 @@
 #!/usr/bin/env node
 // NodeTagger: an agentmw v1 middleware written in Node.js from protos/agentmw/v1/*.proto alone.
 //
-//   on_system_prompt : appends "\n[tagged by node]" to the prompt.
+//   on_system_prompt : appends "\n[tagged by node]" to the prompt (declared cacheable).
 //   on_reply         : intercepts only ReplyStartEvent, re-emits it followed by CustomEvent
 //                      "node_hello" {"lang": "node"}; observes text deltas (copies, never waited
 //                      for); everything else BYPASS. Counts the session's replies and the text
@@ -238,7 +238,9 @@ const DESCRIPTION = {
   key: KEY,
   protocol_version: 'v1',
   hooks: [
-    { hook: 'HOOK_ON_SYSTEM_PROMPT' },
+    // cacheable: the new prompt is the input prompt plus a fixed tag, so the host may reuse it for
+    // the same input (and slot) in any later step, reply or session, until it describes us again.
+    { hook: 'HOOK_ON_SYSTEM_PROMPT', cacheable: true },
     {
       // Not done_with_inner: it observes deltas, and its finish carries the slot with their count.
       // Not only_when either: it counts every reply (only_when suits a hook idle until a flag is set).

@@ -134,3 +134,59 @@ async def test_a_served_invocation_leaves_nothing_for_the_garbage_collector_and_
     assert left == []
     with pytest.raises(RuntimeError, match="hook invocation has ended"):
         mw.kept.state.append_context("late", [TextBlock(text="too late")])
+
+
+class _WaitsAfterYield(MiddlewareBase):
+    """Declared run_ahead, it waits after its first yield for something that happens only once the
+    consumer has that item: its emit must go out while it waits, not with its next pull."""
+
+    subscriptions = {"on_reply": subscribe(default=Mode.INTERCEPT, run_ahead=True)}
+
+    def __init__(self) -> None:
+        self.consumer_has_it = asyncio.Event()
+        self.cancelled = asyncio.Event()
+
+    async def on_reply(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any:
+        first = True
+        async for item in next_handler():
+            yield item
+            if first:
+                first = False
+                try:
+                    await asyncio.wait_for(self.consumer_has_it.wait(), 10)
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    raise
+
+
+async def test_a_run_ahead_emit_goes_out_while_the_code_after_its_yield_waits_and_the_wait_ends_with_stream() -> None:
+    """Served in this process, so that the middleware can wait on the consumer itself. The SDK
+    sends a run_ahead emit with the pull for the next item when the code asks for it straight away,
+    and at once when the code waits for anything else first; holding it for the pull, this reply
+    would wait for itself (and fail after 10 s)."""
+    mw = _WaitsAfterYield()
+    server, port = await start(mw, "127.0.0.1:0")
+    remote = await RemoteMiddleware(f"127.0.0.1:{port}").connect()
+    agent = Agent(model=OfflineRuleModel(), middlewares=[])
+
+    async def deltas(inputs: Any = None, structured_schema: Any = None) -> Any:
+        for word in ("a", "b", "c"):
+            yield TextBlockDeltaEvent(reply_id="r", block_id="b", delta=word)
+
+    out = []
+    chain = Chain("on_reply", [remote], deltas)
+    try:
+        async with asyncio.timeout(30):
+            async for item in chain(agent, inputs=None, structured_schema=None):
+                out.append(item.delta)
+                mw.consumer_has_it.set()
+            assert out == ["a", "b", "c"]
+            # The consumer stops while the code waits: the host cancels the stream, and the wait
+            # in the author's code is cancelled with it (as it would be in-process).
+            mw.consumer_has_it.clear()
+            async for _ in chain(agent, inputs=None, structured_schema=None):
+                break
+            await asyncio.wait_for(mw.cancelled.wait(), 10)
+    finally:
+        await remote.close()
+        await server.stop(None)

@@ -8,6 +8,7 @@ consistent, and use a restarted middleware again.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -201,6 +202,12 @@ async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess)
     marker.kill()
     items = await reply(agent, "while it is down")
     assert end_of(items).finished_reason == ReplyFinishedReason.ERROR
+    # It waited the hook timeout for a restart, then says why it gave up (not a bare DEADLINE_EXCEEDED).
+    error = end_of(items).error
+    assert error is not None and re.search(
+        rf"failed in Describe: cannot connect to {re.escape(marker.address)} \(waited 5 s\): .*(refused|connect)",
+        error.message,
+    ), error
     marker.restart()  # same port
     assert await remote.wait_ready(5)  # the channel reconnects by itself (backoff at most 1 s)
     items = await reply(agent, "after the restart")

@@ -179,7 +179,7 @@ class RemoteMiddleware:
                     request, timeout=limit, wait_for_ready=True, metadata=self.metadata
                 )
         except grpc.aio.AioRpcError as exc:
-            raise MiddlewareFailure(self.name, "Describe", f"{exc.code().name}: {exc.details()}") from None
+            raise MiddlewareFailure(self.name, "Describe", await self._why(exc, request, limit)) from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         if not desc.key:
@@ -205,6 +205,23 @@ class RemoteMiddleware:
         self.prompt_cache.clear()  # answers of the server as it was described before
         self._drop_idle()  # streams of an earlier connection are of no use
         return self
+
+    async def _why(self, exc: grpc.aio.AioRpcError, request: hooks_pb2.DescribeRequest, waited: float) -> str:
+        """What a failed Describe says. One that waited for the server and ran out of time says only
+        DEADLINE_EXCEEDED, for a server that is down as for one that hangs: a second ask that does
+        not wait fails at once with the channel's own reason when it cannot connect (connection
+        refused, a name that does not resolve, a TLS handshake refused)."""
+        text = f"{exc.code().name}: {exc.details()}"
+        if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
+            return text
+        try:
+            await self._describe_stub.Describe(
+                request, timeout=min(waited, 2.0), wait_for_ready=False, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as probe:
+            if probe.code() is grpc.StatusCode.UNAVAILABLE:
+                return f"cannot connect to {self.address} (waited {waited:g} s): {probe.details()}"
+        return f"no answer within {waited:g} s ({text})"
 
     def _check_permitted(self, desc: hooks_pb2.MiddlewareDescription, tables: dict[str, SubscriptionTable]) -> None:
         """Least privilege, where Describe is read: the host decides the key, the hooks, the context

@@ -10,7 +10,8 @@ reply_result (finishes on_reply with a result), seqs (observes every item but th
 finishes only if the items were numbered 1, 2, ...; else fails saying what it got), burst (seqs,
 and fails unless some message carried several items: a burst of observed copies comes batched),
 finish_early (observes every item with one credit, and finishes after the first copy: the host then
-holds the next item, taken from the inner pipeline while it waited for credits).
+holds the next item, taken from the inner pipeline while it waited for credits), describe_hangs
+(never answers Describe).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.raw_server import serve_raw
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
     def __init__(self, mode: str) -> None:
+        self.mode = mode
         self.hooks = [hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
         if mode == "unserved":
             self.hooks.append(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REASONING))
@@ -37,6 +39,8 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
             msg.mode = hooks_pb2.SUBSCRIPTION_MODE_INTERCEPT
 
     async def Describe(self, request, context):
+        if self.mode == "describe_hangs":
+            await asyncio.Event().wait()
         return hooks_pb2.MiddlewareDescription(key="Raw", protocol_version="v1", hooks=self.hooks)
 
 

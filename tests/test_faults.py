@@ -15,6 +15,7 @@ import pytest
 from agent_host.agent import Agent
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
+from agent_host.remote.errors import MiddlewareFailure
 from agentmw.data import (
     CustomEvent,
     Msg,
@@ -221,6 +222,18 @@ async def test_unknown_address_fails_to_attach() -> None:
     with pytest.raises(Exception, match=r"failed in Describe: cannot connect to 127.0.0.1:1: connection refused"):
         await remote.connect()
     await remote.close()
+
+
+async def test_a_server_that_does_not_answer_describe_fails_to_attach_saying_so() -> None:
+    """Connected, but silent: the error says it did not answer (not that it cannot be reached)."""
+    proc = ServerProcess(["-m", "tests.raw_mw", "describe_hangs", "--address", "127.0.0.1:0"]).start()
+    remote = RemoteMiddleware(proc.address, policy=Policy(connect_timeout=0.5))
+    try:
+        with pytest.raises(MiddlewareFailure, match=r"failed in Describe: no answer within 0.5 s \(DEADLINE_EXCEEDED"):
+            await remote.connect()
+    finally:
+        await remote.close()
+        proc.stop()
 
 
 async def test_a_dead_detached_watcher_never_fails_a_reply() -> None:

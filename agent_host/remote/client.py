@@ -105,6 +105,10 @@ MUTATION_PERMISSION = {
 }
 
 
+def _no_answer(exc: grpc.aio.AioRpcError, waited: float) -> str:
+    return f"no answer within {waited:g} s ({exc.code().name}: {exc.details()})"
+
+
 class RemoteMiddleware:
     def __init__(
         self, address: str, *, name: str | None = None, policy: Policy | None = None, access: Access | None = None
@@ -174,6 +178,8 @@ class RemoteMiddleware:
                     if "connection refused" in (exc.details() or "").lower():
                         what = f"cannot connect to {self.address}: connection refused"
                         raise MiddlewareFailure(self.name, "Describe", what) from None
+                    if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # it is there, and does not answer
+                        raise MiddlewareFailure(self.name, "Describe", _no_answer(exc, limit)) from None
             if desc is None:
                 desc = await self._describe_stub.Describe(
                     request, timeout=limit, wait_for_ready=True, metadata=self.metadata
@@ -211,9 +217,10 @@ class RemoteMiddleware:
         DEADLINE_EXCEEDED, for a server that is down as for one that hangs: a second ask that does
         not wait fails at once with the channel's own reason when it cannot connect (connection
         refused, a name that does not resolve, a TLS handshake refused)."""
-        text = f"{exc.code().name}: {exc.details()}"
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-            return text
+            return f"{exc.code().name}: {exc.details()}"
+        if self.channel.get_state() is grpc.ChannelConnectivity.READY:  # connected: it hangs
+            return _no_answer(exc, waited)
         try:
             await self._describe_stub.Describe(
                 request, timeout=min(waited, 2.0), wait_for_ready=False, metadata=self.metadata
@@ -221,7 +228,7 @@ class RemoteMiddleware:
         except grpc.aio.AioRpcError as probe:
             if probe.code() is grpc.StatusCode.UNAVAILABLE:
                 return f"cannot connect to {self.address} (waited {waited:g} s): {probe.details()}"
-        return f"no answer within {waited:g} s ({text})"
+        return _no_answer(exc, waited)
 
     def _check_permitted(self, desc: hooks_pb2.MiddlewareDescription, tables: dict[str, SubscriptionTable]) -> None:
         """Least privilege, where Describe is read: the host decides the key, the hooks, the context

@@ -237,10 +237,12 @@ async def test_a_server_that_does_not_answer_describe_fails_to_attach_saying_so(
 
 
 async def test_a_dead_detached_watcher_never_fails_a_reply() -> None:
-    """Even under fail_closed: a watcher is never waited for, so its death costs the reply nothing."""
+    """Even under fail_closed: a watcher is never waited for, so its death costs the reply nothing,
+    not even the wait for it to come back (an hour here: reply() gives up after 30 s; each reply
+    waited the timeout once per detached invocation before)."""
     proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
     try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=2)).connect()
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=3600)).connect()
         agent = make_agent(remote)
         assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
         proc.kill()
@@ -251,6 +253,37 @@ async def test_a_dead_detached_watcher_never_fails_a_reply() -> None:
         await remote.close()
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+async def test_a_middleware_that_is_down_costs_one_reply_the_wait_not_every_reply(
+    marker: ServerProcess, fail_open: bool
+) -> None:
+    """The first reply after the server went away waits up to the timeout for it to come back (a
+    restart), then fails or bypasses it; once that Describe found it unreachable, the next replies
+    find out at once (each reply waited the timeout before: a fail_open middleware that was down
+    stalled every reply), until it is back: then the next reply is served by it again."""
+    remote = await RemoteMiddleware(marker.address, policy=Policy(fail_open=fail_open, timeout=3)).connect()
+    agent = make_agent(remote)
+    expected = ReplyFinishedReason.COMPLETED if fail_open else ReplyFinishedReason.ERROR
+    assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
+    marker.kill()
+    assert end_of(await reply(agent, "the outage is found")).finished_reason == expected  # waits up to 3 s
+    for text in ("while it is down", "still down"):
+        async with asyncio.timeout(1.5):  # half the timeout: these must not wait for it
+            items = await reply(agent, text)
+        end = end_of(items)
+        assert end.finished_reason == expected
+        if fail_open:
+            assert bypasses(items)
+        else:
+            assert end.error is not None and "cannot connect to" in end.error.message, end.error
+    marker.restart()
+    assert await remote.wait_ready(5)
+    items = await reply(agent, "it is back")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED and not bypasses(items)
+    assert remote.outage is None
+    await remote.close()
 
 
 WORDS = " ".join(f"w{i}" for i in range(100))

@@ -148,6 +148,7 @@ class RemoteMiddleware:
         self.idle: dict[str, list[Any]] = {hook: [] for hook in HOOKS}
         self.background: set[asyncio.Task[None]] = set()  # deliveries to detached hooks
         self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
+        self.outage: str | None = None  # why the server could not be reached, until it can again
 
     @property
     def name(self) -> str:
@@ -158,34 +159,44 @@ class RemoteMiddleware:
 
     # -- handshake ------------------------------------------------------------------------------
 
-    async def connect(self, *, timeout: float | None = None) -> RemoteMiddleware:
+    async def connect(self, *, timeout: float | None = None, wait: bool = True) -> RemoteMiddleware:
         """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure.
 
         Waits for the server to come up (a restarted one is still reconnecting), for up to
         ``timeout``: ``connect_timeout`` on attach, the hook timeout when a hook call re-describes.
+        Not once it is known to be down (a Describe found it unreachable: until one reaches it
+        again, each fails at once, so an outage costs one call the wait, not every reply), nor with
+        ``wait`` False (a detached hook: a watcher is never waited for). A Describe that does not
+        wait still connects when the channel is connecting, or idle after a restart.
         """
         attach = not self.key
         request = hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION)
         limit = self.policy.connect_timeout if timeout is None else timeout
         try:
             desc = None
-            if attach:  # once without waiting: a dead address is reported at once, not at the deadline
+            if attach or self.outage or not wait:  # once without waiting: a dead server is reported at once
                 try:
                     desc = await self._describe_stub.Describe(
                         request, timeout=limit, wait_for_ready=False, metadata=self.metadata
                     )
                 except grpc.aio.AioRpcError as exc:
+                    if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # it is there, and does not answer
+                        raise MiddlewareFailure(self.name, "Describe", _no_answer(exc, limit)) from None
+                    if not attach:
+                        raise
                     if "connection refused" in (exc.details() or "").lower():
                         what = f"cannot connect to {self.address}: connection refused"
                         raise MiddlewareFailure(self.name, "Describe", what) from None
-                    if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # it is there, and does not answer
-                        raise MiddlewareFailure(self.name, "Describe", _no_answer(exc, limit)) from None
+                    # else a name still resolving, a first connection: the Describe below waits
             if desc is None:
                 desc = await self._describe_stub.Describe(
                     request, timeout=limit, wait_for_ready=True, metadata=self.metadata
                 )
         except grpc.aio.AioRpcError as exc:
-            raise MiddlewareFailure(self.name, "Describe", await self._why(exc, request, limit)) from None
+            what = await self._why(exc, request, limit)
+            if what.startswith("cannot connect"):
+                self.outage = what
+            raise MiddlewareFailure(self.name, "Describe", what) from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         if not desc.key:
@@ -208,6 +219,7 @@ class RemoteMiddleware:
                 raise ProtocolError(self.name, "Describe", f"declares {', '.join(missing)} but does not serve it")
         self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
         self.described = True
+        self.outage = None
         self.prompt_cache.clear()  # answers of the server as it was described before
         self._drop_idle()  # streams of an earlier connection are of no use
         return self
@@ -217,6 +229,8 @@ class RemoteMiddleware:
         DEADLINE_EXCEEDED, for a server that is down as for one that hangs: a second ask that does
         not wait fails at once with the channel's own reason when it cannot connect (connection
         refused, a name that does not resolve, a TLS handshake refused)."""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            return f"cannot connect to {self.address}: {exc.details()}"
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
             return f"{exc.code().name}: {exc.details()}"
         if self.channel.get_state() is grpc.ChannelConnectivity.READY:  # connected: it hangs
@@ -289,9 +303,9 @@ class RemoteMiddleware:
             or any(call.done() for idle in self.idle.values() for call in idle)
         )
 
-    async def ensure_described(self) -> None:
+    async def ensure_described(self, *, wait: bool = True) -> None:
         if self.needs_describe():
-            await self.connect(timeout=self.policy.timeout)
+            await self.connect(timeout=self.policy.timeout, wait=wait)
 
     def new_invocation(self) -> int:
         """Ids increase (so a stream tells old from future ones) by a random step: a message a

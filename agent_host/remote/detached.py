@@ -309,7 +309,7 @@ class Watch:
         call, mw, name = self.call, self.call.mw, self.call.spec.name
         self.started = metrics.hook_started()
         try:
-            await mw.ensure_described()
+            await mw.ensure_described(wait=False)  # a watcher is never waited for, not even to reconnect
         except MiddlewareFailure as exc:  # as the generic path does for a watcher: bypassed, counted
             mw.failed()
             mw.bypasses += 1

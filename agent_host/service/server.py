@@ -348,11 +348,8 @@ async def build_host(config: HostConfig) -> Host:
             label = f"middleware {mc.name + ' ' if mc.name else ''}at {mc.address}"
             try:
                 await host.attach(mc)
-            except MiddlewareFailure as exc:
-                what = exc.what
-                if what.startswith(("DEADLINE_EXCEEDED", "UNAVAILABLE")):
-                    what = f"no middleware server answered ({what})"
-                raise StartupError(f"{mc.source}: {label}: Describe failed: {what}") from None
+            except MiddlewareFailure as exc:  # its text says why: cannot connect, no answer, ...
+                raise StartupError(f"{mc.source}: {label}: Describe failed: {exc.what}") from None
             except ValueError as exc:
                 raise ConfigError(f"{mc.source}: {label}: {exc}") from None
     except BaseException:

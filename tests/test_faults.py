@@ -27,7 +27,7 @@ from agentmw.data import (
     ToolResultBlock,
     UserMsg,
 )
-from agentmw.tools import Toolkit, tool
+from agentmw.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import ServerProcess, middleware_server
 
 from .harness import add
@@ -206,7 +206,7 @@ async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess)
     # It waited the hook timeout for a restart, then says why it gave up (not a bare DEADLINE_EXCEEDED).
     error = end_of(items).error
     assert error is not None and re.search(
-        rf"failed in Describe: cannot connect to {re.escape(marker.address)} \(waited 5 s\): .*(refused|connect)",
+        rf"failed in Describe: cannot connect to {re.escape(marker.address)} \(waited 5s\): .*(refused|connect)",
         error.message,
     ), error
     marker.restart()  # same port
@@ -229,7 +229,7 @@ async def test_a_server_that_does_not_answer_describe_fails_to_attach_saying_so(
     proc = ServerProcess(["-m", "tests.raw_mw", "describe_hangs", "--address", "127.0.0.1:0"]).start()
     remote = RemoteMiddleware(proc.address, policy=Policy(connect_timeout=0.5))
     try:
-        with pytest.raises(MiddlewareFailure, match=r"failed in Describe: no answer within 0.5 s \(DEADLINE_EXCEEDED"):
+        with pytest.raises(MiddlewareFailure, match=r"failed in Describe: no answer within 0.5s \(DEADLINE_EXCEEDED"):
             await remote.connect()
     finally:
         await remote.close()
@@ -284,6 +284,39 @@ async def test_a_middleware_that_is_down_costs_one_reply_the_wait_not_every_repl
     assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED and not bypasses(items)
     assert remote.outage is None
     await remote.close()
+
+
+async def test_a_tool_whose_server_is_down_costs_one_call_the_wait() -> None:
+    """A tool-only middleware is never described again by a hook call: its tool calls find the
+    outage themselves. The first call after the server went away waits up to the timeout; the
+    next fail at once, each with an error result that says why, until the server is back."""
+    proc = middleware_server("tests.conformance_mw:Tools").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=3)).connect()
+        toolkit = Toolkit([])
+        await add_middleware_tools(toolkit, remote)
+        call = {"tool_calls": [{"name": "Tools__shout", "input": {"text": "hi"}}]}
+
+        async def shout() -> str:
+            agent = Agent(model=OfflineRuleModel(script=[call, {"text": "done"}]), toolkit=toolkit)
+            items = await reply(agent, "shout")
+            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+            (result,) = [m for m in agent.state.context if any(isinstance(b, ToolResultBlock) for b in m.content)]
+            return str(result.content)
+
+        assert "HI!" in await shout()
+        proc.kill()
+        assert "cannot connect to" in await shout()  # waits up to 3 s
+        for _ in range(2):
+            async with asyncio.timeout(1.5):  # half the timeout: no wait any more
+                assert "cannot connect to" in await shout()
+        proc.restart()
+        assert await remote.wait_ready(5)
+        assert "HI!" in await shout()
+        assert remote.outage is None
+        await remote.close()
+    finally:
+        proc.stop()
 
 
 WORDS = " ".join(f"w{i}" for i in range(100))

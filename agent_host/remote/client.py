@@ -106,7 +106,7 @@ MUTATION_PERMISSION = {
 
 
 def _no_answer(exc: grpc.aio.AioRpcError, waited: float) -> str:
-    return f"no answer within {waited:g} s ({exc.code().name}: {exc.details()})"
+    return f"no answer within {waited:g}s ({exc.code().name}: {exc.details()})"
 
 
 class RemoteMiddleware:
@@ -241,7 +241,7 @@ class RemoteMiddleware:
             )
         except grpc.aio.AioRpcError as probe:
             if probe.code() is grpc.StatusCode.UNAVAILABLE:
-                return f"cannot connect to {self.address} (waited {waited:g} s): {probe.details()}"
+                return f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}"
         return _no_answer(exc, waited)
 
     def _check_permitted(self, desc: hooks_pb2.MiddlewareDescription, tables: dict[str, SubscriptionTable]) -> None:
@@ -473,8 +473,8 @@ class RemoteTool(Tool):
             slot = state.middle_context.get(mw.key)
             if slot is not None:
                 json_to_value(slot, request.context.slot)
-        # Reads are timed below.
-        call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=True, metadata=mw.metadata)
+        # Reads are timed below. As for Describe, no wait for a server known to be down.
+        call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=mw.outage is None, metadata=mw.metadata)
         try:
             while True:
                 try:
@@ -482,7 +482,11 @@ class RemoteTool(Tool):
                         msg = await call.read()
                 except TimeoutError:
                     mw.failed()
-                    raise MiddlewareFailure(mw.name, "CallTool", f"no answer within {mw.policy.timeout}s") from None
+                    what = f"no answer within {mw.policy.timeout:g}s"
+                    if mw.channel.get_state() is not grpc.ChannelConnectivity.READY:  # it waited for a connection
+                        what = mw.outage = f"cannot connect to {mw.address} (waited {mw.policy.timeout:g}s)"
+                    raise MiddlewareFailure(mw.name, "CallTool", what) from None
+                mw.outage = None
                 if msg is grpc.aio.EOF or msg is None:
                     raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
                 try:
@@ -497,6 +501,9 @@ class RemoteTool(Tool):
                     return
         except grpc.aio.AioRpcError as exc:
             mw.failed()
-            raise MiddlewareFailure(mw.name, "CallTool", f"{exc.code().name}: {exc.details()}") from None
+            what = f"{exc.code().name}: {exc.details()}"
+            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+                what = mw.outage = f"cannot connect to {mw.address}: {exc.details()}"
+            raise MiddlewareFailure(mw.name, "CallTool", what) from None
         finally:
             call.cancel()

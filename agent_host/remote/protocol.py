@@ -652,9 +652,9 @@ class HookCall:
         if task is not None and task.uncancel() > 0:
             return  # the reply was cancelled as well
         if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
-            what = f"{what} within {self.mw.policy.timeout}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
+            what = f"{what} within {self.mw.policy.timeout:g}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
         else:
-            what = f"{what} within {self.mw.policy.timeout}s (timeout)"
+            what = f"{what} within {self.mw.policy.timeout:g}s (timeout)"
         raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
 
     def _queue_copy(self, copy: hooks_pb2.HostMessage) -> None:

@@ -365,7 +365,7 @@ async def test_a_middleware_that_stops_reading_cannot_stall_a_large_write(marker
         end = end_of(await reply(agent, "x" * 4_000_000))
         assert time.monotonic() - start < timeout * 5  # ended by the timeout, not by the transport
         assert end.finished_reason == ReplyFinishedReason.ERROR
-        assert f"middleware 'Marker' failed in on_reply: could not send within {timeout}s" in end.error.message
+        assert f"middleware 'Marker' failed in on_reply: could not send within {timeout:g}s" in end.error.message
     finally:
         marker.popen.send_signal(signal.SIGCONT)
     await remote.close()

@@ -182,7 +182,7 @@ async def test_replies_beyond_what_the_server_admits_end_within_the_timeout(evil
         if fail_open:
             assert end.finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == ANSWER
         elif end.finished_reason == ReplyFinishedReason.ERROR:
-            assert f"could not send within {TIMEOUT}s (timeout)" in end.error.message, end.error.message
+            assert f"could not send within {TIMEOUT:g}s (timeout)" in end.error.message, end.error.message
     # The session goes on: its next reply is bounded too.
     start = time.monotonic()
     end_of(await reply(agents[1], "again"))
@@ -211,7 +211,7 @@ async def test_a_watcher_that_stops_reading_its_copies_ends_the_call_within_the_
         assert end.finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == words
     else:
         assert end.finished_reason == ReplyFinishedReason.ERROR
-        assert f"could not send within {TIMEOUT}s (timeout)" in end.error.message, end.error.message
+        assert f"could not send within {TIMEOUT:g}s (timeout)" in end.error.message, end.error.message
     await remote.close()
 
 

@@ -193,10 +193,7 @@ class RemoteMiddleware:
                     request, timeout=limit, wait_for_ready=True, metadata=self.metadata
                 )
         except grpc.aio.AioRpcError as exc:
-            what = await self._why(exc, request, limit)
-            if what.startswith("cannot connect"):
-                self.outage = what
-            raise MiddlewareFailure(self.name, "Describe", what) from None
+            raise MiddlewareFailure(self.name, "Describe", await self._why(exc, request, limit)) from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         if not desc.key:
@@ -229,10 +226,8 @@ class RemoteMiddleware:
         DEADLINE_EXCEEDED, for a server that is down as for one that hangs: a second ask that does
         not wait fails at once with the channel's own reason when it cannot connect (connection
         refused, a name that does not resolve, a TLS handshake refused)."""
-        if exc.code() is grpc.StatusCode.UNAVAILABLE:
-            return f"cannot connect to {self.address}: {exc.details()}"
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-            return f"{exc.code().name}: {exc.details()}"
+            return self._failure(exc)
         if self.channel.get_state() is grpc.ChannelConnectivity.READY:  # connected: it hangs
             return _no_answer(exc, waited)
         try:
@@ -241,8 +236,18 @@ class RemoteMiddleware:
             )
         except grpc.aio.AioRpcError as probe:
             if probe.code() is grpc.StatusCode.UNAVAILABLE:
-                return f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}"
+                return self._down(f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}")
         return _no_answer(exc, waited)
+
+    def _failure(self, exc: grpc.aio.AioRpcError) -> str:
+        """A call's failure in words; one that could not connect marks an outage (see connect)."""
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            return self._down(f"cannot connect to {self.address}: {exc.details()}")
+        return f"{exc.code().name}: {exc.details()}"
+
+    def _down(self, why: str) -> str:
+        self.outage = why
+        return why
 
     def _check_permitted(self, desc: hooks_pb2.MiddlewareDescription, tables: dict[str, SubscriptionTable]) -> None:
         """Least privilege, where Describe is read: the host decides the key, the hooks, the context
@@ -416,7 +421,7 @@ class RemoteMiddleware:
                 hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise MiddlewareFailure(self.name, "ListTools", f"{exc.code().name}: {exc.details()}") from None
+            raise MiddlewareFailure(self.name, "ListTools", self._failure(exc)) from None
         return self._checked_tools(reply.tools)
 
     def _checked_tools(self, descriptors: Any) -> list[Tool]:
@@ -484,7 +489,7 @@ class RemoteTool(Tool):
                     mw.failed()
                     what = f"no answer within {mw.policy.timeout:g}s"
                     if mw.channel.get_state() is not grpc.ChannelConnectivity.READY:  # it waited for a connection
-                        what = mw.outage = f"cannot connect to {mw.address} (waited {mw.policy.timeout:g}s)"
+                        what = mw._down(f"cannot connect to {mw.address} (waited {mw.policy.timeout:g}s)")
                     raise MiddlewareFailure(mw.name, "CallTool", what) from None
                 mw.outage = None
                 if msg is grpc.aio.EOF or msg is None:
@@ -501,9 +506,6 @@ class RemoteTool(Tool):
                     return
         except grpc.aio.AioRpcError as exc:
             mw.failed()
-            what = f"{exc.code().name}: {exc.details()}"
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
-                what = mw.outage = f"cannot connect to {mw.address}: {exc.details()}"
-            raise MiddlewareFailure(mw.name, "CallTool", what) from None
+            raise MiddlewareFailure(mw.name, "CallTool", mw._failure(exc)) from None
         finally:
             call.cancel()

@@ -8,7 +8,9 @@ consistent, and use a restarted middleware again.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import signal
 
 import pytest
 
@@ -250,6 +252,30 @@ async def test_a_dead_detached_watcher_never_fails_a_reply() -> None:
             items = await reply(agent, text)
             assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
             assert items[-1].text == ANSWER
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_hung_detached_watcher_never_holds_a_reply_up() -> None:
+    """A watcher that stops answering (SIGSTOP: connected, silent) fails in the background; the
+    host then describes it again, and that Describe must not be waited for either (each reply
+    waited the timeout for it, once per detached invocation). Its copies are dropped meanwhile."""
+    proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=2)).connect()
+        agent = make_agent(remote)
+        assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            for text in ("it hangs", "still hanging", "and again"):
+                async with asyncio.timeout(1):  # half the timeout: never waited for
+                    items = await reply(agent, text)
+                assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+                await asyncio.sleep(2.5)  # its background deliveries time out meanwhile
+            assert remote.bypasses > 0
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
         await remote.close()
     finally:
         proc.stop()

@@ -258,7 +258,12 @@ async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, r
         pytest.fail("no spans from the restarted tracing server")
     spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1})
     check_shape(spans, first.session_id)
-    assert not named_for(receiver.collector.spans, down.final.id)  # nothing was traced while it was down
+    # The copies of the reply made while it was down waited in the background (up to the host's
+    # timeout) for it to come back: that reply is traced late and in full, or not at all.
+    if named_for(receiver.collector.spans, down.final.id):
+        check_shape(
+            trace_of(receiver, down.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1}), first.session_id
+        )
 
 
 async def test_no_exporter_configured_no_spans(procs: Procs, receiver: Receiver, tmp_path: Path) -> None:

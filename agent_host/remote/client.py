@@ -159,22 +159,22 @@ class RemoteMiddleware:
 
     # -- handshake ------------------------------------------------------------------------------
 
-    async def connect(self, *, timeout: float | None = None, wait: bool = True) -> RemoteMiddleware:
+    async def connect(self, *, timeout: float | None = None) -> RemoteMiddleware:
         """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure.
 
         Waits for the server to come up (a restarted one is still reconnecting), for up to
         ``timeout``: ``connect_timeout`` on attach, the hook timeout when a hook call re-describes.
         Not once it is known to be down (a Describe found it unreachable: until one reaches it
-        again, each fails at once, so an outage costs one call the wait, not every reply), nor with
-        ``wait`` False (a detached hook: a watcher is never waited for). A Describe that does not
-        wait still connects when the channel is connecting, or idle after a restart.
+        again, each fails at once, so an outage costs one call the wait, not every reply). A
+        Describe that does not wait still connects when the channel is connecting, or idle after
+        a restart. (Detached hooks never wait for a Describe: detached.py runs theirs aside.)
         """
         attach = not self.key
         request = hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION)
         limit = self.policy.connect_timeout if timeout is None else timeout
         try:
             desc = None
-            if attach or self.outage or not wait:  # once without waiting: a dead server is reported at once
+            if attach or self.outage:  # once without waiting: a dead server is reported at once
                 try:
                     desc = await self._describe_stub.Describe(
                         request, timeout=limit, wait_for_ready=False, metadata=self.metadata
@@ -308,9 +308,9 @@ class RemoteMiddleware:
             or any(call.done() for idle in self.idle.values() for call in idle)
         )
 
-    async def ensure_described(self, *, wait: bool = True) -> None:
+    async def ensure_described(self) -> None:
         if self.needs_describe():
-            await self.connect(timeout=self.policy.timeout, wait=wait)
+            await self.connect(timeout=self.policy.timeout)
 
     def new_invocation(self) -> int:
         """Ids increase (so a stream tells old from future ones) by a random step: a message a

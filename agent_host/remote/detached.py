@@ -50,15 +50,22 @@ _CLOSED = grpc.aio.UsageError  # the middleware was closed while copies were hel
 
 class _Outbox:
     """One middleware's detached invocations on one event loop: how many are open, and the
-    finished ones held until none is (or until ``HOLD`` runs out)."""
+    finished ones held until none is (or until ``HOLD`` runs out); its Describe in the background."""
 
-    __slots__ = ("held", "loop", "open", "timer")
+    __slots__ = ("describing", "held", "loop", "open", "timer")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.open = 0
         self.held: list[DetachedDelivery] = []
         self.timer: asyncio.TimerHandle | None = None
+        self.describing: asyncio.Task[None] | None = None
+
+    def describe(self, mw: RemoteMiddleware) -> None:
+        """Describe ``mw`` again, in the background and one Describe at a time: a watcher is never
+        waited for, not even for that (a server that hangs would hold every reply up)."""
+        if self.describing is None or self.describing.done():
+            self.describing = _background(mw, _describe(mw))
 
     def hold(self, delivery: DetachedDelivery) -> None:
         self.held.append(delivery)
@@ -78,6 +85,14 @@ def _outbox(mw: RemoteMiddleware) -> _Outbox:
     if mw.outbox is None:  # one per middleware: its channel, and so its deliveries, live on one loop
         mw.outbox = _Outbox(asyncio.get_running_loop())
     return mw.outbox
+
+
+async def _describe(mw: RemoteMiddleware) -> None:
+    try:
+        await mw.connect(timeout=mw.policy.timeout)
+    except MiddlewareFailure as exc:
+        mw.failed()
+        metrics.hook_failed(mw, "Describe", exc, bypassed=True)
 
 
 def _background(mw: RemoteMiddleware, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -304,17 +319,17 @@ class Watch:
         return self.flow(begin, result, first)
 
     async def _open(self) -> hooks_pb2.HostMessage | Literal[False] | None:
-        """Describe if needed; the Begin, None when the middleware is bypassed (it could not be
-        described: copies go nowhere), False when the hook is not detached any more."""
+        """The Begin; None when the middleware is bypassed (it is being described again, in the
+        background: copies go nowhere meanwhile), False when the hook is not detached any more."""
         call, mw, name = self.call, self.call.mw, self.call.spec.name
         self.started = metrics.hook_started()
-        try:
-            await mw.ensure_described(wait=False)  # a watcher is never waited for, not even to reconnect
-        except MiddlewareFailure as exc:  # as the generic path does for a watcher: bypassed, counted
-            mw.failed()
-            mw.bypasses += 1
-            metrics.hook_failed(mw, name, exc, bypassed=True)
-            return None
+        if mw.needs_describe():
+            _outbox(mw).describe(mw)
+            if not mw.described or mw.outage:  # until it is described again: bypassed, counted
+                mw.bypasses += 1
+                why = mw.outage or "being described again after a failure"
+                metrics.hook_failed(mw, name, MiddlewareFailure(mw.name, name, why), bypassed=True)
+                return None
         call.table = mw.tables.get(name)
         if call.table is None:  # the server no longer implements this hook (it was restarted)
             return None

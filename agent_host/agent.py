@@ -157,6 +157,7 @@ class Agent(Reasoning, Acting, Compression):
         # Where the reply's progress is made durable as it goes (the host's session store).
         self.journal: ReplyJournal = journal or NoJournal()
         self._receive_reply_end = False
+        self.replies_started = 0  # reply_stream calls: tells one reply from the next (the reply id is set later)
         self._interrupt_requested = False
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
@@ -226,6 +227,7 @@ class Agent(Reasoning, Acting, Compression):
         chain has finished, so a failure after it still ends the reply with ERROR: the client never
         sees a completed end followed by an error. Nothing before the end is held."""
         self._receive_reply_end = False
+        self.replies_started += 1
         grammar = ReplyGrammar(
             self, resuming=isinstance(inputs, RESUME_EVENTS), blame=blame_of(self.layers["on_reply"])
         )

@@ -3,6 +3,7 @@ separate process served by ``serve()`` (``python -m agentmw.sdk tests.conformanc
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from agentmw.data import (
@@ -301,6 +302,24 @@ class Sleeper(MiddlewareBase):
         await asyncio.sleep(3600)
         async for item in next_handler():
             yield item
+
+
+class SleeperEverywhere(MiddlewareBase):
+    """Never answers, in any of its hooks (a middleware that hangs)."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        await asyncio.sleep(3600)
+        async for item in next_handler():
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        await asyncio.sleep(3600)
+        async for item in next_handler():
+            yield item
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        await asyncio.sleep(3600)
+        return await next_handler()
 
 
 class Marker(MiddlewareBase):

@@ -146,6 +146,38 @@ async def test_middleware_that_never_answers_times_out(fail_open: bool) -> None:
         proc.stop()
 
 
+async def test_a_fail_open_middleware_that_hangs_is_waited_for_once_then_skipped_for_a_while() -> None:
+    """It hangs in all its hooks. A reply waits for its first hook call, then goes on without it
+    for the rest of the reply (each hook call waited the timeout again: on_reasoning and
+    on_model_call at every step). The replies after it skip it at once for its timeout, then one
+    tries it again, and the pause doubles."""
+    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=1)).connect()
+
+        async def errors() -> list[str]:
+            agent = make_agent(remote, script=[{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]}])
+            items = await reply(agent, "add")
+            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+            assert items[-1].text == "Done: add returned 3."
+            assert all_calls_answered(agent)
+            return [f"{b.value['hook']}: {b.value['error']}" for b in bypasses(items)]
+
+        (waited,) = await errors()  # waits 1 s, then skips it for 1 s
+        assert waited.startswith("on_reply: ") and "no answer within 1s (timeout)" in waited
+        (skipped,) = await errors()  # at once: no wait for it
+        assert "skipped for" in skipped and "after: no answer within 1s" in skipped
+        await asyncio.sleep(1.1)  # the pause is over: the next reply tries it again
+        (waited,) = await errors()  # waits 1 s, then skips it for 2 s
+        assert "no answer within 1s (timeout)" in waited
+        await asyncio.sleep(1.1)  # still skipped: the pause doubled
+        (skipped,) = await errors()
+        assert "skipped for" in skipped
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 async def test_timeout_is_paused_while_the_inner_pipeline_runs(marker: ServerProcess) -> None:
     """A slow model must not trip the middleware's per-message timeout."""
     remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=0.3)).connect()

@@ -13,6 +13,8 @@ import json
 import logging
 import random
 import re
+import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -31,7 +33,7 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..config import Permissions, check_seconds
 from ..security import TlsFiles, bearer_metadata, channel
-from .errors import MiddlewareFailure, ProtocolError
+from .errors import MiddlewareFailure, NoAnswer, ProtocolError
 from .protocol import HookCall
 
 log = logging.getLogger("agentmw.remote")
@@ -58,6 +60,9 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 # The namespaced name "<middleware>__<tool>" as the strictest provider (OpenAI) accepts it.
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
 
 
 @dataclass
@@ -149,6 +154,11 @@ class RemoteMiddleware:
         self.background: set[asyncio.Task[None]] = set()  # deliveries to detached hooks
         self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
         self.outage: str | None = None  # why the server could not be reached, until it can again
+        self.hangs = 0  # fail_open: timeouts since it last answered (see suspend)
+        self.suspended_until = 0.0  # time.monotonic() until which it is skipped
+        self.last_hang = ""
+        # fail_open: the agents whose current reply goes on without it (see bypass_rest_of_reply)
+        self.bypassing: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     @property
     def name(self) -> str:
@@ -181,7 +191,7 @@ class RemoteMiddleware:
                     )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # it is there, and does not answer
-                        raise MiddlewareFailure(self.name, "Describe", _no_answer(exc, limit)) from None
+                        raise NoAnswer(self.name, "Describe", _no_answer(exc, limit)) from None
                     if not attach:
                         raise
                     if "connection refused" in (exc.details() or "").lower():
@@ -193,7 +203,10 @@ class RemoteMiddleware:
                     request, timeout=limit, wait_for_ready=True, metadata=self.metadata
                 )
         except grpc.aio.AioRpcError as exc:
-            raise MiddlewareFailure(self.name, "Describe", await self._why(exc, request, limit)) from None
+            what = await self._why(exc, request, limit)
+            raise (NoAnswer if what.startswith("no answer") else MiddlewareFailure)(
+                self.name, "Describe", what
+            ) from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         if not desc.key:
@@ -335,6 +348,27 @@ class RemoteMiddleware:
             return True
         except TimeoutError:
             return False
+
+    def suspend(self) -> None:
+        """fail_open, after it did not answer in time: skip it (every reply bypasses it at once)
+        for its timeout, doubled at each further timeout up to MAX_SUSPENSION, then try again;
+        one that answers is no longer counted. A middleware that hangs then costs a reply its
+        timeout now and then, not every reply."""
+        self.hangs += 1
+        pause = min(self.policy.timeout * 2 ** (self.hangs - 1), MAX_SUSPENSION)
+        self.suspended_until = time.monotonic() + pause
+        self.last_hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%S')}"
+
+    def bypass_rest_of_reply(self, agent: Any) -> None:
+        """fail_open, after a failure: the rest of ``agent``'s current reply goes on without this
+        middleware, so one that hangs costs the reply one timeout, not one per hook call."""
+        replies = getattr(agent, "replies_started", None)  # an agent of the host's (Agent)
+        if replies is not None:
+            self.bypassing[agent] = replies
+
+    def bypassed_in_reply(self, agent: Any) -> bool:
+        replies = getattr(agent, "replies_started", None)
+        return replies is not None and self.bypassing.get(agent) == replies
 
     def failed(self) -> None:
         """After a failure, the next call re-runs Describe (the server may have restarted)."""

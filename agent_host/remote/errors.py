@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from agentmw.data import ErrorType
 
-__all__ = ["MiddlewareFailure", "OutputLimitExceeded", "ProtocolError", "RemoteMiddlewareError", "StreamBroken"]
+__all__ = [
+    "MiddlewareFailure",
+    "NoAnswer",
+    "OutputLimitExceeded",
+    "ProtocolError",
+    "RemoteMiddlewareError",
+    "StreamBroken",
+    "Suspended",
+]
 
 
 class MiddlewareFailure(RuntimeError):
@@ -20,6 +28,14 @@ class MiddlewareFailure(RuntimeError):
 
 class StreamBroken(MiddlewareFailure):
     """The stream failed underneath: connection lost, server gone, stream ended early."""
+
+
+class NoAnswer(MiddlewareFailure):
+    """The middleware did not answer (or take a message) within its timeout: it may hang."""
+
+
+class Suspended(MiddlewareFailure):
+    """A fail_open middleware that hung is skipped for a while (RemoteMiddleware.suspend)."""
 
 
 class OutputLimitExceeded(MiddlewareFailure):

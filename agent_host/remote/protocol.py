@@ -36,7 +36,15 @@ from agentmw.wire import (
 
 from .. import metrics, tracing
 from .detached import Watch
-from .errors import MiddlewareFailure, OutputLimitExceeded, ProtocolError, RemoteMiddlewareError, StreamBroken
+from .errors import (
+    MiddlewareFailure,
+    NoAnswer,
+    OutputLimitExceeded,
+    ProtocolError,
+    RemoteMiddlewareError,
+    StreamBroken,
+    Suspended,
+)
 
 if TYPE_CHECKING:
     from .client import RemoteMiddleware
@@ -95,21 +103,19 @@ class HookCall:
 
     def items(self) -> AsyncIterator[Any]:
         table = self.mw.tables.get(self.spec.name)
-        if table is not None:
-            if self._skipped(table):
-                return self.next_handler()
-            if table.detached:
-                return Watch(self).items()
+        if self._skipped(table):
+            return self.next_handler()
+        if table is not None and table.detached:
+            return Watch(self).items()
         return self._guarded()
 
     async def stream(self) -> AsyncIterator[Any]:
         """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
         table = self.mw.tables.get(self.spec.name)
-        if table is not None:
-            if self._skipped(table):
-                return await self.next_handler()
-            if table.detached:
-                return await Watch(self).stream()
+        if self._skipped(table):
+            return await self.next_handler()
+        if table is not None and table.detached:
+            return await Watch(self).stream()
         gen = self._guarded()
         try:
             first = await anext(gen)
@@ -122,19 +128,23 @@ class HookCall:
 
     async def value(self) -> Any:
         table = self.mw.tables.get(self.spec.name)
-        if table is not None and self._skipped(table):
+        if self._skipped(table):
             return self.input_kwargs["prompt"] if self.spec.kind is Kind.TRANSFORM else await self.next_handler()
         async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
             pass
         return self.result
 
-    def _skipped(self, table: SubscriptionTable) -> bool:
-        """The hook declared ``only_when`` and that flag of its slot is off (and the description is
-        current): it would only pass through, so the inner pipeline runs without it, no begin and
-        no round trip (hooks.proto, HookDescription.only_when)."""
-        if not table.only_when:  # the usual case: no slot lookup
-            return False
+    def _skipped(self, table: SubscriptionTable | None) -> bool:
+        """The inner pipeline runs without the middleware, no begin and no round trip: the hook
+        declared ``only_when`` and that flag of its slot is off (and the description is current):
+        it would only pass through (hooks.proto, HookDescription.only_when); or it is fail_open
+        and failed earlier in this reply (README: the host goes on without it from that point)."""
         mw = self.mw
+        if mw.bypassing and mw.bypassed_in_reply(self.agent):
+            mw.bypasses += 1
+            return True
+        if table is None or not table.only_when:  # the usual case: no slot lookup
+            return False
         return table.skips(self.agent.state.middle_context.get(mw.key)) and not mw.needs_describe()
 
     # -- failure policy ------------------------------------------------------------------------
@@ -147,13 +157,18 @@ class HookCall:
                     async for item in run:
                         self.started_reply = self.started_reply or isinstance(item, ReplyStartEvent)
                         yield item
+                self.mw.hangs = 0  # it answered
             except MiddlewareFailure as exc:
+                if isinstance(exc, NoAnswer) and self.mw.policy.fail_open:
+                    self.mw.suspend()
                 self.mw.failed()
                 table = self.mw.tables.get(self.spec.name)
                 watcher = table is not None and table.detached  # as last described
                 metrics.hook_failed(self.mw, self.spec.name, exc, bypassed=self.mw.policy.fail_open or watcher)
                 if not (self.mw.policy.fail_open or watcher):
                     raise
+                if not watcher:
+                    self.mw.bypass_rest_of_reply(self.agent)
                 tracing.hook_bypassed(self.span, exc)
                 async for item in self._bypass(exc, record=not watcher):
                     yield item
@@ -240,6 +255,10 @@ class HookCall:
         credits, run the inner pipeline to its next intercepted item (``advance``); read the
         middleware's next message, apply its actions in order, obey its command."""
         mw, spec = self.mw, self.spec
+        if mw.suspended_until and mw.policy.fail_open:
+            left = mw.suspended_until - time.monotonic()
+            if left > 0:
+                raise Suspended(mw.name, spec.name, f"skipped for {left:.1f}s more after: {mw.last_hang}")
         await mw.ensure_described()
         self.table = mw.tables.get(spec.name)
         if self.table is None:  # the server no longer implements this hook (it was restarted)
@@ -655,7 +674,7 @@ class HookCall:
             what = f"{what} within {self.mw.policy.timeout:g}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
         else:
             what = f"{what} within {self.mw.policy.timeout:g}s (timeout)"
-        raise MiddlewareFailure(self.mw.name, self.spec.name, what) from None
+        raise NoAnswer(self.mw.name, self.spec.name, what) from None
 
     def _queue_copy(self, copy: hooks_pb2.HostMessage) -> None:
         """An observed copy goes out when the host next yields to its event loop, together with

@@ -140,7 +140,7 @@ class HookCall:
         it would only pass through (hooks.proto, HookDescription.only_when); or it is fail_open
         and failed earlier in this reply (README: the host goes on without it from that point)."""
         mw = self.mw
-        if mw.bypassing and mw.bypassed_in_reply(self.agent):
+        if mw.policy.fail_open and mw.bypassing and mw.bypassed_in_reply(self.agent):
             mw.bypasses += 1
             return True
         if table is None or not table.only_when:  # the usual case: no slot lookup

@@ -246,6 +246,7 @@ def middleware_status(mw: Any) -> dict[str, Any]:
         "failures": h.failures,
         "bypasses": getattr(mw, "bypasses", 0),
         "failing": h.failing,
+        "skipped_for": max(getattr(mw, "suspended_until", 0.0) - time.monotonic(), 0.0),
     }
 
 

@@ -108,6 +108,10 @@ def _middleware_lines(found: list[dict[str, Any]]) -> list[str]:
         if m["last_error"]:
             now = " (failing now)" if m["failing"] else ""
             out.append(f"     last error{now} at {m['last_error_at']}: {m['last_error']}")
+        if float(m.get("skipped_for", 0)) > 0:
+            out.append(
+                f"     skipped by every reply for {float(m['skipped_for']):.0f}s more (fail_open; it did not answer)"
+            )
         if int(m["failures"]) or int(m["bypasses"]):
             out.append(f"     failed hook calls: {m['failures']}, bypassed: {m['bypasses']}")
     return out

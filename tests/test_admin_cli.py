@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.launch import ServerProcess
+from clients.launch import ServerProcess, middleware_server
 
 from .host_util import Procs, chat, processes, run_cli
 
@@ -173,3 +173,23 @@ def test_example_middleware_contributes_a_tool(setup: tuple[Procs, ServerProcess
     assert re.search(r"← clock__time_in: \d{4}-\d\d-\d\d \d\d:\d\d \(Asia/Tokyo, UTC\+0900\)", done.stdout), done.stdout
     bad = chat(host.address, "--message", "use clock__time_in timezone=Mars/Olympus")
     assert "unknown time zone 'Mars/Olympus'" in bad.stdout, bad.stdout
+
+
+def test_status_shows_a_hung_fail_open_middleware_skipped(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
+    """A fail_open middleware that hangs: the reply goes on without it after its timeout (5 s), and
+    the operator sees that every reply skips it for a while (the next 5 s)."""
+    _procs, host, _recorder = setup
+    sleeper = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+    try:
+        attach = agentmw(
+            host, "middleware", "attach", sleeper.address, "--name", "slow", "--fail-open", "--timeout", "5"
+        )
+        assert attach.returncode == 0, attach.stdout + attach.stderr
+        done = chat(host.address, "--message", "hello")
+        assert done.returncode == 0 and "You said: hello" in done.stdout, done.stdout + done.stderr
+        (slow,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
+        assert 0 < float(slow["skipped_for"]) <= 5 and "no answer within 5s" in slow["last_error"]
+        status = agentmw(host, "status")
+        assert "skipped by every reply for" in status.stdout, status.stdout
+    finally:
+        sleeper.stop()

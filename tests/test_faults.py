@@ -12,6 +12,7 @@ import os
 import re
 import signal
 
+import grpc
 import pytest
 
 from agent_host.agent import Agent
@@ -62,6 +63,15 @@ def end_of(items: list) -> ReplyEndEvent:
     assert len(ends) == 1, ends
     assert isinstance(items[-1], Msg)
     return ends[0]
+
+
+async def noticed_gone(remote: RemoteMiddleware) -> None:
+    """Until the host's channel has seen a killed server's connection close (bounded): the next
+    call then finds it gone when it describes it again, not on a stream it still had open (a race
+    that either way fails the call, with another error)."""
+    async with asyncio.timeout(10):
+        while remote.channel.get_state() is grpc.ChannelConnectivity.READY:
+            await asyncio.sleep(0.01)
 
 
 def bypasses(items: list) -> list[CustomEvent]:
@@ -235,6 +245,7 @@ async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess)
 
     assert marked(await reply(agent, "first"))
     marker.kill()
+    await noticed_gone(remote)
     items = await reply(agent, "while it is down")
     assert end_of(items).finished_reason == ReplyFinishedReason.ERROR
     # It waited the hook timeout for a restart, then says why it gave up (not a bare DEADLINE_EXCEEDED).
@@ -326,6 +337,7 @@ async def test_a_middleware_that_is_down_costs_one_reply_the_wait_not_every_repl
     expected = ReplyFinishedReason.COMPLETED if fail_open else ReplyFinishedReason.ERROR
     assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
     marker.kill()
+    await noticed_gone(remote)
     assert end_of(await reply(agent, "the outage is found")).finished_reason == expected  # waits up to 3 s
     for text in ("while it is down", "still down"):
         async with asyncio.timeout(1.5):  # half the timeout: these must not wait for it

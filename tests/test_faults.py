@@ -15,6 +15,7 @@ import signal
 import grpc
 import pytest
 
+from agent_host import metrics
 from agent_host.agent import Agent
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
@@ -183,6 +184,22 @@ async def test_a_fail_open_middleware_that_hangs_is_waited_for_once_then_skipped
         await asyncio.sleep(1.1)  # still skipped: the pause doubled
         (skipped,) = await errors()
         assert "skipped for" in skipped
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_replies_that_wait_on_the_same_hang_together_count_it_once() -> None:
+    """Concurrent replies all time out on a middleware that hangs: one hang, so one pause of its
+    timeout (counted per reply, eight replies had paused it for the 5-minute maximum)."""
+    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=2)).connect()
+        replies = [reply(make_agent(remote), f"reply {i}") for i in range(8)]
+        for items in await asyncio.gather(*replies):
+            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+        assert remote.hangs == 1
+        assert 0 < metrics.middleware_status(remote)["skipped_for"] <= 2
         await remote.close()
     finally:
         proc.stop()

@@ -354,9 +354,12 @@ class RemoteMiddleware:
         for its timeout, doubled at each further timeout up to MAX_SUSPENSION, then try again;
         one that answers is no longer counted. A middleware that hangs then costs a reply its
         timeout now and then, not every reply."""
+        now = time.monotonic()
+        if now < self.suspended_until:  # calls that were waiting together: one hang, counted once
+            return
         self.hangs += 1
         pause = min(self.policy.timeout * 2 ** (self.hangs - 1), MAX_SUSPENSION)
-        self.suspended_until = time.monotonic() + pause
+        self.suspended_until = now + pause
         self.last_hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%S')}"
 
     def bypass_rest_of_reply(self, agent: Any) -> None:

@@ -151,7 +151,7 @@ class RemoteMiddleware:
         # Idle streams per hook: a stream carries one invocation at a time, then the next one, so
         # a hook call does not pay for opening a stream (see hooks.proto, STREAMS).
         self.idle: dict[str, list[Any]] = {hook: [] for hook in HOOKS}
-        self.background: set[asyncio.Task[None]] = set()  # deliveries to detached hooks
+        self.background: set[asyncio.Task[None]] = set()  # detached hooks' deliveries and Describe
         self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
         self.outage: str | None = None  # why the server could not be reached, until it can again
         self.hangs = 0  # fail_open: timeouts since it last answered (see suspend)
@@ -360,7 +360,7 @@ class RemoteMiddleware:
         self.hangs += 1
         pause = min(self.policy.timeout * 2 ** (self.hangs - 1), MAX_SUSPENSION)
         self.suspended_until = now + pause
-        self.last_hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%S')}"
+        self.last_hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%SZ', time.gmtime())}"
 
     def bypass_rest_of_reply(self, agent: Any) -> None:
         """fail_open, after a failure: the rest of ``agent``'s current reply goes on without this

@@ -36,6 +36,7 @@ from agentmw.data import (
 )
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, converse
+from clients.launch import unused_port
 
 from .host_util import KEY, SLOW_MODEL, Procs, get_session, kinds, run_cli, stub
 
@@ -236,6 +237,31 @@ async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -
         assert not any(isinstance(i, ToolResultEndEvent) for i in items), "the tool left with its middleware"
         _, _, slots = await get_session(host.address, session)
         assert slots[KEY]["starts"] == 1, "a detached middleware takes no part"
+
+
+async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(procs: Procs, tmp_path: Path) -> None:
+    """Optional (fail_open), it does not stop the host from starting: replies go on without it,
+    and once its server answers the host attaches it (a required one stops the start: below)."""
+    port = unused_port()
+    config = tmp_path / "host.yaml"
+    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, fail_open: true, timeout: 3}}\n")
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    assert "is fail_open and cannot be reached" in host.tail(50) and "starting without it" in host.tail(50)
+    session, items = await _reply(host.address, "", UserMsg("hello"))
+    assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+    assert KEY not in (await get_session(host.address, session))[2]  # it took no part
+
+    argv = ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
+    procs.start("recorder", argv)
+    for _ in range(400):  # bounded: it tries again within 8 s here (1 s, doubling)
+        if "attached middleware rec" in host.tail(50):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the host did not attach the middleware once it answered:\n" + host.tail(50))
+    session, items = await _reply(host.address, session, UserMsg("hello again"))
+    assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+    assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part this time
 
 
 def test_bad_configuration_gives_one_clear_error(tmp_path: Path) -> None:

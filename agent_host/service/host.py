@@ -54,6 +54,7 @@ from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
 from ..remote.client import Access
+from ..remote.errors import MiddlewareFailure, ProtocolError
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
 from ..store import (
@@ -184,6 +185,7 @@ class Host:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._runs: set[ReplyRun] = set()
         self.draining = False  # shutting down: new replies are refused (UNAVAILABLE)
+        self.attaching: dict[str, asyncio.Task[None]] = {}  # fail_open middleware not reached yet, by address
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -496,6 +498,40 @@ class Host:
         sec = self.config.security
         return Access(tls=sec.middleware_tls, token=sec.middleware_token, key=mc.key, permissions=mc.permissions)
 
+    def attach_when_it_answers(self, mc: MiddlewareConfig, why: MiddlewareFailure) -> None:
+        """A fail_open middleware the host could not reach at start: the host starts without it
+        (replies go on as they would when it fails) and attaches it in its configured place once
+        it answers, trying again every few seconds (1 s, doubling to 30 s). A required (fail_closed)
+        one stops the start instead (server.build_host)."""
+        log.warning(
+            "middleware %s at %s is fail_open and cannot be reached (%s): starting without it; "
+            "it is attached when it answers",
+            mc.name or mc.address,
+            mc.address,
+            why.what,
+        )
+        self.attaching[mc.address] = asyncio.get_running_loop().create_task(self._attach_later(mc))
+
+    async def _attach_later(self, mc: MiddlewareConfig) -> None:
+        pause = 1.0
+        try:
+            while True:
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 30.0)
+                configured = self.config.middleware
+                before = configured[: configured.index(mc)] if mc in configured else configured
+                position = sum(1 for a in self.middleware if any(a.config is m for m in before))
+                try:
+                    await self.attach(mc, position)
+                    return
+                except (ProtocolError, ValueError) as exc:  # it answered, and cannot be attached as configured
+                    log.error("middleware %s at %s cannot be attached: %s", mc.name or mc.address, mc.address, exc)
+                    return
+                except MiddlewareFailure:
+                    continue  # still not answering
+        finally:
+            self.attaching.pop(mc.address, None)
+
     async def detach(self, name: str) -> Attached:
         """Remove it for the next replies; replies using it now finish with it (then it is closed)."""
         async with self._setup_lock:
@@ -529,6 +565,8 @@ class Host:
     async def close(self, timeout: float = 10.0) -> None:
         """Interrupt the replies in flight (their clients still get the INTERRUPTED end), wait for them
         to end and be saved, then let go (of the store, and of its leases)."""
+        for task in list(self.attaching.values()):
+            task.cancel()
         tasks = [r.task for r in self._runs if r.task is not None]
         for run in self._runs:
             run.interrupt()

@@ -25,7 +25,7 @@ from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
 from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
-from ..remote import MiddlewareFailure, Policy
+from ..remote import MiddlewareFailure, Policy, ProtocolError
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, abort, address_allowed
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
@@ -349,6 +349,9 @@ async def build_host(config: HostConfig) -> Host:
             try:
                 await host.attach(mc)
             except MiddlewareFailure as exc:  # its text says why: cannot connect, no answer, ...
+                if mc.fail_open and not isinstance(exc, ProtocolError):  # optional: the host starts without it
+                    host.attach_when_it_answers(mc, exc)
+                    continue
                 raise StartupError(f"{mc.source}: {label}: Describe failed: {exc.what}") from None
             except ValueError as exc:
                 raise ConfigError(f"{mc.source}: {label}: {exc}") from None

@@ -103,6 +103,10 @@ def _middleware_lines(found: list[dict[str, Any]]) -> list[str]:
     out = []
     for i, m in enumerate(found):
         policy = "fail_open" if m["fail_open"] else "fail_closed"
+        if m.get("pending"):
+            out.append(f"  -. {m['name']} at {m['address']}: not attached yet, {policy}, timeout {m['timeout']:g}s")
+            out.append(f"     attached once its server answers; last error: {m['last_error']}")
+            continue
         out.append(f"  {i}. {m['name']} at {m['address']}: {m['health'] or '?'}, {policy}, timeout {m['timeout']:g}s")
         out.append(f"     hooks: {', '.join(m['hooks']) or '-'}; tools: {', '.join(m['tools']) or '-'}")
         if m["last_error"]:

@@ -250,6 +250,11 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     session, items = await _reply(host.address, "", UserMsg("hello"))
     assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.COMPLETED
     assert KEY not in (await get_session(host.address, session))[2]  # it took no part
+    listed = run_cli("clients.admin", "--host", host.address, "--json", "middleware", "list")
+    (rec,) = json.loads(listed.stdout)
+    assert rec["name"] == "rec" and rec["pending"] and "cannot connect to" in rec["last_error"], rec
+    status = run_cli("clients.admin", "--host", host.address, "status")
+    assert "rec at 127.0.0.1:" in status.stdout and "not attached yet" in status.stdout, status.stdout
 
     argv = ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
     procs.start("recorder", argv)
@@ -262,6 +267,9 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     session, items = await _reply(host.address, session, UserMsg("hello again"))
     assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part this time
+    listed = run_cli("clients.admin", "--host", host.address, "--json", "middleware", "list")
+    (rec,) = json.loads(listed.stdout)
+    assert not rec["pending"] and rec["hooks"] == ["on_reply"], rec
 
 
 def test_bad_configuration_gives_one_clear_error(tmp_path: Path) -> None:

@@ -86,6 +86,19 @@ class ReplyRejected(Exception):
 
 
 @dataclass(eq=False)
+class Pending:
+    """A fail_open middleware the host could not reach at start: attached once it answers."""
+
+    config: MiddlewareConfig
+    why: str  # its last failure
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name or self.config.address
+
+
+@dataclass(eq=False)
 class Attached:
     """One attached middleware server and the tools it contributes (registered as name__tool)."""
 
@@ -185,7 +198,7 @@ class Host:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._runs: set[ReplyRun] = set()
         self.draining = False  # shutting down: new replies are refused (UNAVAILABLE)
-        self.attaching: dict[str, asyncio.Task[None]] = {}  # fail_open middleware not reached yet, by address
+        self.pending: dict[str, Pending] = {}  # fail_open middleware not reached yet (attach_when_it_answers)
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -510,9 +523,19 @@ class Host:
             mc.address,
             why.what,
         )
-        self.attaching[mc.address] = asyncio.get_running_loop().create_task(self._attach_later(mc))
+        pending = Pending(mc, why.what)
+        self.pending[pending.name] = pending
+        pending.task = asyncio.get_running_loop().create_task(self._attach_later(pending))
 
-    async def _attach_later(self, mc: MiddlewareConfig) -> None:
+    def forget_pending(self, name: str) -> Pending | None:
+        """Stop waiting to attach the pending middleware ``name`` (None: there is none)."""
+        pending = self.pending.pop(name, None)
+        if pending is not None and pending.task is not None:
+            pending.task.cancel()
+        return pending
+
+    async def _attach_later(self, pending: Pending) -> None:
+        mc = pending.config
         pause = 1.0
         try:
             while True:
@@ -527,10 +550,11 @@ class Host:
                 except (ProtocolError, ValueError) as exc:  # it answered, and cannot be attached as configured
                     log.error("middleware %s at %s cannot be attached: %s", mc.name or mc.address, mc.address, exc)
                     return
-                except MiddlewareFailure:
-                    continue  # still not answering
+                except MiddlewareFailure as exc:  # still not answering
+                    pending.why = exc.what
         finally:
-            self.attaching.pop(mc.address, None)
+            if self.pending.get(pending.name) is pending:
+                del self.pending[pending.name]
 
     async def detach(self, name: str) -> Attached:
         """Remove it for the next replies; replies using it now finish with it (then it is closed)."""
@@ -565,8 +589,8 @@ class Host:
     async def close(self, timeout: float = 10.0) -> None:
         """Interrupt the replies in flight (their clients still get the INTERRUPTED end), wait for them
         to end and be saved, then let go (of the store, and of its leases)."""
-        for task in list(self.attaching.values()):
-            task.cancel()
+        for name in list(self.pending):
+            self.forget_pending(name)
         tasks = [r.task for r in self._runs if r.task is not None]
         for run in self._runs:
             run.interrupt()

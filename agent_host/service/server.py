@@ -30,7 +30,7 @@ from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, S
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
-from .host import Attached, Host, ReplyRejected, ReplyRun
+from .host import Attached, Host, Pending, ReplyRejected, ReplyRun
 
 log = logging.getLogger("agentmw.host")
 
@@ -158,10 +158,14 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         try:
             return _info(await self.host.detach(request.name))
         except KeyError:
+            pending = self.host.forget_pending(request.name)
+            if pending is not None:
+                return _pending_info(pending)
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no middleware named {request.name!r} is attached")
 
     async def ListMiddleware(self, request: Any, context: Any) -> host_pb2.MiddlewareList:
-        return host_pb2.MiddlewareList(middleware=[_info(a) for a in self.host.middleware])
+        pending = [_pending_info(p) for p in self.host.pending.values()]
+        return host_pb2.MiddlewareList(middleware=[*(_info(a) for a in self.host.middleware), *pending])
 
 
 async def _per_host_middleware(host: Host, context: grpc.aio.ServicerContext) -> None:
@@ -284,6 +288,21 @@ def _summary(r: SessionRecord) -> host_pb2.SessionSummary:
         message_count=r.message_count,
         title=r.title,
         parked=r.parked,
+    )
+
+
+def _pending_info(p: Pending) -> host_pb2.MiddlewareInfo:
+    mc = p.config
+    return host_pb2.MiddlewareInfo(
+        name=p.name,
+        address=mc.address,
+        key=mc.key,
+        fail_open=mc.fail_open,
+        timeout=mc.timeout,
+        health="unreachable",
+        last_error=p.why,
+        failing=True,
+        pending=True,
     )
 
 

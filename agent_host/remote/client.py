@@ -203,10 +203,7 @@ class RemoteMiddleware:
                     request, timeout=limit, wait_for_ready=True, metadata=self.metadata
                 )
         except grpc.aio.AioRpcError as exc:
-            what = await self._why(exc, request, limit)
-            raise (NoAnswer if what.startswith("no answer") else MiddlewareFailure)(
-                self.name, "Describe", what
-            ) from None
+            raise await self._describe_failed(exc, request, limit) from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         if not desc.key:
@@ -234,23 +231,25 @@ class RemoteMiddleware:
         self._drop_idle()  # streams of an earlier connection are of no use
         return self
 
-    async def _why(self, exc: grpc.aio.AioRpcError, request: hooks_pb2.DescribeRequest, waited: float) -> str:
-        """What a failed Describe says. One that waited for the server and ran out of time says only
-        DEADLINE_EXCEEDED, for a server that is down as for one that hangs: a second ask that does
-        not wait fails at once with the channel's own reason when it cannot connect (connection
+    async def _describe_failed(
+        self, exc: grpc.aio.AioRpcError, request: hooks_pb2.DescribeRequest, waited: float
+    ) -> MiddlewareFailure:
+        """What a failed Describe raises. One that waited for the server and ran out of time says
+        only DEADLINE_EXCEEDED, for a server that is down as for one that hangs: a second ask that
+        does not wait fails at once with the channel's own reason when it cannot connect (connection
         refused, a name that does not resolve, a TLS handshake refused)."""
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-            return self._failure(exc)
-        if self.channel.get_state() is grpc.ChannelConnectivity.READY:  # connected: it hangs
-            return _no_answer(exc, waited)
-        try:
-            await self._describe_stub.Describe(
-                request, timeout=min(waited, 2.0), wait_for_ready=False, metadata=self.metadata
-            )
-        except grpc.aio.AioRpcError as probe:
-            if probe.code() is grpc.StatusCode.UNAVAILABLE:
-                return self._down(f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}")
-        return _no_answer(exc, waited)
+            return MiddlewareFailure(self.name, "Describe", self._failure(exc))
+        if self.channel.get_state() is not grpc.ChannelConnectivity.READY:  # else connected: it hangs
+            try:
+                await self._describe_stub.Describe(
+                    request, timeout=min(waited, 2.0), wait_for_ready=False, metadata=self.metadata
+                )
+            except grpc.aio.AioRpcError as probe:
+                if probe.code() is grpc.StatusCode.UNAVAILABLE:
+                    why = self._down(f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}")
+                    return MiddlewareFailure(self.name, "Describe", why)
+        return NoAnswer(self.name, "Describe", _no_answer(exc, waited))
 
     def _failure(self, exc: grpc.aio.AioRpcError) -> str:
         """A call's failure in words; one that could not connect marks an outage (see connect)."""

@@ -255,7 +255,7 @@ class HookCall:
         credits, run the inner pipeline to its next intercepted item (``advance``); read the
         middleware's next message, apply its actions in order, obey its command."""
         mw, spec = self.mw, self.spec
-        if mw.suspended_until and mw.policy.fail_open:
+        if mw.suspended_until:  # set for fail_open middleware only (RemoteMiddleware.suspend)
             left = mw.suspended_until - time.monotonic()
             if left > 0:
                 raise Suspended(mw.name, spec.name, f"skipped for {left:.1f}s more after: {mw.last_hang}")

@@ -541,14 +541,13 @@ class Host:
             while True:
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 30.0)
-                configured = self.config.middleware
-                before = configured[: configured.index(mc)] if mc in configured else configured
+                before = self.config.middleware[: self.config.middleware.index(mc)]  # mc is one of them
                 position = sum(1 for a in self.middleware if any(a.config is m for m in before))
                 try:
                     await self.attach(mc, position)
                     return
                 except (ProtocolError, ValueError) as exc:  # it answered, and cannot be attached as configured
-                    log.error("middleware %s at %s cannot be attached: %s", mc.name or mc.address, mc.address, exc)
+                    log.error("middleware %s at %s cannot be attached: %s", pending.name, mc.address, exc)
                     return
                 except MiddlewareFailure as exc:  # still not answering
                     pending.why = exc.what

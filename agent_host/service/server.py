@@ -160,12 +160,12 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         except KeyError:
             pending = self.host.forget_pending(request.name)
             if pending is not None:
-                return _pending_info(pending)
+                return _info(pending)
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no middleware named {request.name!r} is attached")
 
     async def ListMiddleware(self, request: Any, context: Any) -> host_pb2.MiddlewareList:
-        pending = [_pending_info(p) for p in self.host.pending.values()]
-        return host_pb2.MiddlewareList(middleware=[*(_info(a) for a in self.host.middleware), *pending])
+        every: list[Attached | Pending] = [*self.host.middleware, *self.host.pending.values()]
+        return host_pb2.MiddlewareList(middleware=[_info(a) for a in every])
 
 
 async def _per_host_middleware(host: Host, context: grpc.aio.ServicerContext) -> None:
@@ -291,32 +291,22 @@ def _summary(r: SessionRecord) -> host_pb2.SessionSummary:
     )
 
 
-def _pending_info(p: Pending) -> host_pb2.MiddlewareInfo:
-    mc = p.config
-    return host_pb2.MiddlewareInfo(
-        name=p.name,
-        address=mc.address,
-        key=mc.key,
-        fail_open=mc.fail_open,
-        timeout=mc.timeout,
-        health="unreachable",
-        last_error=p.why,
-        failing=True,
-        pending=True,
-    )
-
-
-def _info(a: Attached) -> host_pb2.MiddlewareInfo:
-    return host_pb2.MiddlewareInfo(
-        name=a.name,
-        address=a.config.address,
-        key=a.remote.key,
-        hooks=[h for h in HOOKS if a.remote.implements(h)],
-        tools=list(a.tools),
-        fail_open=a.config.fail_open,
-        timeout=a.config.timeout,
-        **metrics.middleware_status(a.remote),
-    )
+def _info(a: Attached | Pending) -> host_pb2.MiddlewareInfo:
+    """An attached middleware as described and as its status stands, or one still pending (only
+    its configuration and why it is not attached yet are known)."""
+    mc = a.config
+    if isinstance(a, Pending):
+        found: dict[str, Any] = {
+            "key": mc.key,
+            "health": "unreachable",
+            "last_error": a.why,
+            "failing": True,
+            "pending": True,
+        }
+    else:
+        found = {"key": a.remote.key, "hooks": [h for h in HOOKS if a.remote.implements(h)], "tools": list(a.tools)}
+        found.update(metrics.middleware_status(a.remote))
+    return host_pb2.MiddlewareInfo(name=a.name, address=mc.address, fail_open=mc.fail_open, timeout=mc.timeout, **found)
 
 
 # ---------------------------------------------------------------------------------------------

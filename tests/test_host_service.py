@@ -241,7 +241,7 @@ async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -
 
 async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(procs: Procs, tmp_path: Path) -> None:
     """Optional (fail_open), it does not stop the host from starting: replies go on without it,
-    and once its server answers the host attaches it (a required one stops the start: below)."""
+    and once its server answers the host attaches it (a required one: the test below)."""
     port = unused_port()
     config = tmp_path / "host.yaml"
     config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, fail_open: true, timeout: 3}}\n")
@@ -272,12 +272,58 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     assert not rec["pending"] and rec["hooks"] == ["on_reply"], rec
 
 
-def test_bad_configuration_gives_one_clear_error(tmp_path: Path) -> None:
+async def test_a_required_middleware_down_at_start_holds_replies_until_it_answers(procs: Procs, tmp_path: Path) -> None:
+    """Required (fail_closed), down at start: the host starts anyway (no crash loop while a cluster
+    comes up in any order) but runs no reply without it: each is refused (UNAVAILABLE, saying which
+    middleware and why, nothing stored) and the health check says NOT_SERVING, until its server
+    answers and the host attaches it."""
+    port = unused_port()
+    config = tmp_path / "host.yaml"
+    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, timeout: 3}}\n")
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    assert "is required (fail_closed) and cannot be reached" in host.tail(50)
+
+    async def health() -> int:
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return answer.status
+
+    assert await health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _reply(host.address, "held", UserMsg("hello"))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "required middleware rec (fail_closed) is not attached yet: cannot connect to" in refused.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as nothing:
+        await get_session(host.address, "held")
+    assert nothing.value.code() == grpc.StatusCode.NOT_FOUND, "a refused reply stores nothing"
+    status = run_cli("clients.admin", "--host", host.address, "status")
+    assert "rec at 127.0.0.1:" in status.stdout and "not attached yet" in status.stdout, status.stdout
+
+    argv = ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
+    procs.start("recorder", argv)
+    for _ in range(400):  # bounded: it tries again within 8 s here (1 s, doubling)
+        if "attached middleware rec" in host.tail(50):
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the host did not attach the middleware once it answered:\n" + host.tail(50))
+    assert await health() == health_pb2.HealthCheckResponse.SERVING
+    session, items = await _reply(host.address, "held", UserMsg("hello again"))
+    assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+    assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
+
+
+def test_bad_configuration_gives_one_clear_error(procs: Procs, tmp_path: Path) -> None:
     db = str(tmp_path / "x.db")
-    nobody = run_cli("agent_host", "--db", db, "--listen", "127.0.0.1:0", "--middleware", "budget=127.0.0.1:9")
-    assert nobody.returncode == 1
-    line = nobody.stderr.strip().splitlines()[-1]
-    assert "--middleware" in line and "budget at 127.0.0.1:9" in line and "Describe failed" in line
+    # A server that answers, but not as a middleware may (it declares a hook it does not serve): the
+    # host does not start (one that is down is waited for: the tests above).
+    wrong = procs.start("wrong", ["-m", "tests.raw_mw", "unserved", "--address", "127.0.0.1:0"])
+    argv = ["--db", db, "--listen", "127.0.0.1:0", "--middleware", f"budget={wrong.address}"]
+    refused = run_cli("agent_host", *argv)
+    assert refused.returncode == 1
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "--middleware" in line and f"budget at {wrong.address}" in line and "Describe failed" in line, line
+    assert "declares on_reasoning but does not serve it" in line, line
 
     malformed = tmp_path / "bad.yaml"
     malformed.write_text("listen: 127.0.0.1:0\nmiddleware: [budget\n  timeout: 3\n")

@@ -33,7 +33,7 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..config import Permissions, check_seconds
 from ..security import TlsFiles, bearer_metadata, channel
-from .errors import MiddlewareFailure, NoAnswer, ProtocolError
+from .errors import MiddlewareFailure, NoAnswer, ProtocolError, Unreachable
 from .protocol import HookCall
 
 log = logging.getLogger("agentmw.remote")
@@ -196,7 +196,7 @@ class RemoteMiddleware:
                         raise
                     if "connection refused" in (exc.details() or "").lower():
                         what = f"cannot connect to {self.address}: connection refused"
-                        raise MiddlewareFailure(self.name, "Describe", what) from None
+                        raise Unreachable(self.name, "Describe", what) from None
                     # else a name still resolving, a first connection: the Describe below waits
             if desc is None:
                 desc = await self._describe_stub.Describe(
@@ -239,7 +239,8 @@ class RemoteMiddleware:
         does not wait fails at once with the channel's own reason when it cannot connect (connection
         refused, a name that does not resolve, a TLS handshake refused)."""
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-            return MiddlewareFailure(self.name, "Describe", self._failure(exc))
+            cls = Unreachable if exc.code() is grpc.StatusCode.UNAVAILABLE else MiddlewareFailure
+            return cls(self.name, "Describe", self._failure(exc))
         if self.channel.get_state() is not grpc.ChannelConnectivity.READY:  # else connected: it hangs
             try:
                 await self._describe_stub.Describe(
@@ -248,7 +249,7 @@ class RemoteMiddleware:
             except grpc.aio.AioRpcError as probe:
                 if probe.code() is grpc.StatusCode.UNAVAILABLE:
                     why = self._down(f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}")
-                    return MiddlewareFailure(self.name, "Describe", why)
+                    return Unreachable(self.name, "Describe", why)
         return NoAnswer(self.name, "Describe", _no_answer(exc, waited))
 
     def _failure(self, exc: grpc.aio.AioRpcError) -> str:

@@ -13,6 +13,7 @@ __all__ = [
     "RemoteMiddlewareError",
     "StreamBroken",
     "Suspended",
+    "Unreachable",
 ]
 
 
@@ -28,6 +29,11 @@ class MiddlewareFailure(RuntimeError):
 
 class StreamBroken(MiddlewareFailure):
     """The stream failed underneath: connection lost, server gone, stream ended early."""
+
+
+class Unreachable(MiddlewareFailure):
+    """The middleware's server cannot be connected to (down, restarting, a name not resolving):
+    unlike a refusal (UNAUTHENTICATED, a protocol violation), waiting may cure it."""
 
 
 class NoAnswer(MiddlewareFailure):

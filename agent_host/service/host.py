@@ -54,7 +54,7 @@ from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
 from ..remote.client import Access
-from ..remote.errors import MiddlewareFailure, ProtocolError
+from ..remote.errors import MiddlewareFailure, NoAnswer, Unreachable
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
 from ..store import (
@@ -75,6 +75,10 @@ BATCH = 64  # items at most in one ReplyEvent
 # Seconds an interrupted reply may take to wind down (its end flows out through every on_reply
 # middleware) before it is cut off: a middleware that keeps the reply going cannot keep the host busy.
 INTERRUPT_GRACE = 5.0
+MAX_ATTACH_PAUSE = 30.0  # seconds between tries to attach a middleware not reached at start
+# What a middleware not reached at start may still cure by itself (a refusal will not: wrong token,
+# protocol violation), so the host starts without it and waits (Host.attach_when_it_answers).
+WAIT_FOR = (Unreachable, NoAnswer)
 
 
 class ReplyRejected(Exception):
@@ -87,7 +91,8 @@ class ReplyRejected(Exception):
 
 @dataclass(eq=False)
 class Pending:
-    """A fail_open middleware the host could not reach at start: attached once it answers."""
+    """A middleware the host could not reach at start: attached once it answers (while a required,
+    fail_closed, one is pending, replies are refused)."""
 
     config: MiddlewareConfig
     why: str  # its last failure
@@ -198,7 +203,7 @@ class Host:
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._runs: set[ReplyRun] = set()
         self.draining = False  # shutting down: new replies are refused (UNAVAILABLE)
-        self.pending: dict[str, Pending] = {}  # fail_open middleware not reached yet (attach_when_it_answers)
+        self.pending: dict[str, Pending] = {}  # middleware not reached yet (attach_when_it_answers)
 
     # -- replies ---------------------------------------------------------------------------------
 
@@ -277,6 +282,12 @@ class Host:
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         if self.draining:
             raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")
+        missing = self.required_pending()
+        if missing is not None:
+            raise ReplyRejected(
+                grpc.StatusCode.UNAVAILABLE,
+                f"required middleware {missing.name} (fail_closed) is not attached yet: {missing.why}",
+            )
         async with self._holding(sid, wait=wait, on_stop=run.interrupt) as hold:
             journal = await self._open(sid, hold.fence)
             if journal is None:
@@ -512,20 +523,34 @@ class Host:
         return Access(tls=sec.middleware_tls, token=sec.middleware_token, key=mc.key, permissions=mc.permissions)
 
     def attach_when_it_answers(self, mc: MiddlewareConfig, why: MiddlewareFailure) -> None:
-        """A fail_open middleware the host could not reach at start: the host starts without it
-        (replies go on as they would when it fails) and attaches it in its configured place once
-        it answers, trying again every few seconds (1 s, doubling to 30 s). A required (fail_closed)
-        one stops the start instead (server.build_host)."""
-        log.warning(
-            "middleware %s at %s is fail_open and cannot be reached (%s): starting without it; "
-            "it is attached when it answers",
-            mc.name or mc.address,
-            mc.address,
-            why.what,
-        )
+        """A middleware the host could not reach at start: the host starts without it and attaches
+        it in its configured place once it answers, trying again every few seconds (1 s, doubling
+        to 30 s). Meanwhile replies go on without a fail_open one (as when it fails) and are refused
+        while a required (fail_closed) one is missing: UNAVAILABLE, and the health check says
+        NOT_SERVING. A cluster restarted in any order comes up without a crash loop."""
+        if mc.fail_open:
+            log.warning(
+                "middleware %s at %s is fail_open and cannot be reached (%s): starting without it; "
+                "it is attached when it answers",
+                mc.name or mc.address,
+                mc.address,
+                why.what,
+            )
+        else:
+            log.error(
+                "middleware %s at %s is required (fail_closed) and cannot be reached (%s): replies are "
+                "refused until it answers",
+                mc.name or mc.address,
+                mc.address,
+                why.what,
+            )
         pending = Pending(mc, why.what)
         self.pending[pending.name] = pending
         pending.task = asyncio.get_running_loop().create_task(self._attach_later(pending))
+
+    def required_pending(self) -> Pending | None:
+        """A required (fail_closed) middleware not attached yet, if any: no reply may run without it."""
+        return next((p for p in self.pending.values() if not p.config.fail_open), None)
 
     def forget_pending(self, name: str) -> Pending | None:
         """Stop waiting to attach the pending middleware ``name`` (None: there is none)."""
@@ -540,17 +565,20 @@ class Host:
         try:
             while True:
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, 30.0)
+                pause = min(pause * 2, MAX_ATTACH_PAUSE)
                 before = self.config.middleware[: self.config.middleware.index(mc)]  # mc is one of them
                 position = sum(1 for a in self.middleware if any(a.config is m for m in before))
                 try:
                     await self.attach(mc, position)
                     return
-                except (ProtocolError, ValueError) as exc:  # it answered, and cannot be attached as configured
-                    log.error("middleware %s at %s cannot be attached: %s", pending.name, mc.address, exc)
-                    return
-                except MiddlewareFailure as exc:  # still not answering
+                except WAIT_FOR as exc:  # still not answering
                     pending.why = exc.what
+                except (MiddlewareFailure, ValueError) as exc:  # it answered, and cannot be attached as configured
+                    log.error("middleware %s at %s cannot be attached: %s", pending.name, mc.address, exc)
+                    if mc.fail_open:  # the host goes on without it
+                        return
+                    # Required: replies stay refused, and it is tried again (its server may be fixed).
+                    pending.why, pause = f"cannot be attached: {exc}", MAX_ATTACH_PAUSE
         finally:
             if self.pending.get(pending.name) is pending:
                 del self.pending[pending.name]

@@ -25,12 +25,12 @@ from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
 from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
-from ..remote import MiddlewareFailure, Policy, ProtocolError
+from ..remote import MiddlewareFailure, Policy
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, abort, address_allowed
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
-from .host import Attached, Host, Pending, ReplyRejected, ReplyRun
+from .host import WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun
 
 log = logging.getLogger("agentmw.host")
 
@@ -315,8 +315,8 @@ def _info(a: Attached | Pending) -> host_pb2.MiddlewareInfo:
 
 class HostHealth(health.aio.HealthServicer):
     """grpc.health.v1: NOT_SERVING while a fail_closed middleware or the session store cannot be
-    reached (every reply would fail), or while draining; SERVING again once they are back. Checked
-    on each Check: nothing runs in between."""
+    reached, or such a middleware is not attached yet (every reply would fail), or while draining;
+    SERVING again once they are back. Checked on each Check: nothing runs in between."""
 
     def __init__(self, host: Host) -> None:
         super().__init__()
@@ -325,6 +325,8 @@ class HostHealth(health.aio.HealthServicer):
 
     async def refresh(self) -> None:
         reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
+        if self.host.required_pending() is not None:  # not attached yet: replies are refused
+            reachable.append(False)
         reachable.append(await self.host.store.reachable())  # no store (PostgreSQL down): no reply can be stored
         if self.host.draining or False in reachable:  # draining: load balancers stop sending replies
             self.serving = False
@@ -358,7 +360,7 @@ async def build_host(config: HostConfig) -> Host:
             try:
                 await host.attach(mc)
             except MiddlewareFailure as exc:  # its text says why: cannot connect, no answer, ...
-                if mc.fail_open and not isinstance(exc, ProtocolError):  # optional: the host starts without it
+                if isinstance(exc, WAIT_FOR):  # down or silent, not wrong: the host starts without it
                     host.attach_when_it_answers(mc, exc)
                     continue
                 raise StartupError(f"{mc.source}: {label}: Describe failed: {exc.what}") from None

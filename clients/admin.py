@@ -202,6 +202,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _connected(channel: grpc.Channel) -> bool:
+    """Whether the host is reachable: then an UNAVAILABLE came from the host itself (say, a
+    middleware it could not attach) and its own words are printed, not "cannot reach the host"."""
+    try:
+        grpc.channel_ready_future(channel).result(timeout=0.5)
+    except grpc.FutureTimeoutError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = f"{args.command} {args.action}" if getattr(args, "action", None) else args.command
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run[command]()
     except grpc.RpcError as exc:
         code = exc.code()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not _connected(admin.channel):
             what = f"cannot reach the host at {args.host} ({code.name})"
         else:
             what = f"{args.host}: {code.name}: {exc.details()}"

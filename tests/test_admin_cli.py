@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.launch import ServerProcess, middleware_server
+from clients.launch import ServerProcess, middleware_server, unused_port
 
 from .host_util import Procs, chat, processes, run_cli
 
@@ -77,6 +77,15 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     assert attached.stdout.startswith(f"attached rec at {recorder.address}")
     again = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec")
     assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
+    # The host answers UNAVAILABLE for a middleware it cannot attach: its words, not "cannot reach
+    # the host" (which the CLI said, sending the operator after a host that was fine).
+    nobody = f"127.0.0.1:{unused_port()}"
+    down = agentmw(host, "middleware", "attach", nobody, "--name", "down")
+    assert down.returncode == 1, down.stdout + down.stderr
+    assert down.stderr.strip() == (
+        f"agentmw: {host.address}: UNAVAILABLE: cannot attach {nobody}: no usable middleware server "
+        "answered there (the host's log says why)"
+    ), down.stderr
 
     listed = agentmw_json(host, "middleware", "list")
     assert isinstance(listed, list) and [m["name"] for m in listed] == ["rec"]

@@ -46,6 +46,7 @@ from agentmw.data import (
 )
 from agentmw.data.state import AgentState
 from agentmw.hooks import HOOKS
+from agentmw.security import channel
 from agentmw.tools import Tool, Toolkit, middleware_tools
 
 from .. import metrics, tracing
@@ -53,7 +54,7 @@ from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
 from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
-from ..remote.client import Access
+from ..remote.client import CHANNEL_OPTIONS, Access
 from ..remote.errors import MiddlewareFailure, NoAnswer, Unreachable
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
@@ -75,7 +76,7 @@ BATCH = 64  # items at most in one ReplyEvent
 # Seconds an interrupted reply may take to wind down (its end flows out through every on_reply
 # middleware) before it is cut off: a middleware that keeps the reply going cannot keep the host busy.
 INTERRUPT_GRACE = 5.0
-MAX_ATTACH_PAUSE = 30.0  # seconds between tries to attach a middleware not reached at start
+MAX_ATTACH_PAUSE = 30.0  # seconds at most between tries to attach a middleware not reached at start
 # What a middleware not reached at start may still cure by itself (a refusal will not: wrong token,
 # protocol violation), so the host starts without it and waits (Host.attach_when_it_answers).
 WAIT_FOR = (Unreachable, NoAnswer)
@@ -524,10 +525,10 @@ class Host:
 
     def attach_when_it_answers(self, mc: MiddlewareConfig, why: MiddlewareFailure) -> None:
         """A middleware the host could not reach at start: the host starts without it and attaches
-        it in its configured place once it answers, trying again every few seconds (1 s, doubling
-        to 30 s). Meanwhile replies go on without a fail_open one (as when it fails) and are refused
-        while a required (fail_closed) one is missing: UNAVAILABLE, and the health check says
-        NOT_SERVING. A cluster restarted in any order comes up without a crash loop."""
+        it in its configured place once it answers (about a second after its server accepts
+        connections: _attach_later). Meanwhile replies go on without a fail_open one (as when it
+        fails) and are refused while a required (fail_closed) one is missing: UNAVAILABLE, and the
+        health check says NOT_SERVING. A cluster restarted in any order comes up with no crash loop."""
         if mc.fail_open:
             log.warning(
                 "middleware %s at %s is fail_open and cannot be reached (%s): starting without it; "
@@ -560,12 +561,16 @@ class Host:
         return pending
 
     async def _attach_later(self, pending: Pending) -> None:
+        """Attach it as soon as its server accepts a connection: a channel of its own waits for
+        that (reconnecting within a second, as the middleware's channels do), so a server that comes
+        up is attached about a second later, with no polling of Describe meanwhile."""
         mc = pending.config
-        pause = 1.0
+        probe = channel(mc.address, self._access(mc).tls, options=CHANNEL_OPTIONS)
         try:
             while True:
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, MAX_ATTACH_PAUSE)
+                with contextlib.suppress(TimeoutError):  # connected, or time to try anyway
+                    async with asyncio.timeout(MAX_ATTACH_PAUSE):
+                        await probe.channel_ready()
                 before = self.config.middleware[: self.config.middleware.index(mc)]  # mc is one of them
                 position = sum(1 for a in self.middleware if any(a.config is m for m in before))
                 try:
@@ -573,13 +578,16 @@ class Host:
                     return
                 except WAIT_FOR as exc:  # still not answering
                     pending.why = exc.what
+                    await asyncio.sleep(1.0)  # connected and silent: no busy loop
                 except (MiddlewareFailure, ValueError) as exc:  # it answered, and cannot be attached as configured
                     log.error("middleware %s at %s cannot be attached: %s", pending.name, mc.address, exc)
                     if mc.fail_open:  # the host goes on without it
                         return
                     # Required: replies stay refused, and it is tried again (its server may be fixed).
-                    pending.why, pause = f"cannot be attached: {exc}", MAX_ATTACH_PAUSE
+                    pending.why = f"cannot be attached: {exc}"
+                    await asyncio.sleep(MAX_ATTACH_PAUSE)
         finally:
+            await probe.close()
             if self.pending.get(pending.name) is pending:
                 del self.pending[pending.name]
 

@@ -313,6 +313,27 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
 
 
+async def test_a_middleware_attached_by_hand_ends_the_wait_for_one_of_its_name(procs: Procs, tmp_path: Path) -> None:
+    """A required middleware that is down at start, attached by hand under its name from another
+    address: replies run with that one (the host stops waiting for the configured address; before,
+    the waiting went on and every reply stayed refused)."""
+    config = tmp_path / "host.yaml"
+    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{unused_port()}, timeout: 3}}\n")
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    with pytest.raises(grpc.aio.AioRpcError, match="required middleware rec"):
+        await _reply(host.address, "", UserMsg("hello"))
+    recorder = procs.recorder()
+    attached = run_cli(
+        "clients.admin", "--host", host.address, "middleware", "attach", recorder.address, "--name", "rec"
+    )
+    assert attached.returncode == 0, attached.stderr
+    session, items = await _reply(host.address, "", UserMsg("hello"))
+    assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+    assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
+    listed = json.loads(run_cli("clients.admin", "--host", host.address, "--json", "middleware", "list").stdout)
+    assert [(m["name"], m["address"], m["pending"]) for m in listed] == [("rec", recorder.address, False)], listed
+
+
 def test_bad_configuration_gives_one_clear_error(procs: Procs, tmp_path: Path) -> None:
     db = str(tmp_path / "x.db")
     # A server that answers, but not as a middleware may (it declares a hook it does not serve): the

@@ -508,6 +508,17 @@ class Host:
             except BaseException:
                 await remote.close()
                 raise
+            for waiting in [p for p in self.pending.values() if p.config is not mc]:
+                if waiting.name == attached.name or waiting.config.address == mc.address:
+                    # Attached by hand in its stead: waiting on would hold a fail_closed one's
+                    # replies refused for good (its name is taken now), or attach it twice.
+                    log.info(
+                        "middleware %s was attached at %s: no longer waiting for %s",
+                        attached.name,
+                        mc.address,
+                        waiting.config.address,
+                    )
+                    self.forget_pending(waiting.name)
             hooks = [h for h in HOOKS if remote.implements(h)]
             log.info(
                 "attached middleware %s at %s (key %s; hooks: %s; tools: %s)",

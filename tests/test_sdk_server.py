@@ -27,6 +27,8 @@ from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
 from clients.launch import ServerProcess, middleware_server
 
+from .host_util import run_cli
+
 
 async def test_describe_health_reflection_and_sigterm() -> None:
     server = middleware_server("tests.conformance_mw:Budget", token_budget=3)
@@ -190,3 +192,30 @@ async def test_a_run_ahead_emit_goes_out_while_the_code_after_its_yield_waits_an
     finally:
         await remote.close()
         await server.stop(None)
+
+
+class NeedsLimit(MiddlewareBase):
+    """A constructor argument to pass with --arg."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("tests.test_sdk_server", "target 'tests.test_sdk_server' is not module:Class"),
+        ("tests.no_such_module:X", "no module named 'tests.no_such_module' (is its directory on PYTHONPATH?)"),
+        ("tests.test_sdk_server:Missing", "module 'tests.test_sdk_server' has no 'Missing'"),
+        ("tests.test_sdk_server:Chain", "tests.test_sdk_server:Chain is not a MiddlewareBase subclass"),
+        ("tests.test_sdk_server:NeedsLimit", "cannot construct tests.test_sdk_server:NeedsLimit: missing a required"),
+    ],
+)
+def test_serving_a_wrong_target_is_one_line(target: str, says: str) -> None:
+    """`python -m agentmw.sdk` with a target it cannot serve: exit 2 and one line saying why (it was
+    a traceback ending in AttributeError or TypeError)."""
+    done = run_cli("agentmw.sdk", target, "--address", "127.0.0.1:0", timeout=30)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"python -m agentmw.sdk: error: {says}"), done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

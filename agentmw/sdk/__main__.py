@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 
 from agentmw.loops import LOOPS
+from agentmw.middleware import MiddlewareBase
 from agentmw.security import TlsFiles, read_secret, token_digest
 
 from .server import ServeSecurity, serve
@@ -36,8 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.token_file:
         security.token_sha256 = token_digest(read_secret(file=args.token_file, where="--token-file"))
     security.reflection = security.reflection or args.reflection
-    module_name, _, class_name = args.target.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls = _middleware_class(parser, args.target)
     kwargs = {}
     for item in args.arg:
         key, _, raw = item.partition("=")
@@ -45,7 +46,31 @@ def main(argv: list[str] | None = None) -> None:
             kwargs[key] = json.loads(raw)
         except json.JSONDecodeError:
             kwargs[key] = raw
+    try:  # the arguments alone: a TypeError raised in the constructor's own code keeps its traceback
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        parser.error(f"cannot construct {args.target}: {exc} (constructor arguments: --arg key=value)")
     serve(cls(**kwargs), args.address, security=security, loop=args.loop)
+
+
+def _middleware_class(parser: argparse.ArgumentParser, target: str) -> type[MiddlewareBase]:
+    """The class ``target`` names, or one line saying why not (a module that fails to import
+    keeps its traceback: that is the author's code, not the command line)."""
+    module_name, colon, class_name = target.partition(":")
+    if not colon or not module_name or not class_name:
+        parser.error(f"target {target!r} is not module:Class (e.g. mypackage.redact:Redact)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name and not module_name.startswith(f"{exc.name}."):
+            raise  # a module it imports is missing: its traceback says where
+        parser.error(f"no module named {module_name!r} (is its directory on PYTHONPATH?)")
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        parser.error(f"module {module_name!r} has no {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, MiddlewareBase)):
+        parser.error(f"{target} is not a MiddlewareBase subclass")
+    return cls
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ import yaml
 
 from agentmw.errors import ConfigError  # re-exported: the loader raises it
 from agentmw.loops import DEFAULT_LOOP, check_loop
+from agentmw.transport import is_host_port
 
 from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_digest
 
@@ -310,9 +311,7 @@ def _overlay_middleware(cfg: HostConfig, new: MiddlewareConfig) -> None:
 def _check_address(address: str, where: str) -> None:
     if "://" in address or address.startswith(("ipv4:", "ipv6:", "unix:", "dns:")):
         return  # a gRPC target name; the channel validates it
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{where}: {address!r} is not HOST:PORT")
+    _check_listen(address, where)
 
 
 def _port(text: str, where: str) -> int:
@@ -322,8 +321,7 @@ def _port(text: str, where: str) -> int:
 
 
 def _check_listen(address: str, where: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not is_host_port(address):
         raise ConfigError(f"{where}: {address!r} is not HOST:PORT")
 
 

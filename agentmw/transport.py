@@ -25,3 +25,10 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
+
+
+def is_host_port(address: str) -> bool:
+    """``HOST:PORT`` with a port of 0-65535 (0: any free port). Checked before binding: gRPC takes a
+    larger port modulo 65536 (``:99999`` listens on 34463) instead of refusing it."""
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and int(port) <= 65535)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 from typing import Any
 
 import grpc
@@ -219,3 +220,23 @@ def test_serving_a_wrong_target_is_one_line(target: str, says: str) -> None:
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"python -m agentmw.sdk: error: {says}"), done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_address_it_cannot_listen_on_is_one_line() -> None:
+    """A port gRPC would wrap (99999 listened on 34463) and a port in use: exit 1, one line."""
+    target = "tests.host_util:RecorderMiddleware"
+    wrapped = run_cli("agentmw.sdk", target, "--address", "127.0.0.1:99999", timeout=30)
+    assert wrapped.returncode == 1, wrapped.stdout + wrapped.stderr
+    assert wrapped.stderr.strip().splitlines()[-1] == (
+        "agentmw middleware RecorderMiddleware: '127.0.0.1:99999' is not HOST:PORT "
+        "(a port of 0-65535; 0: any free port)"
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        busy = run_cli("agentmw.sdk", target, "--address", address, timeout=30)
+    assert busy.returncode == 1, busy.stdout + busy.stderr
+    last = busy.stderr.strip().splitlines()[-1]
+    assert last == f"agentmw middleware RecorderMiddleware: cannot listen on {address} (address in use or not local)"
+    assert "Traceback" not in wrapped.stderr + busy.stderr

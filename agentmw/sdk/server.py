@@ -34,7 +34,7 @@ from agentmw.middleware import MiddlewareBase
 from agentmw.security import TlsFiles, abort, presented_token, read_secret, token_digest, token_matches
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
-from agentmw.transport import SERVER_OPTIONS
+from agentmw.transport import SERVER_OPTIONS, is_host_port
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -193,14 +193,24 @@ async def start(
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     if security.reflection:
         reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if security.tls.enabled:  # a TLS port only: plaintext callers fail the handshake
-        port = server.add_secure_port(address, security.tls.server_credentials(where="serve"))
-    else:
-        port = server.add_insecure_port(address)
+    if not is_host_port(address):
+        raise CannotListen(f"{address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
+    try:
+        if security.tls.enabled:  # a TLS port only: plaintext callers fail the handshake
+            port = server.add_secure_port(address, security.tls.server_credentials(where="serve"))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise CannotListen(f"cannot listen on {address} (address in use or not local)")
     await server.start()
     return server, port
+
+
+class CannotListen(OSError):
+    """``start``: the address is malformed, or cannot be bound (in use, not an address of this
+    machine). ``serve`` turns it into one line on stderr and exit status 1."""
 
 
 async def serve_async(
@@ -233,7 +243,10 @@ def serve(
     defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset);
     ``loop``: "asyncio", "uvloop" or "auto" (default: AGENTMW_LOOP, else asyncio; agentmw/loops.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
+    try:
+        loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
+    except CannotListen as exc:
+        raise SystemExit(f"agentmw middleware {type(middleware).__name__}: {exc}") from None
 
 
-__all__ = ["ServeSecurity", "describe", "serve", "serve_async", "start"]
+__all__ = ["CannotListen", "ServeSecurity", "describe", "serve", "serve_async", "start"]

@@ -25,6 +25,8 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
+from agentmw.transport import is_host_port
+
 # Attributes worth a look in a tree line, with a short label (the rest: --json).
 KEY_ATTRIBUTES = {
     "agentmw.hook.outcome": "outcome",
@@ -129,9 +131,14 @@ class Receiver:
         self.address = ""
 
     def start(self, listen: str = "127.0.0.1:0") -> Receiver:
-        port = self.server.add_insecure_port(listen)
+        if not is_host_port(listen):  # gRPC would take a port over 65535 modulo 65536
+            raise OSError(f"{listen!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
+        try:
+            port = self.server.add_insecure_port(listen)
+        except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+            port = 0
         if port == 0:
-            raise OSError(f"cannot listen on {listen}")
+            raise OSError(f"cannot listen on {listen} (address in use or not local)")
         self.server.start()
         self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
         return self
@@ -201,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         receiver = Receiver(as_json if args.json else None).start(args.listen)
-    except (OSError, RuntimeError) as exc:
+    except OSError as exc:
         print(f"agentmw-traces: {exc}", file=sys.stderr)
         return 1
     print(f"agentmw traces listening on {receiver.address}", flush=True)

@@ -223,7 +223,8 @@ def test_serving_a_wrong_target_is_one_line(target: str, says: str) -> None:
 
 
 def test_an_address_it_cannot_listen_on_is_one_line() -> None:
-    """A port gRPC would wrap (99999 listened on 34463) and a port in use: exit 1, one line."""
+    """A port gRPC would wrap (99999 listened on 34463) and a port in use: exit 1, one line (the
+    middleware servers, and the trace viewer)."""
     target = "tests.host_util:RecorderMiddleware"
     wrapped = run_cli("agentmw.sdk", target, "--address", "127.0.0.1:99999", timeout=30)
     assert wrapped.returncode == 1, wrapped.stdout + wrapped.stderr
@@ -240,3 +241,5 @@ def test_an_address_it_cannot_listen_on_is_one_line() -> None:
     last = busy.stderr.strip().splitlines()[-1]
     assert last == f"agentmw middleware RecorderMiddleware: cannot listen on {address} (address in use or not local)"
     assert "Traceback" not in wrapped.stderr + busy.stderr
+    viewer = run_cli("clients.traces", "--listen", "127.0.0.1:99999", timeout=30)  # the trace viewer: the same check
+    assert viewer.returncode == 1 and viewer.stderr.startswith("agentmw-traces: '127.0.0.1:99999' is not HOST:PORT")

@@ -17,6 +17,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, Status, StatusCode
@@ -87,10 +88,29 @@ def configure(
                 raise ValueError(f"OTLP protocol {protocol!r} is not supported (only grpc)")
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
+            _check_endpoint(settings)
             exporter = OTLPSpanExporter(endpoint=settings.get("endpoint"))  # None: from OTEL_* variables
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return provider
+
+
+def _check_endpoint(settings: Mapping[str, Any]) -> None:
+    """The OTLP endpoint must name a host (and a valid port, if any): the exporter takes anything
+    and only fails, in the background, at each export."""
+    where, endpoint = "endpoint", settings.get("endpoint")
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        if not endpoint:
+            where, endpoint = variable, os.environ.get(variable)
+    if not endpoint:
+        return  # the exporter's default, localhost:4317
+    url = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    try:
+        port_ok = url.port is None or url.port > 0
+    except ValueError:
+        port_ok = False
+    if url.scheme not in ("http", "https") or not url.hostname or not port_ok:
+        raise ValueError(f"{where}: {endpoint!r} is not an OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317)")
 
 
 def enabled() -> bool:

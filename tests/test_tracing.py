@@ -28,7 +28,7 @@ from clients.chat import HostClient, Turn, converse
 from clients.launch import ServerProcess
 from clients.traces import Receiver, format_trace
 
-from .host_util import Procs
+from .host_util import Procs, run_cli
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -275,3 +275,18 @@ async def test_no_exporter_configured_no_spans(procs: Procs, receiver: Receiver,
     assert turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.COMPLETED
     assert receiver.collector.wait_for(bool, 1.0) == []
     assert "no span exporter configured" in tracer.tail()
+
+
+@pytest.mark.parametrize("endpoint", ["notaurl:::", "http://127.0.0.1:99999", "ftp://collector:4317", "http://:4317"])
+def test_a_bad_otlp_endpoint_is_refused_at_start(endpoint: str, tmp_path: Path) -> None:
+    """The exporter takes any text and then fails at each export, in the background: the tracing
+    server and the host refuse it at start instead, with one line naming it."""
+    done = run_cli("mw_servers.tracing", "--address", "127.0.0.1:0", "--otlp-endpoint", endpoint, timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (
+        f"mw_servers.tracing: endpoint: {endpoint!r} is not an OTLP/gRPC endpoint (e.g. http://127.0.0.1:4317)"
+    )
+    config = tmp_path / "host.yaml"
+    config.write_text(f"tracing: {{endpoint: '{endpoint}'}}\n")
+    host = run_cli("agent_host", "--config", str(config), "--listen", "127.0.0.1:0", "--db", ":memory:", timeout=30)
+    assert host.returncode == 2 and f"{endpoint!r} is not an OTLP/gRPC endpoint" in host.stderr, host.stderr

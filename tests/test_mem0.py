@@ -249,3 +249,24 @@ def test_the_server_the_other_tests_use_has_no_network(stack: Stack) -> None:
             ["nsenter", "-t", str(pid), "-n", "ip", "link", "show", "lo"], capture_output=True, text=True
         ).stdout
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--store", "{file}"], "--store '{file}' cannot be a directory: File exists"),
+        (["--address", "127.0.0.1:99999"], "--address '127.0.0.1:99999' is not HOST:PORT"),
+        (["--top-k", "0"], "cannot start: ValueError: top_k must be at least 1, got 0"),
+    ],
+)
+def test_bad_flags_are_one_line(flags: list[str], says: str, tmp_path: Path) -> None:
+    """Each was a traceback (a file as --store), a port gRPC wraps, or accepted (--top-k 0); the first
+    two are said before the model loads."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv = [str(MEM0_PY), "-m", "mw_servers.mem0", "--store", str(tmp_path / "store"), "--address", "127.0.0.1:0"]
+    argv += [f.replace("{file}", str(file)) for f in flags]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (1, 2), done.stdout + done.stderr
+    assert says.replace("{file}", str(file)) in done.stderr.strip().splitlines()[-1], done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -109,6 +109,8 @@ class Mem0Middleware(MiddlewareBase):
         tool_prefix: str = "mem0__",
         workers: int = 1,
     ) -> None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1, got {top_k}")
         self.memory = memory
         self.mode = mode
         self.user_id, self.agent_id = user_id, agent_id

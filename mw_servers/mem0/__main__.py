@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from agentmw.sdk import serve
+from agentmw.transport import is_host_port
 
 from . import MODES, Mem0Middleware
 from .backend import build_memory, load_config, prepare_environment
@@ -34,9 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agent-id", help="the agent id for mem0 (default: the agent's name)")
     parser.add_argument("--write", choices=("await", "background"), help="write-back before the final message or after")
     args = parser.parse_args(argv)
+    # What needs no model: said at once, not after loading one for seconds.
+    if not is_host_port(args.address):
+        parser.error(f"--address {args.address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store = args.store.resolve()
-    store.mkdir(parents=True, exist_ok=True)
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--store {str(args.store)!r} cannot be a directory: {exc.strerror}")
     prepare_environment(store)  # before mem0 is imported
     try:
         config, options = load_config(args.config, store)

@@ -67,7 +67,7 @@ import yaml
 
 from agentmw.errors import ConfigError  # re-exported: the loader raises it
 from agentmw.loops import DEFAULT_LOOP, check_loop
-from agentmw.transport import is_host_port
+from agentmw.transport import check_listen_address
 
 from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_digest
 
@@ -321,8 +321,10 @@ def _port(text: str, where: str) -> int:
 
 
 def _check_listen(address: str, where: str) -> None:
-    if not is_host_port(address):
-        raise ConfigError(f"{where}: {address!r} is not HOST:PORT")
+    try:
+        check_listen_address(address, unix=False)  # the host announces HOST:PORT
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------

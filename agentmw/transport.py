@@ -27,8 +27,14 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def is_host_port(address: str) -> bool:
-    """``HOST:PORT`` with a port of 0-65535 (0: any free port). Checked before binding: gRPC takes a
-    larger port modulo 65536 (``:99999`` listens on 34463) instead of refusing it."""
+def check_listen_address(address: str, *, unix: bool = True) -> str:
+    """``address`` if a gRPC server can listen on it as given: ``HOST:PORT`` with a port of 0-65535
+    (0: any free port), or (``unix``) a ``unix:`` / ``unix-abstract:`` socket; else a ValueError.
+    Checked before binding: gRPC takes a larger port modulo 65536 (``:99999`` listens on 34463)
+    instead of refusing it."""
+    if unix and address.startswith(("unix:", "unix-abstract:")):
+        return address
     host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and int(port) <= 65535)
+    if not (sep and host and port.isdigit() and int(port) <= 65535):
+        raise ValueError(f"{address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
+    return address

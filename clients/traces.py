@@ -25,7 +25,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
-from agentmw.transport import is_host_port
+from agentmw.transport import check_listen_address
 
 # Attributes worth a look in a tree line, with a short label (the rest: --json).
 KEY_ATTRIBUTES = {
@@ -131,8 +131,10 @@ class Receiver:
         self.address = ""
 
     def start(self, listen: str = "127.0.0.1:0") -> Receiver:
-        if not is_host_port(listen):  # gRPC would take a port over 65535 modulo 65536
-            raise OSError(f"{listen!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
+        try:
+            check_listen_address(listen)
+        except ValueError as exc:
+            raise OSError(str(exc)) from None
         try:
             port = self.server.add_insecure_port(listen)
         except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0

@@ -11,6 +11,8 @@ import asyncio
 import base64
 import math
 import os
+import subprocess
+import sys
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +36,7 @@ from agentmw.data import (
     UserMsg,
 )
 from agentmw.tools import Toolkit, tool
-from clients.launch import ServerProcess
+from clients.launch import ROOT, ServerProcess
 from mw_servers.tts import EspeakEngine
 
 from .dashscope_tts_server import RATE as DS_RATE
@@ -265,6 +267,31 @@ async def test_engine_error_is_an_event_and_the_text_arrives_whole(
     (error,) = [x for x in items if isinstance(x, CustomEvent)]
     assert error.name == "tts_error" and "the synthesizer is on fire" in error.value["message"]
     assert error.value["engine"] == engine and error.value["reply_id"] == end.reply_id
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--engine", "espeak", "--voice", "klingon-xx"], "espeak-ng has no voice 'klingon-xx'"),
+        (["--engine", "dashscope"], "DashScope TTS: no API key (set DASHSCOPE_API_KEY)"),
+        (["--address", "127.0.0.1:99999"], "--address '127.0.0.1:99999' is not HOST:PORT"),
+    ],
+)
+def test_a_server_that_could_not_speak_refuses_to_start(flags: list[str], says: str) -> None:
+    """An unknown voice or no DashScope key failed every reply later (a tts_error event each), and
+    the server looked healthy; now it does not start, with one line (exit 2)."""
+    env = {k: v for k, v in os.environ.items() if k != "DASHSCOPE_API_KEY"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mw_servers.tts", "--address", "127.0.0.1:0", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"python -m mw_servers.tts: error: {says}"), done.stderr
 
 
 # -- piper (the optional extra) ----------------------------------------------------------------------

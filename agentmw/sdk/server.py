@@ -34,7 +34,7 @@ from agentmw.middleware import MiddlewareBase
 from agentmw.security import TlsFiles, abort, presented_token, read_secret, token_digest, token_matches
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
-from agentmw.transport import SERVER_OPTIONS, is_host_port
+from agentmw.transport import SERVER_OPTIONS, check_listen_address
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -193,8 +193,10 @@ async def start(
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     if security.reflection:
         reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if not is_host_port(address):
-        raise CannotListen(f"{address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
+    try:
+        check_listen_address(address)
+    except ValueError as exc:
+        raise CannotListen(str(exc)) from None
     try:
         if security.tls.enabled:  # a TLS port only: plaintext callers fail the handshake
             port = server.add_secure_port(address, security.tls.server_credentials(where="serve"))

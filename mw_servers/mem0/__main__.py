@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from agentmw.sdk import serve
-from agentmw.transport import is_host_port
+from agentmw.transport import check_listen_address
 
 from . import MODES, Mem0Middleware
 from .backend import build_memory, load_config, prepare_environment
@@ -36,8 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", choices=("await", "background"), help="write-back before the final message or after")
     args = parser.parse_args(argv)
     # What needs no model: said at once, not after loading one for seconds.
-    if not is_host_port(args.address):
-        parser.error(f"--address {args.address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
+    try:
+        check_listen_address(args.address)
+    except ValueError as exc:
+        parser.error(f"--address {exc}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     store = args.store.resolve()
     try:

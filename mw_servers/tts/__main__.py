@@ -12,8 +12,10 @@ import argparse
 from typing import Any
 
 from agentmw.sdk import serve
+from agentmw.transport import check_listen_address
 
 from . import ENGINES, TTSMiddleware, make_engine
+from .engines import EngineError, api_key
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +35,16 @@ def main(argv: list[str] | None = None) -> None:
         options = {"language": args.language, **({"model": args.model} if args.model else {})}
         if args.url:
             options["url" if args.engine == "dashscope-realtime" else "base_url"] = args.url
-    engine = make_engine(args.engine, args.voice, **options)
+    try:  # before an engine loads
+        check_listen_address(args.address)
+    except ValueError as exc:
+        parser.error(f"--address {exc}")
+    try:
+        if args.engine.startswith("dashscope"):
+            api_key()  # read once, at start: else every reply would fail on it
+        engine = make_engine(args.engine, args.voice, **options)
+    except EngineError as exc:
+        parser.error(str(exc))
     serve(TTSMiddleware(engine, realtime=True if args.realtime else None), args.address)
 
 

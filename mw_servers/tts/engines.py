@@ -220,6 +220,10 @@ class _Espeak:
             emit(ctypes.string_at(wav, samples * 2))
         return 0
 
+    def has_voice(self, voice: str) -> bool:
+        """Whether espeak-ng knows ``voice`` (selected on the espeak thread, as every call is)."""
+        return self.executor.submit(self.lib.espeak_SetVoiceByName, voice.encode()).result() == 0
+
     def synth(self, text: str, voice: str, wpm: int, emit: Emit, cancelled: threading.Event) -> None:
         """Runs on the espeak thread: the callback streams ~chunk_ms pieces through ``emit``."""
         if self.lib.espeak_SetVoiceByName(voice.encode()) != 0:
@@ -243,6 +247,8 @@ class EspeakEngine(Engine):
     def __init__(self, voice: str = "en", wpm: int = 175) -> None:
         self.voice, self.wpm = voice or "en", wpm
         self.espeak = _Espeak.get()
+        if not self.espeak.has_voice(self.voice):  # else each synthesis would fail with it
+            raise EngineError(f"espeak-ng has no voice {self.voice!r} (e.g. en, en-us, de, fr)")
         self.media_type = f"audio/pcm;rate={self.espeak.rate}"
 
     async def synthesize(self, text: str) -> AsyncIterator[bytes]:
@@ -293,7 +299,9 @@ class PiperEngine(Engine):
 DASHSCOPE_RATE = 24000  # Qwen TTS streams 24 kHz mono 16-bit PCM
 
 
-def _api_key(api_key: str) -> str:
+def api_key(api_key: str = "") -> str:
+    """The DashScope API key: the given one, else DASHSCOPE_API_KEY, else the SDK's; raises
+    EngineError when there is none."""
     import dashscope
 
     key = api_key or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
@@ -331,7 +339,7 @@ class DashScopeEngine(Engine):
             text=text,
             voice=self.voice,
             language_type=self.language or None,
-            api_key=_api_key(self.api_key),
+            api_key=api_key(self.api_key),
             stream=True,
             base_address=endpoint,
             request_timeout=self.timeout,
@@ -420,7 +428,7 @@ class _RealtimeUtterance(Utterance):
 
         utterance = self
         client = QwenTtsRealtime(model=engine.model, callback=Callback(), url=engine.url or None)
-        client.apikey = _api_key(engine.api_key)  # the SDK read dashscope.api_key; ours may differ
+        client.apikey = api_key(engine.api_key)  # the SDK read dashscope.api_key; ours may differ
         try:
             await asyncio.to_thread(client.connect)  # blocks while it polls for the socket
             options: dict[str, Any] = {"voice": engine.voice, "mode": "server_commit"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import ssl
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,10 +105,23 @@ class TlsFiles:
             raise SecurityError(f"{where}: cannot read the TLS {which} {path} ({exc.strerror or exc})") from None
 
     def check(self, where: str) -> None:
+        """The files are there and load as PEM, the key matching the certificate: gRPC only fails
+        later, saying no more than that a port could not be bound or a handshake failed."""
         if bool(self.cert) != bool(self.key):
             raise SecurityError(f"{where}: a TLS certificate needs its key and a key its certificate")
         for which in ("cert", "key", "ca"):
             self._read(which, where)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:  # password b"": an encrypted key fails here (gRPC cannot take a passphrase) instead of a prompt
+            if self.cert:
+                what = f"the TLS cert {self.cert} with its key {self.key}"
+                context.load_cert_chain(Path(self.cert).expanduser(), Path(self.key).expanduser(), password=b"")
+            if self.ca:
+                what = f"the TLS CA {self.ca}"
+                context.load_verify_locations(cafile=Path(self.ca).expanduser())
+        except ssl.SSLError as exc:
+            why = exc.reason if exc.reason and exc.reason != "PEM lib" else "not PEM"
+            raise SecurityError(f"{where}: {what} cannot be used ({why})") from None
 
     def server_credentials(self, *, require_client_cert: bool = True, where: str = "tls") -> grpc.ServerCredentials:
         """A TLS server; with ``ca``, client certificates signed by it are required (mutual TLS)

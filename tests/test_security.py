@@ -391,3 +391,30 @@ async def test_attach_allow_list_gives_no_port_signal(procs: Procs, tmp_path: Pa
         assert code == grpc.StatusCode.UNAVAILABLE and "log" in details, details
         listed = await call(channel, "ListMiddleware", host_pb2.ListMiddlewareRequest())
         assert list(listed.middleware) == []
+
+
+def test_tls_files_that_cannot_be_used_are_a_configuration_error(certs: Pki, tmp_path: Path) -> None:
+    """A certificate with another's key, a file that is not PEM: the host said 'cannot listen on
+    127.0.0.1:0 (address in use or not local)' (gRPC only fails to bind) and the SDK the same; now
+    each is a configuration error naming the files and why."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    alice = certs.clients["alice"]
+    cases = [
+        ((certs.server.cert, alice.key), "cannot be used (KEY_VALUES_MISMATCH)"),
+        ((str(garbage), str(garbage)), "cannot be used (not PEM)"),
+    ]
+    for (cert, key), why in cases:
+        argv = ["--listen", "127.0.0.1:0", "--db", ":memory:", "--tls-cert", cert, "--tls-key", key]
+        host = run_cli("agent_host", *argv)
+        assert host.returncode == 2, host.stderr
+        assert host.stderr.strip() == (
+            f"agent-host: configuration error: security.tls: the TLS cert {cert} with its key {key} {why}"
+        )
+        sdk = run_cli("agentmw.sdk", RECORDER, "--address", "127.0.0.1:0", "--tls-cert", cert, "--tls-key", key)
+        assert sdk.returncode == 1 and "Traceback" not in sdk.stderr, sdk.stderr
+        assert sdk.stderr.strip().splitlines()[-1] == (
+            f"agentmw middleware RecorderMiddleware: serve: the TLS cert {cert} with its key {key} {why}"
+        )
+    bad_ca = run_cli("agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--tls-client-ca", str(garbage))
+    assert bad_ca.returncode == 2 and f"the TLS CA {garbage} cannot be used" in bad_ca.stderr, bad_ca.stderr

@@ -15,7 +15,7 @@ import json
 
 from agentmw.loops import LOOPS
 from agentmw.middleware import MiddlewareBase
-from agentmw.security import TlsFiles, read_secret, token_digest
+from agentmw.security import SecurityError, TlsFiles, read_secret, token_digest
 
 from .server import ServeSecurity, serve
 
@@ -32,11 +32,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reflection", action="store_true", help="enable gRPC server reflection")
     parser.add_argument("--loop", choices=LOOPS, help="event loop (default: AGENTMW_LOOP, else asyncio)")
     args = parser.parse_args(argv)
-    security = ServeSecurity.from_env()
-    files = {k: getattr(args, f"tls_{k}") for k in ("cert", "key")} | {"ca": args.tls_client_ca}
-    security.tls = TlsFiles(**{k: v or getattr(security.tls, k) for k, v in files.items()})
-    if args.token_file:
-        security.token_sha256 = token_digest(read_secret(file=args.token_file, where="--token-file"))
+    try:
+        security = ServeSecurity.from_env()
+        files = {k: getattr(args, f"tls_{k}") for k in ("cert", "key")} | {"ca": args.tls_client_ca}
+        security.tls = TlsFiles(**{k: v or getattr(security.tls, k) for k, v in files.items()})
+        if args.token_file:
+            security.token_sha256 = token_digest(read_secret(file=args.token_file, where="--token-file"))
+    except SecurityError as exc:
+        parser.error(str(exc))
     security.reflection = security.reflection or args.reflection
     cls = _middleware_class(parser, args.target)
     kwargs = {}

@@ -31,7 +31,15 @@ from agentmw.codec import codec, value_to_json
 from agentmw.data import ToolCallBlock
 from agentmw.hooks import HOOKS, PROTOCOL_VERSION
 from agentmw.middleware import MiddlewareBase
-from agentmw.security import TlsFiles, abort, presented_token, read_secret, token_digest, token_matches
+from agentmw.security import (
+    SecurityError,
+    TlsFiles,
+    abort,
+    presented_token,
+    read_secret,
+    token_digest,
+    token_matches,
+)
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
 from agentmw.transport import SERVER_OPTIONS, check_listen_address
@@ -247,7 +255,7 @@ def serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
-    except CannotListen as exc:
+    except (CannotListen, SecurityError) as exc:  # the address, or TLS files that cannot be used
         raise SystemExit(f"agentmw middleware {type(middleware).__name__}: {exc}") from None
 
 

@@ -357,6 +357,12 @@ def test_bad_configuration_gives_one_clear_error(procs: Procs, tmp_path: Path) -
     bad = run_cli("agent_host", "--config", str(provider), "--db", db)
     assert bad.returncode == 2 and "unknown provider 'nosuch'" in bad.stderr and str(provider) in bad.stderr
 
+    # A misspelt setting: the key by name (it was "ChatModel.__init__() got an unexpected keyword").
+    provider.write_text("models:\n  models:\n    m1: {provider: openai, model: gpt-4o}\n")
+    bad = run_cli("agent_host", "--config", str(provider), "--db", db)
+    assert bad.returncode == 2 and "model 'm1': unknown key 'model' for provider 'openai'" in bad.stderr, bad.stderr
+    assert "model_name" in bad.stderr and "__init__" not in bad.stderr, bad.stderr
+
 
 def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "host.yaml"

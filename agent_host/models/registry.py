@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,31 +21,45 @@ class ModelEntry:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
-def _offline(**config: Any) -> ChatModel:
+def _offline() -> type[ChatModel]:
     from .offline import OfflineRuleModel
 
-    return OfflineRuleModel(**config)
+    return OfflineRuleModel
 
 
-def _dashscope(**config: Any) -> ChatModel:
+def _dashscope() -> type[ChatModel]:
     from .dashscope import DashScopeChatModel  # imports the dashscope SDK only when used
 
-    return DashScopeChatModel(**config)
+    return DashScopeChatModel
 
 
-def _openai(**config: Any) -> ChatModel:
+def _openai() -> type[ChatModel]:
     from .openai_compat import OpenAICompatibleModel
 
-    return OpenAICompatibleModel(**config)
+    return OpenAICompatibleModel
 
 
-# provider name -> factory(id=..., **config). Factories import their module lazily, so a host
-# that only uses the offline model never imports a provider SDK.
-PROVIDERS: dict[str, Callable[..., ChatModel]] = {
+# provider name -> its model class, imported when asked for: a host that only uses the offline
+# model never imports a provider SDK.
+PROVIDERS: dict[str, Callable[[], type[ChatModel]]] = {
     "offline": _offline,
     "dashscope": _dashscope,
     "openai": _openai,
 }
+
+
+def _settings(model_cls: type[ChatModel]) -> list[str]:
+    """The keyword settings a model class takes, its bases' included (a ``**kw`` passes them on)."""
+    names: list[str] = []
+    for cls in model_cls.__mro__:
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names += [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name != "id" and p.name not in names]
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
 
 
 class ModelRegistry:
@@ -113,7 +128,15 @@ class ModelRegistry:
                 retry = RetryPolicy.from_config(spec.pop("retry", None))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"model {model_id!r}: {exc}") from None
-            registry.add(PROVIDERS[provider](id=model_id, **spec), max_retries=retries, fallback=fallback, retry=retry)
+            model_cls = PROVIDERS[provider]()
+            known = _settings(model_cls)
+            unknown = sorted(set(spec) - set(known))
+            if unknown:  # else a TypeError naming the constructor, not the setting
+                raise ValueError(
+                    f"model {model_id!r}: unknown key {unknown[0]!r} for provider {provider!r} "
+                    f"(known: provider, max_retries, fallback, retry, {', '.join(known)})"
+                )
+            registry.add(model_cls(id=model_id, **spec), max_retries=retries, fallback=fallback, retry=retry)
         for model_id, entry in registry.entries.items():
             for fb in entry.fallback:
                 if fb not in registry.entries:

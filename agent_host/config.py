@@ -58,6 +58,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -297,6 +298,10 @@ def parse_middleware_arg(text: str, where: str) -> MiddlewareConfig:
     if not address or (sep and not name):
         raise ConfigError(f"{where}: {text!r} is not NAME=HOST:PORT")
     _check_address(address, f"{where} {text!r}")
+    try:
+        check_middleware_name(name)
+    except ValueError as exc:
+        raise ConfigError(f"{where} {text!r}: {exc}") from None
     return MiddlewareConfig(address=address, name=name, source=where)
 
 
@@ -356,6 +361,18 @@ def check_seconds(value: Any, what: str = "timeout") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
     return float(value)
+
+
+MIDDLEWARE_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # the characters of a tool name
+
+
+def check_middleware_name(name: str) -> str:
+    """A middleware's name: it prefixes its tools (``NAME__tool``, which models take only as 1-64
+    of ``[a-zA-Z0-9_-]``) and names it in logs, metrics and the admin API. The one rule for the
+    configuration, flags and AttachMiddleware. "" is allowed: the middleware's Describe key then."""
+    if name and not MIDDLEWARE_NAME.fullmatch(name):
+        raise ValueError(f"middleware name {name!r} is not 1-64 of [a-zA-Z0-9_-] (it prefixes its tools)")
+    return name
 
 
 def _seconds(raw: Any, where: str) -> float:
@@ -576,6 +593,10 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
                 if limits[key] < 1:
                     raise ConfigError(f"{where}.{key}: must be above 0, got {limits[key]}")
         name = _expect(entry.get("name", ""), str, f"{where}.name")
+        try:
+            check_middleware_name(name)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.name: {exc}") from None
         key = _expect(entry.get("key", ""), str, f"{where}.key")
         if key and any(m.key == key for m in out):
             raise ConfigError(f"{where}.key: {key!r} is used twice (one key = one middle_context slot)")

@@ -86,6 +86,13 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
         f"agentmw: {host.address}: UNAVAILABLE: cannot attach {nobody}: no usable middleware server "
         "answered there (the host's log says why)"
     ), down.stderr
+    # A name that cannot prefix tools is the operator's mistake, said at once (it was that same
+    # 'no usable middleware server' after the anti-scan delay, blamed on the server's tools).
+    spaced = agentmw(host, "middleware", "attach", recorder.address, "--name", "my mw")
+    assert spaced.returncode == 1 and spaced.stderr.strip() == (
+        f"agentmw: {host.address}: INVALID_ARGUMENT: middleware name 'my mw' is not 1-64 of [a-zA-Z0-9_-] "
+        "(it prefixes its tools)"
+    ), spaced.stderr
 
     listed = agentmw_json(host, "middleware", "list")
     assert isinstance(listed, list) and [m["name"] for m in listed] == ["rec"]

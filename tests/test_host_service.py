@@ -357,6 +357,9 @@ def test_bad_configuration_gives_one_clear_error(procs: Procs, tmp_path: Path) -
     bad = run_cli("agent_host", "--config", str(provider), "--db", db)
     assert bad.returncode == 2 and "unknown provider 'nosuch'" in bad.stderr and str(provider) in bad.stderr
 
+    spaced = run_cli("agent_host", "--db", db, "--listen", "127.0.0.1:0", "--middleware", "my mw=127.0.0.1:9")
+    assert spaced.returncode == 2 and "middleware name 'my mw' is not 1-64 of [a-zA-Z0-9_-]" in spaced.stderr
+
     # A misspelt setting: the key by name (it was "ChatModel.__init__() got an unexpected keyword").
     provider.write_text("models:\n  models:\n    m1: {provider: openai, model: gpt-4o}\n")
     bad = run_cli("agent_host", "--config", str(provider), "--db", db)

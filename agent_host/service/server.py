@@ -24,7 +24,7 @@ from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
-from ..config import ConfigError, HostConfig, MiddlewareConfig, check_seconds
+from ..config import ConfigError, HostConfig, MiddlewareConfig, check_middleware_name, check_seconds
 from ..remote import MiddlewareFailure, Policy
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, abort, address_allowed
 from ..store import SessionRecord, open_store
@@ -118,6 +118,10 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         await _per_host_middleware(self.host, context)
         if not request.address:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "an address is required")
+        try:
+            check_middleware_name(request.name)
+        except ValueError as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if request.timeout != 0:  # 0 = the default
             try:
                 check_seconds(request.timeout)

@@ -6,6 +6,7 @@ Every wait is bounded; nothing asserts absolute times (only that spans nest in t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -264,6 +265,38 @@ async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, r
         check_shape(
             trace_of(receiver, down.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1}), first.session_id
         )
+
+
+async def test_replicas_sharing_one_tracing_server_keep_their_tool_spans_apart(
+    procs: Procs, receiver: Receiver, tmp_path: Path
+) -> None:
+    """Two hosts (replicas) send to one tracing server, whose tool spans pair on_acting's call with
+    on_reply's times. Tool call ids repeat across hosts (each offline model numbers its calls
+    call_1_0, ...; real providers may too). Keyed by call id alone, host B's call overwrote host
+    A's while A's times were still to come, and A's execute_tool span was lost (the bench counted
+    ~30% fewer spans remote than in-process). Here A is slow, so that its tool call's copy has
+    arrived (the host holds it at most 0.5 s) and its times have not when B's whole reply arrives."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("models:\n  default: slow\n  models:\n    slow: {provider: offline, delay: 0.2}\n")
+    common = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--middleware"]
+    host_a = start(procs, "host-a", [*common, f"tracing={tracer.address}", "--config", str(slow)], env)
+    host_b = start(procs, "host-b", [*common, f"tracing={tracer.address}"], env)
+
+    slow_turn = asyncio.create_task(talk(host_a.address, "", "use get_weather city=Paris"))  # call_1_0
+    await asyncio.sleep(1.2)  # its tool has run, and its call's copy gone out; its answer streams for ~2 s
+    fast = await talk(host_b.address, "", "use get_weather city=Rome")  # call_1_0 too
+    assert not slow_turn.done(), "host A's reply must still be running"
+    turns = {"Paris": await slow_turn, "Rome": fast}
+    for city, turn in turns.items():
+        assert turn.final is not None and city in turn.final.text
+        spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1})
+        root = check_shape(spans, turn.session_id)  # in its own reply's trace, inside it
+        (tool,) = named(spans, "execute_tool")
+        assert tool["attributes"]["gen_ai.tool.call.id"] == "call_1_0", format_trace(spans)
+        assert json.loads(tool["attributes"]["gen_ai.tool.call.arguments"]) == {"city": city}, format_trace(spans)
+        assert root["start_ns"] <= tool["start_ns"] <= tool["end_ns"] <= root["end_ns"]
 
 
 async def test_no_exporter_configured_no_spans(procs: Procs, receiver: Receiver, tmp_path: Path) -> None:

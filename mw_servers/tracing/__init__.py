@@ -271,7 +271,8 @@ class TracingMiddleware(MiddlewareBase):
             }
             if last is not None:
                 attrs["gen_ai.tool.call.result"] = _dumps(last)
-            self.tools.acted(call.id, _ToolCall(f"execute_tool {call.name}", parent, attrs, error))
+            key = (agent.state.reply_id, call.id)
+            self.tools.acted(key, _ToolCall(f"execute_tool {call.name}", parent, attrs, error))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +303,7 @@ class _Reply:
         elif isinstance(item, RequireExternalExecutionEvent):
             self.external.extend(c.name for c in item.tool_calls)
         elif isinstance(item, (ToolResultStartEvent, ToolResultEndEvent)):
-            tools.timed(item.tool_call_id, isinstance(item, ToolResultEndEvent), at)
+            tools.timed((item.reply_id, item.tool_call_id), isinstance(item, ToolResultEndEvent), at)
             if isinstance(item, ToolResultEndEvent):
                 self.results[item.tool_call_id] = at
         elif isinstance(item, Msg):
@@ -317,30 +318,36 @@ class _ToolCall:
     error: BaseException | None
 
 
+_CallKey = tuple[str, str]  # (reply id, tool call id)
+
+
 class _ToolSpans:
     """A tool span needs on_acting's call and result and on_reply's start and end times, which
-    arrive in either order (separate streams): whichever comes second makes the span. Bounded:
-    the oldest entries go (a call without times is then ended at once)."""
+    arrive in either order (separate streams): whichever comes second makes the span. Keyed by
+    reply and call id: one server traces every session, and call ids repeat across them (models
+    number their calls: the offline model's are call_1_0, ... in every reply; a key of the call id
+    alone paired one reply's call with another's times). Bounded: the oldest entries go (a call
+    without times is then ended at once)."""
 
     def __init__(self) -> None:
-        self.calls: OrderedDict[str, _ToolCall] = OrderedDict()
-        self.times: OrderedDict[str, list[int | None]] = OrderedDict()
+        self.calls: OrderedDict[_CallKey, _ToolCall] = OrderedDict()
+        self.times: OrderedDict[_CallKey, list[int | None]] = OrderedDict()
 
-    def acted(self, call_id: str, call: _ToolCall) -> None:
-        self.calls[call_id] = call
-        self._settle(call_id)
+    def acted(self, key: _CallKey, call: _ToolCall) -> None:
+        self.calls[key] = call
+        self._settle(key)
 
-    def timed(self, call_id: str, end: bool, at: int | None) -> None:
-        times = self.times.setdefault(call_id, [None, None])
+    def timed(self, key: _CallKey, end: bool, at: int | None) -> None:
+        times = self.times.setdefault(key, [None, None])
         times[int(end)] = at
         if end:
-            self._settle(call_id)
+            self._settle(key)
 
-    def _settle(self, call_id: str) -> None:
-        times = self.times.get(call_id)
-        if call_id in self.calls and times is not None and times[1] is not None:
-            del self.times[call_id]
-            self._span(self.calls.pop(call_id), times[0] or times[1], times[1])
+    def _settle(self, key: _CallKey) -> None:
+        times = self.times.get(key)
+        if key in self.calls and times is not None and times[1] is not None:
+            del self.times[key]
+            self._span(self.calls.pop(key), times[0] or times[1], times[1])
         while len(self.calls) > MAX_PENDING_TOOLS:
             self._span(self.calls.popitem(last=False)[1], None, None)
         while len(self.times) > MAX_PENDING_TOOLS:

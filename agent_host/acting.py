@@ -150,6 +150,7 @@ class Acting(AgentBase):
         if behavior != PermissionBehavior.ALLOW:
             raise ReplyError(f"on_check_permission returned {decision!r}, not a PermissionDecision")
         call.state = ToolCallState.ALLOWED
+        self.results_started.add(call.id)
         yield ToolResultStartEvent(reply_id=reply_id, tool_call_id=call.id, tool_call_name=call.name)
         if tool.is_external_tool:
             call.state = ToolCallState.SUBMITTED

@@ -158,6 +158,11 @@ class Agent(Reasoning, Acting, Compression):
         self.journal: ReplyJournal = journal or NoJournal()
         self._receive_reply_end = False
         self.replies_started = 0  # reply_stream calls: tells one reply from the next (the reply id is set later)
+        # Tool results whose ToolResultStartEvent this reply's stream has carried (or the parked one
+        # did: results handed out for external execution). Not the call's state: a call the user
+        # confirmed is ALLOWED before its Start, and its error result (its edited input invalid,
+        # the reply interrupted first) needs one.
+        self.results_started: set[str] = set()
         self._interrupt_requested = False
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
@@ -228,6 +233,7 @@ class Agent(Reasoning, Acting, Compression):
         sees a completed end followed by an error. Nothing before the end is held."""
         self._receive_reply_end = False
         self.replies_started += 1
+        self.results_started = {c.id for c in self._unanswered_calls() if c.state == ToolCallState.SUBMITTED}
         grammar = ReplyGrammar(
             self, resuming=isinstance(inputs, RESUME_EVENTS), blame=blame_of(self.layers["on_reply"])
         )

@@ -85,6 +85,7 @@ class AgentBase:
     context_config: ContextConfig
     journal: ReplyJournal
     layers: dict[str, list[Layer]]
+    results_started: set[str]  # tool results with a ToolResultStartEvent in this reply (Agent.__init__)
     _interrupt_requested: bool
     _core_tasks: set[asyncio.Task]
     _cancelled_tasks: set[asyncio.Task]
@@ -211,19 +212,22 @@ class AgentBase:
         return kept
 
     def _error_result(self, call: ToolCallBlock, message: str, state: ToolResultState) -> list[Any]:
-        reply_id = self.state.reply_id
-        events: list[Any] = []
-        if call.state not in (ToolCallState.ALLOWED, ToolCallState.SUBMITTED):  # those already had a Start
-            events.append(ToolResultStartEvent(reply_id=reply_id, tool_call_id=call.id, tool_call_name=call.name))
-        events.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=message))
+        events = self._result_start(call)
+        events.append(ToolResultTextDeltaEvent(reply_id=self.state.reply_id, tool_call_id=call.id, delta=message))
         return events + self._save_result(call, message, state, {})
+
+    def _result_start(self, call: ToolCallBlock) -> list[Any]:
+        """The call's ToolResultStartEvent unless this reply (or its parked half) already had it."""
+        if call.id in self.results_started:
+            return []
+        self.results_started.add(call.id)
+        return [ToolResultStartEvent(reply_id=self.state.reply_id, tool_call_id=call.id, tool_call_name=call.name)]
 
     def _close_unfinished_tool_calls(self, state: ToolResultState, text: str) -> list[Any]:
         reply_id = self.state.reply_id
         events: list[Any] = []
         for call in self._unanswered_calls():
-            if call.state not in (ToolCallState.ALLOWED, ToolCallState.SUBMITTED):
-                events.append(ToolResultStartEvent(reply_id=reply_id, tool_call_id=call.id, tool_call_name=call.name))
+            events += self._result_start(call)
             events.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=text))
             events.extend(self._save_result(call, text, state, {}))
         return events

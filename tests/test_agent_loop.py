@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from agent_host.agent import MAX_ITERS_HINT, Agent
 from agent_host.models import OfflineRuleModel
 from agentmw.data import (
@@ -88,6 +90,38 @@ async def test_confirmation_parks_and_resumes_with_an_edited_input() -> None:
     assert not any(isinstance(i, ReplyStartEvent) for i in resumed)
     assert tool_results(agent)[0].output[0].text == "sent to alice: hi"
     assert resumed[-1].text == "Done: send_email returned sent to alice: hi."
+
+
+@pytest.mark.parametrize(
+    ("name", "edited", "says"),
+    [
+        ("send_email", "{not json", "tool input is not valid JSON"),
+        ("send_email", '{"body": "hi"}', "'to' is a required property"),
+        ("no_such_tool", "{}", "tool 'no_such_tool' does not exist"),
+    ],
+)
+async def test_a_confirmed_call_whose_edited_input_is_invalid_gets_an_error_result(
+    name: str, edited: str, says: str
+) -> None:
+    """The user confirms with an edit the tool cannot take: an error result the model sees, as for
+    a model's own invalid call. The agent took the confirmed (ALLOWED) call for one whose Start was
+    already out, sent the result without one, and its own reply failed the event grammar
+    (ReplyGrammarError: tool result 'call_1_0' was never started)."""
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    call = ask.tool_calls[0]
+    call.name, call.input = name, edited
+    resumed = await collect(
+        agent,
+        UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=call)]),
+    )
+    end = next(i for i in resumed if isinstance(i, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED, resumed[-1].text
+    kinds = [type(i).__name__ for i in resumed if type(i).__name__.startswith("ToolResult")]
+    assert kinds == ["ToolResultStartEvent", "ToolResultTextDeltaEvent", "ToolResultEndEvent"]
+    (result,) = tool_results(agent)
+    assert result.state == ToolResultState.ERROR and says in result.output
 
 
 async def test_denied_confirmation_is_a_denied_result() -> None:

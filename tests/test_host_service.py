@@ -36,7 +36,7 @@ from agentmw.data import (
 )
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, converse
-from clients.launch import unused_port
+from clients.launch import ServerProcess, unused_port
 
 from .host_util import KEY, SLOW_MODEL, Procs, get_session, kinds, run_cli, stub
 
@@ -239,6 +239,19 @@ async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -
         assert slots[KEY]["starts"] == 1, "a detached middleware takes no part"
 
 
+async def recorder_comes_up(procs: Procs, host: ServerProcess, port: int) -> None:
+    """Start the recorder at the port a host waits on, and wait until the host has attached it
+    (bounded: its channel connects within ~1 s of the server's start)."""
+    procs.start(
+        "recorder", ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
+    )
+    for _ in range(200):
+        if "attached middleware rec" in host.tail(50):
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail("the host did not attach the middleware once it answered:\n" + host.tail(50))
+
+
 async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(procs: Procs, tmp_path: Path) -> None:
     """Optional (fail_open), it does not stop the host from starting: replies go on without it,
     and once its server answers the host attaches it (a required one: the test below)."""
@@ -256,14 +269,7 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     status = run_cli("clients.admin", "--host", host.address, "status")
     assert "rec at 127.0.0.1:" in status.stdout and "not attached yet" in status.stdout, status.stdout
 
-    argv = ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
-    procs.start("recorder", argv)
-    for _ in range(200):  # bounded: it connects within ~1 s of the server's start
-        if "attached middleware rec" in host.tail(50):
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("the host did not attach the middleware once it answered:\n" + host.tail(50))
+    await recorder_comes_up(procs, host, port)
     session, items = await _reply(host.address, session, UserMsg("hello again"))
     assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part this time
@@ -299,14 +305,7 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     status = run_cli("clients.admin", "--host", host.address, "status")
     assert "rec at 127.0.0.1:" in status.stdout and "not attached yet" in status.stdout, status.stdout
 
-    argv = ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
-    procs.start("recorder", argv)
-    for _ in range(200):  # bounded: it connects within ~1 s of the server's start
-        if "attached middleware rec" in host.tail(50):
-            break
-        await asyncio.sleep(0.1)
-    else:
-        pytest.fail("the host did not attach the middleware once it answered:\n" + host.tail(50))
+    await recorder_comes_up(procs, host, port)
     assert await health() == health_pb2.HealthCheckResponse.SERVING
     session, items = await _reply(host.address, "held", UserMsg("hello again"))
     assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED

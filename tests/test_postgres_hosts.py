@@ -46,6 +46,7 @@ from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess, start_all
 from clients.postgres import ABSENT, create_database, pg_bin, throwaway_cluster
+from tests.certs import pki
 
 from .durable_mw import lines
 from .host_util import Procs, get_session, run_cli, stub
@@ -619,9 +620,8 @@ def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path)
         "store: {dsn: 'postgresql://u@h/db', lease: 4}\ndrain_grace: 7\nlimits: {sessions_per_owner: 3}\n"
         "security:\n  users: [{name: alice, role: user, token_sha256: '" + "0" * 64 + "'}]\n"
     )
-    cert = tmp_path / "host.pem"
-    cert.write_text("")
-    cfg = load_config(config, env={}, flags={"lease": "2", "tls.cert": str(cert), "tls.key": str(cert)})
+    server = pki(tmp_path / "pki").server  # the TLS files must load (TlsFiles.check)
+    cfg = load_config(config, env={}, flags={"lease": "2", "tls.cert": server.cert, "tls.key": server.key})
     assert (cfg.db, cfg.lease, cfg.drain_grace) == ("postgresql://u@h/db", 2.0, 7.0)
     assert ([u.name for u in cfg.security.users], cfg.security.sessions_per_owner) == (["alice"], 3)
-    assert cfg.security.tls.cert == str(cert)
+    assert cfg.security.tls.cert == server.cert

@@ -52,7 +52,7 @@ from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 
 from . import metrics
 from .acting import CUT_OFF, HOST_STOPPED, Acting
-from .agent_base import NoJournal, ReplyError, ReplyJournal
+from .agent_base import InputRefused, NoJournal, ReplyError, ReplyJournal
 from .compression import Compression
 from .models import ChatModel, ModelRegistry
 from .reasoning import Reasoning
@@ -231,6 +231,8 @@ class Agent(Reasoning, Acting, Compression):
         reply like an exception. The ReplyEndEvent and what follows it are held back until the
         chain has finished, so a failure after it still ends the reply with ERROR: the client never
         sees a completed end followed by an error. Nothing before the end is held."""
+        if not isinstance(inputs, UserInterruptEvent):  # one that interrupts nothing yields nothing (AgentScope)
+            self.check_inputs(inputs)
         self._receive_reply_end = False
         self.replies_started += 1
         self.results_started = {c.id for c in self._unanswered_calls() if c.state == ToolCallState.SUBMITTED}
@@ -402,6 +404,33 @@ class Agent(Reasoning, Acting, Compression):
             return []
         return [HintBlockEvent(reply_id=self.state.reply_id, block_id=hint.id, source=hint.source, hint=hint.hint)]
 
+    def check_inputs(self, inputs: Any) -> None:
+        """Raise InputRefused, before anything changes, for inputs that cannot go to this agent now:
+        messages that cannot start a reply; a message while tool calls wait for their answer (they
+        would be left unanswered); a confirmation or execution result that no call waits for.
+        AgentScope raises ValueError for these; the host answers INVALID_ARGUMENT or
+        FAILED_PRECONDITION. (reply_stream checks; a failure after it ends the reply instead.)"""
+        if isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
+            try:
+                self.check_incoming_event(inputs)
+            except ReplyError as exc:
+                raise InputRefused(str(exc), malformed=False) from None
+            return
+        if inputs is not None and not isinstance(inputs, (Msg, list, tuple)):
+            raise InputRefused(f"cannot reply to {type(inputs).__name__}", malformed=True)
+        try:
+            check_input_messages(inputs)
+        except ReplyError as exc:
+            raise InputRefused(str(exc), malformed=True) from None
+        awaiting = self.awaiting_calls()
+        if awaiting and inputs is not None:
+            names = ", ".join(f"{c.name} ({c.id})" for c in awaiting)
+            raise InputRefused(
+                f"the reply is parked, waiting on {names}: answer with a UserConfirmResultEvent or "
+                "ExternalExecutionResultEvent, or end it with a UserInterruptEvent",
+                malformed=False,
+            )
+
     def _handle_incoming_messages(self, inputs: Any) -> None:
         for msg in check_input_messages(inputs):
             self.state.context.append(copy.deepcopy(msg))
@@ -496,6 +525,7 @@ __all__ = [  # and what other modules and tests import from here since the parts
     "STRUCTURED_OUTPUT_GRACE_ITERS",
     "STRUCTURED_OUTPUT_TOOL",
     "Agent",
+    "InputRefused",
     "ReplyError",
     "ReplyJournal",
     "check_input_messages",

@@ -60,6 +60,16 @@ class ReplyError(RuntimeError):
     error_type = ErrorType.INTERNAL
 
 
+class InputRefused(ReplyError):
+    """Inputs the agent cannot take now, refused before anything changes (Agent.check_inputs):
+    ``malformed`` (a message that cannot start a reply), else not now (a message while tool calls
+    wait for their answer, an answer no call waits for)."""
+
+    def __init__(self, message: str, *, malformed: bool) -> None:
+        super().__init__(message)
+        self.malformed = malformed
+
+
 class ReplyJournal(Protocol):
     """Where the agent makes a reply's progress durable as it goes (the host passes its session
     store's ``Journal``). Each call returns once the step is stored."""

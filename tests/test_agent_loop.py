@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 
-from agent_host.agent import MAX_ITERS_HINT, Agent
+from agent_host.agent import MAX_ITERS_HINT, Agent, InputRefused
 from agent_host.models import OfflineRuleModel
 from agentmw.data import (
     ConfirmResult,
@@ -18,6 +21,7 @@ from agentmw.data import (
     RequireExternalExecutionEvent,
     RequireUserConfirmEvent,
     TextBlock,
+    ToolCallBlock,
     ToolResultBlock,
     ToolResultEndEvent,
     ToolResultState,
@@ -122,6 +126,32 @@ async def test_a_confirmed_call_whose_edited_input_is_invalid_gets_an_error_resu
     assert kinds == ["ToolResultStartEvent", "ToolResultTextDeltaEvent", "ToolResultEndEvent"]
     (result,) = tool_results(agent)
     assert result.state == ToolResultState.ERROR and says in result.output
+
+
+async def test_inputs_the_parked_agent_cannot_take_are_refused_and_nothing_changes() -> None:
+    """A new message while a call waits for its confirmation, or an answer for a call nobody asked
+    about: reply_stream raises InputRefused before anything changes (AgentScope raises ValueError;
+    the host answers FAILED_PRECONDITION), and the parked call can still be answered. Before, the
+    message started a new reply over the unanswered call (a real model API refuses such a context)."""
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    before = copy.deepcopy(agent.state)
+    with pytest.raises(InputRefused, match=r"the reply is parked, waiting on send_email") as refused:
+        await collect(agent, UserMsg("never mind, something else"))
+    assert not refused.value.malformed
+    real = agent.awaiting_calls()[0]
+
+    def answer(call: ToolCallBlock) -> UserConfirmResultEvent:
+        return UserConfirmResultEvent(
+            reply_id=ask.reply_id, confirm_results=[ConfirmResult(confirmed=True, tool_call=call)]
+        )
+
+    with pytest.raises(InputRefused, match="are not awaiting this answer"):
+        await collect(agent, answer(dataclasses.replace(real, id="no-such-call")))
+    assert agent.state == before
+    resumed = await collect(agent, answer(real))
+    assert resumed[-1].text == "Done: send_email returned sent to bob: hi."
 
 
 async def test_denied_confirmation_is_a_denied_result() -> None:

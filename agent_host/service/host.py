@@ -36,12 +36,10 @@ import grpc
 import jsonschema
 
 from agentmw.data import (
-    ExternalExecutionResultEvent,
     Msg,
     ReplyFinishedReason,
     Role,
     ToolCallBlock,
-    UserConfirmResultEvent,
     UserInterruptEvent,
 )
 from agentmw.data.state import AgentState
@@ -50,7 +48,7 @@ from agentmw.security import channel
 from agentmw.tools import Tool, Toolkit, middleware_tools
 
 from .. import metrics, tracing
-from ..agent import CUT_OFF, Agent, ReplyError, check_input_messages
+from ..agent import CUT_OFF, Agent, InputRefused
 from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
@@ -391,30 +389,17 @@ class Host:
     @staticmethod
     def _check_inputs(agent: Agent, inputs: Any) -> None:
         """Refuse, before anything changes, what the agent could only answer by failing the reply."""
-        awaiting = agent.awaiting_calls()
         sid = agent.state.session_id
-        if isinstance(inputs, Msg):
-            try:
-                check_input_messages(inputs)
-            except ReplyError as exc:
-                raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-            if awaiting:
-                names = ", ".join(f"{c.name} ({c.id})" for c in awaiting)
-                raise ReplyRejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"session {sid!r} is parked, waiting on {names}: answer with a UserConfirmResultEvent or "
-                    "ExternalExecutionResultEvent, or end it with a UserInterruptEvent",
-                )
-        elif isinstance(inputs, UserInterruptEvent):
-            if not awaiting:
+        if isinstance(inputs, UserInterruptEvent):
+            if not agent.awaiting_calls():  # in-process it yields nothing; a client is told
                 raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} has no parked reply")
-        elif isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
-            try:
-                agent.check_incoming_event(inputs)
-            except ReplyError as exc:
-                raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r}: {exc}") from None
-        else:
-            raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, f"cannot reply to {type(inputs).__name__}")
+            return
+        try:
+            agent.check_inputs(inputs)
+        except InputRefused as exc:
+            if exc.malformed:
+                raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r}: {exc}") from None
 
     def replying(self, session_id: str) -> bool:
         """A reply of the session runs (or waits to) on this host."""

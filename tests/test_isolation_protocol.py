@@ -313,6 +313,7 @@ BAD_TOOLS = {
     "long_name": ([{"name": "x" * 70}], "not 1-64 of"),
     "duplicate": ([{"name": "t"}, {"name": "t"}], "listed twice"),
     "size": ([{"name": "t", "description": "d" * 300_000}], "bytes (limit 262144)"),
+    "count": ([{"name": f"t{i}"} for i in range(129)], "one too many: a middleware lists at most 128 tools"),
 }
 
 

@@ -58,6 +58,7 @@ _steps = random.Random()  # its own generator: invocation ids touch no global ra
 DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
+MAX_TOOLS = 128  # per middleware: OpenAI's chat API takes at most 128 tools in a request
 # The namespaced name "<middleware>__<tool>" as the strictest provider (OpenAI) accepts it.
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -470,6 +471,8 @@ class RemoteMiddleware:
             def bad(what: str, name: str = proto.name) -> ProtocolError:
                 return ProtocolError(self.name, "ListTools", f"tool {name!r}: {what}")
 
+            if len(tools) == MAX_TOOLS:  # else every model call of every reply would be refused
+                raise bad(f"one too many: a middleware lists at most {MAX_TOOLS} tools (a model request takes 128)")
             if proto.ByteSize() > MAX_TOOL_DESCRIPTOR_BYTES:
                 raise bad(f"descriptor of {proto.ByteSize()} bytes (limit {MAX_TOOL_DESCRIPTOR_BYTES})")
             try:

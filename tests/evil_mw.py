@@ -37,7 +37,7 @@ import grpc
 from google.protobuf import json_format
 
 from agentmw.hooks import HOOKS
-from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
+from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc, types_pb2
 from tests.raw_server import serve_raw
 
 
@@ -173,6 +173,18 @@ class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
         for raw in json.loads(self.path.read_text()):
             json_format.ParseDict(raw, out.tools.add())
         return out
+
+    async def CallTool(self, request: Any, context: Any) -> Any:
+        """Every tool streams text chunks without end (a runaway), until the host cancels the call;
+        then ``<tools file>.cancelled`` is written."""
+        try:
+            while True:
+                chunk = events_pb2.Item()
+                chunk.tool_chunk.content.add().text.text = "more "
+                yield chunk
+                await asyncio.sleep(0)
+        finally:
+            self.path.with_suffix(".cancelled").write_text("")
 
 
 async def main() -> None:

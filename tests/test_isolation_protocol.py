@@ -21,7 +21,16 @@ from agent_host.config import ConfigError, load_config
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.remote.errors import ProtocolError
-from agentmw.data import CustomEvent, ReplyFinishedReason, UserMsg
+from agentmw.data import (
+    CustomEvent,
+    ReplyFinishedReason,
+    ToolResultBlock,
+    ToolResultEndEvent,
+    ToolResultState,
+    UserMsg,
+)
+from agentmw.data.blocks import block_text
+from agentmw.tools import Toolkit, add_middleware_tools
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
 
@@ -327,6 +336,39 @@ async def test_tool_descriptors_are_checked_at_attach(evil: Any, tmp_path: Path,
     with pytest.raises(Exception, match="middleware 'Evil' failed in ListTools") as info:
         await remote.list_tools()
     assert f"tool {tools[-1]['name']!r}" in str(info.value) and error in str(info.value), info.value
+    await remote.close()
+
+
+async def test_a_tool_that_streams_without_end_is_cut_off_by_the_output_limit(evil: Any, tmp_path: Path) -> None:
+    """A middleware's tool that never stops streaming chunks: the call fails once it passes the
+    middleware's max_items (as a hook call does), the agent gets an error result naming it, the
+    server's stream is cancelled and the reply completes. Before, only a hook call's output was
+    bounded: the reply ran, and its stored result grew, until the client gave up."""
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([{"name": "flood", "inputSchema": {"type": "object"}}]))
+    proc = evil("--tools", str(path), "--hooks", "on_check_permission")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5, max_items=200)).connect()
+    toolkit = Toolkit()
+    await add_middleware_tools(toolkit, remote)
+    agent = Agent(
+        model=OfflineRuleModel(script=[{"tool_calls": [{"name": "Evil__flood", "input": {}}]}, {"text": "ok"}]),
+        toolkit=toolkit,
+    )
+    async with asyncio.timeout(30):
+        items = [item async for item in agent.reply_stream(UserMsg("go"))]
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+    (result,) = [e for e in items if isinstance(e, ToolResultEndEvent)]
+    assert result.state == ToolResultState.ERROR
+    (stored,) = [b for m in agent.state.context for b in m.content if isinstance(b, ToolResultBlock)]
+    assert "middleware 'Evil' failed in CallTool: a tool sent more than 200 chunks" in block_text(stored.output), (
+        stored.output
+    )
+    for _ in range(100):  # bounded: the cancel reaches the server at once
+        if path.with_suffix(".cancelled").exists():
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("the runaway tool call was not cancelled")
     await remote.close()
 
 

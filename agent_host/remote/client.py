@@ -33,7 +33,7 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
 from ..config import Permissions, check_seconds
 from ..security import TlsFiles, bearer_metadata, channel
-from .errors import MiddlewareFailure, NoAnswer, ProtocolError, Unreachable
+from .errors import MiddlewareFailure, NoAnswer, OutputLimitExceeded, ProtocolError, Unreachable
 from .protocol import HookCall
 
 log = logging.getLogger("agentmw.remote")
@@ -520,6 +520,7 @@ class RemoteTool(Tool):
                 json_to_value(slot, request.context.slot)
         # Reads are timed below. As for Describe, no wait for a server known to be down.
         call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=mw.outage is None, metadata=mw.metadata)
+        items = size = 0  # bounded as a hook call's output is (Policy): a tool that streams without end fails
         try:
             while True:
                 try:
@@ -534,6 +535,11 @@ class RemoteTool(Tool):
                 mw.outage = None
                 if msg is grpc.aio.EOF or msg is None:
                     raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
+                items, size, policy = items + 1, size + msg.ByteSize(), mw.policy
+                if items > policy.max_items:
+                    raise OutputLimitExceeded(mw.name, "CallTool", f"a tool sent more than {policy.max_items} chunks")
+                if size > policy.max_bytes:
+                    raise OutputLimitExceeded(mw.name, "CallTool", f"a tool sent more than {policy.max_bytes} bytes")
                 try:
                     item = codec.decode_item(msg)
                 except (CodecError, KeyError, ValueError) as exc:

@@ -166,6 +166,11 @@ class MiddlewareBase:
         """Names this middleware's slot in ``agent.state.middle_context``."""
         return type(self).__name__
 
+    async def close(self) -> None:
+        """Finish work left running in the background (a write-back, a flush): ``serve()`` awaits it
+        once, after the last hook call, when the server stops (for up to its grace period); an
+        application embedding the class calls it itself. Nothing by default."""
+
     @classmethod
     def is_implemented(cls, hook: str) -> bool:
         return getattr(cls, hook) is not getattr(MiddlewareBase, hook)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,7 +19,14 @@ from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
 from agent_host.remote.client import CHANNEL_OPTIONS
 from agentmw.chain import Chain
-from agentmw.data import PermissionBehavior, PermissionDecision, TextBlock, TextBlockDeltaEvent, ToolCallBlock
+from agentmw.data import (
+    PermissionBehavior,
+    PermissionDecision,
+    TextBlock,
+    TextBlockDeltaEvent,
+    ToolCallBlock,
+    UserMsg,
+)
 from agentmw.middleware import MiddlewareBase
 from agentmw.sdk.server import start
 from agentmw.sdk.session import HookSession
@@ -243,3 +251,46 @@ def test_an_address_it_cannot_listen_on_is_one_line() -> None:
     assert "Traceback" not in wrapped.stderr + busy.stderr
     viewer = run_cli("clients.traces", "--listen", "127.0.0.1:99999", timeout=30)  # the trace viewer: the same check
     assert viewer.returncode == 1 and viewer.stderr.startswith("agentmw-traces: '127.0.0.1:99999' is not HOST:PORT")
+
+
+class Flusher(MiddlewareBase):
+    """Leaves work running after each reply (as a write-back does), finished by close()."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = Path(mark)
+        self.pending: set[asyncio.Task[None]] = set()
+
+    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+        async for item in next_handler():
+            yield item
+
+        async def flush() -> None:
+            await asyncio.sleep(0.5)
+            self.mark.write_text("flushed")
+
+        task = asyncio.get_running_loop().create_task(flush())
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self.pending)
+
+
+async def test_a_stopping_server_lets_the_middleware_finish_its_background_work(tmp_path: Path) -> None:
+    """SIGTERM right after a reply whose middleware left work running: serve() awaits the class's
+    close() before it exits (a rolling update must not drop a write-back). Before, the event loop
+    ended with the work cancelled."""
+    mark = tmp_path / "mark"
+    argv = ["-m", "agentmw.sdk", "tests.test_sdk_server:Flusher", "--arg", f'mark="{mark}"', "--address", "127.0.0.1:0"]
+    proc = ServerProcess(argv, log_dir=tmp_path).start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
+        async for _ in agent.reply_stream(UserMsg("hi")):
+            pass
+        await remote.close()
+        assert not mark.exists()
+        assert proc.stop() == 0  # SIGTERM, with the flush still sleeping
+        assert mark.read_text() == "flushed", proc.tail()
+    finally:
+        proc.stop()

@@ -239,6 +239,11 @@ async def serve_async(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(grace)  # in-flight hook calls get ``grace`` seconds to finish
+    try:  # then its background work gets as long (else it would be dropped with the event loop)
+        async with asyncio.timeout(grace):
+            await middleware.close()
+    except TimeoutError:
+        log.warning("%s did not finish its background work within %gs", type(middleware).__name__, grace)
 
 
 def serve(

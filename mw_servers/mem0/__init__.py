@@ -228,6 +228,11 @@ class Mem0Middleware(MiddlewareBase):
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
+    async def close(self) -> None:
+        """Let background write-backs finish (a stopping server would drop them: memories lost)."""
+        if self.background:
+            await asyncio.gather(*self.background, return_exceptions=True)
+
     async def on_system_prompt(self, agent: Any, prompt: str) -> str:
         return f"{prompt}\n\n{self.instructions}"
 

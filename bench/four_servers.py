@@ -393,6 +393,16 @@ def target_rows(res: FourResults) -> list[list[str]]:
     def cpu(a: str, b: str) -> Any:
         return lambda by: ratio(by[a].cpus, by[b].cpus) if a in by and b in by else math.nan
 
+    remote, inproc = res.spans.get("remote"), res.spans.get("inproc")
+    if remote is not None and inproc is not None:  # the same class on the same replies: the same spans
+        rows.append(
+            [
+                "Spans the tracing server sent for the same replies: remote, the same class in-process",
+                f"{remote:,}, {inproc:,}",
+                "equal",
+                verdict(remote == inproc),
+            ]
+        )
     work = "3 tool rounds + 1,000 deltas, tracing + budget + mem0 + TTS"
     for pace in res.series:
         rows += [

@@ -58,7 +58,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +67,7 @@ import yaml
 
 from agentmw.errors import ConfigError  # re-exported: the loader raises it
 from agentmw.loops import DEFAULT_LOOP, check_loop
+from agentmw.tools import TOOL_NAME
 from agentmw.transport import check_listen_address
 
 from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_digest
@@ -363,14 +363,11 @@ def check_seconds(value: Any, what: str = "timeout") -> float:
     return float(value)
 
 
-MIDDLEWARE_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # the characters of a tool name
-
-
 def check_middleware_name(name: str) -> str:
     """A middleware's name: it prefixes its tools (``NAME__tool``, which models take only as 1-64
     of ``[a-zA-Z0-9_-]``) and names it in logs, metrics and the admin API. The one rule for the
     configuration, flags and AttachMiddleware. "" is allowed: the middleware's Describe key then."""
-    if name and not MIDDLEWARE_NAME.fullmatch(name):
+    if name and not TOOL_NAME.fullmatch(name):
         raise ValueError(f"middleware name {name!r} is not 1-64 of [a-zA-Z0-9_-] (it prefixes its tools)")
     return name
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 import typing
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,6 +24,9 @@ from .data import (
 ToolOutput = str | ToolResponse | ToolChunk | AsyncIterator[ToolChunk | ToolResponse]
 
 INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by the user.</system-reminder>"
+# A function name as the strictest model API (OpenAI) takes it; a middleware's tools are registered
+# as "<middleware>__<tool>", so its name is held to the same characters.
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 class ToolInputError(ValueError):

@@ -14,6 +14,8 @@ connection without calls, for clients that want to notice a dead peer sooner.
 
 from __future__ import annotations
 
+from typing import Any
+
 # The host's ping interval on a quiet connection: over the 5-minute floor of default servers, with
 # a margin for timer jitter (a ping a millisecond early is already a strike).
 HOST_KEEPALIVE_MS = 330_000
@@ -38,3 +40,27 @@ def check_listen_address(address: str, *, unix: bool = True) -> str:
     if not (sep and host and port.isdigit() and int(port) <= 65535):
         raise ValueError(f"{address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
     return address
+
+
+class CannotListen(OSError):
+    """The address is malformed, or cannot be bound (in use, not an address of this machine)."""
+
+
+def listen(server: Any, address: str, credentials: Any = None) -> int:
+    """Add ``address`` to a gRPC server (sync or aio; TLS with ``credentials``) and return the bound
+    port, or raise CannotListen saying why: the one way every server of ours binds (the SDK's
+    ``serve()``, the host, the trace viewer)."""
+    try:
+        check_listen_address(address)
+    except ValueError as exc:
+        raise CannotListen(str(exc)) from None
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
+        port = 0
+    if port == 0:
+        raise CannotListen(f"cannot listen on {address} (address in use or not local)")
+    return int(port)

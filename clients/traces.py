@@ -25,7 +25,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 
-from agentmw.transport import check_listen_address
+from agentmw import transport
 
 # Attributes worth a look in a tree line, with a short label (the rest: --json).
 KEY_ATTRIBUTES = {
@@ -131,16 +131,7 @@ class Receiver:
         self.address = ""
 
     def start(self, listen: str = "127.0.0.1:0") -> Receiver:
-        try:
-            check_listen_address(listen)
-        except ValueError as exc:
-            raise OSError(str(exc)) from None
-        try:
-            port = self.server.add_insecure_port(listen)
-        except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
-            port = 0
-        if port == 0:
-            raise OSError(f"cannot listen on {listen} (address in use or not local)")
+        port = transport.listen(self.server, listen)  # CannotListen, an OSError
         self.server.start()
         self.address = f"{listen.rsplit(':', 1)[0]}:{port}"
         return self

@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import random
-import re
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -27,7 +26,7 @@ from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec
 from agentmw.subscriptions import SubscriptionTable
-from agentmw.tools import Tool
+from agentmw.tools import TOOL_NAME, Tool
 from agentmw.transport import HOST_KEEPALIVE_MS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
@@ -59,8 +58,6 @@ DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 MAX_TOOLS = 128  # per middleware: OpenAI's chat API takes at most 128 tools in a request
-# The namespaced name "<middleware>__<tool>" as the strictest provider (OpenAI) accepts it.
-TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
@@ -480,7 +477,7 @@ class RemoteMiddleware:
             except (CodecError, KeyError, TypeError, ValueError) as exc:
                 raise bad(f"malformed descriptor: {exc}") from None
             full = f"{self.name}__{descriptor.name}"
-            if not TOOL_NAME.match(full):
+            if not TOOL_NAME.fullmatch(full):
                 raise bad(f"registered as {full!r}, which is not 1-64 of [a-zA-Z0-9_-]")
             if descriptor.name in seen:
                 raise bad("listed twice")

@@ -525,23 +525,15 @@ class Host:
         connections: _attach_later). Meanwhile replies go on without a fail_open one (as when it
         fails) and are refused while a required (fail_closed) one is missing: UNAVAILABLE, and the
         health check says NOT_SERVING. A cluster restarted in any order comes up with no crash loop."""
-        if mc.fail_open:
-            log.warning(
-                "middleware %s at %s is fail_open and cannot be reached (%s): starting without it; "
-                "it is attached when it answers",
-                mc.name or mc.address,
-                mc.address,
-                why.what,
-            )
-        else:
-            log.error(
-                "middleware %s at %s is required (fail_closed) and cannot be reached (%s): replies are "
-                "refused until it answers",
-                mc.name or mc.address,
-                mc.address,
-                why.what,
-            )
         pending = Pending(mc, why.what)
+        if mc.fail_open:
+            level, meanwhile = logging.WARNING, "is fail_open and cannot be reached (%s): starting without it"
+        else:
+            level, meanwhile = (
+                logging.ERROR,
+                "is required (fail_closed) and cannot be reached (%s): replies are refused",
+            )
+        log.log(level, f"middleware %s at %s {meanwhile} until it answers", pending.name, mc.address, why.what)
         self.pending[pending.name] = pending
         pending.task = asyncio.get_running_loop().create_task(self._attach_later(pending))
 

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from agentmw import loops
+from agentmw import loops, transport
 from agentmw.codec import CodecError, codec
 from agentmw.data import new_id
 from agentmw.hooks import HOOKS
@@ -388,17 +388,14 @@ async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
     if sec.reflection:
         reflection.enable_server_reflection([SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     try:
-        if sec.tls.enabled:  # a TLS port only: plaintext clients fail the handshake
+        credentials = None  # a TLS port only, when TLS is on: plaintext clients fail the handshake
+        if sec.tls.enabled:
             credentials = sec.tls.server_credentials(require_client_cert=sec.require_client_cert, where="security.tls")
-            port = server.add_secure_port(listen, credentials)
-        else:
-            port = server.add_insecure_port(listen)
+        port = transport.listen(server, listen, credentials)
     except SecurityError as exc:
         raise StartupError(str(exc)) from None
-    except RuntimeError:
-        port = 0
-    if port == 0:
-        raise StartupError(f"listen: cannot listen on {listen} (address in use or not local)")
+    except transport.CannotListen as exc:
+        raise StartupError(f"listen: {exc}") from None
     await server.start()
     return server, port
 

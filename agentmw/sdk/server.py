@@ -42,7 +42,7 @@ from agentmw.security import (
 )
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
-from agentmw.transport import SERVER_OPTIONS, check_listen_address
+from agentmw.transport import SERVER_OPTIONS, CannotListen, listen
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -201,26 +201,11 @@ async def start(
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     if security.reflection:
         reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    try:
-        check_listen_address(address)
-    except ValueError as exc:
-        raise CannotListen(str(exc)) from None
-    try:
-        if security.tls.enabled:  # a TLS port only: plaintext callers fail the handshake
-            port = server.add_secure_port(address, security.tls.server_credentials(where="serve"))
-        else:
-            port = server.add_insecure_port(address)
-    except RuntimeError:  # grpcio >= 1.5x raises where older ones returned 0
-        port = 0
-    if port == 0:
-        raise CannotListen(f"cannot listen on {address} (address in use or not local)")
+    # A TLS port only: plaintext callers fail the handshake.
+    credentials = security.tls.server_credentials(where="serve") if security.tls.enabled else None
+    port = listen(server, address, credentials)  # CannotListen: serve() makes it one line, exit 1
     await server.start()
     return server, port
-
-
-class CannotListen(OSError):
-    """``start``: the address is malformed, or cannot be bound (in use, not an address of this
-    machine). ``serve`` turns it into one line on stderr and exit status 1."""
 
 
 async def serve_async(

@@ -299,12 +299,12 @@ class PiperEngine(Engine):
 DASHSCOPE_RATE = 24000  # Qwen TTS streams 24 kHz mono 16-bit PCM
 
 
-def api_key(api_key: str = "") -> str:
-    """The DashScope API key: the given one, else DASHSCOPE_API_KEY, else the SDK's; raises
+def api_key(given: str = "") -> str:
+    """The DashScope API key: ``given``, else DASHSCOPE_API_KEY, else the SDK's; raises
     EngineError when there is none."""
     import dashscope
 
-    key = api_key or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
+    key = given or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
     if not key:
         raise EngineError("DashScope TTS: no API key (set DASHSCOPE_API_KEY)")
     return key

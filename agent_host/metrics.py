@@ -239,8 +239,10 @@ def middleware_status(mw: Any) -> dict[str, Any]:
     """MiddlewareInfo's status fields (host.proto, 20+) of an attached RemoteMiddleware."""
     h = _health.get(mw) or MiddlewareHealth()
     reachable = mw.reachable()
+    health = "connecting" if reachable is None else "reachable" if reachable else "unreachable"
     return {
-        "health": "connecting" if reachable is None else "reachable" if reachable else "unreachable",
+        # A fail_closed one that hung, connected but not answering (RemoteMiddleware.stopped_answering).
+        "health": "unresponsive" if getattr(mw, "unresponsive", "") and reachable else health,
         "last_error": h.last_error,
         "last_error_at": h.last_error_at,
         "failures": h.failures,

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import grpc
@@ -309,6 +311,60 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     assert await health() == health_pb2.HealthCheckResponse.SERVING
     session, items = await _reply(host.address, "held", UserMsg("hello again"))
     assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+    assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
+
+
+async def _health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return answer.status
+
+
+async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_again(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Required (fail_closed) and hung (SIGSTOP: connected, silent): the reply that finds it so fails
+    after its timeout; the replies after it are refused at once (UNAVAILABLE, saying which
+    middleware and why, nothing stored) and the health check says NOT_SERVING, instead of each
+    waiting the timeout in it. Once it answers again (SIGCONT), replies run with it."""
+    port = unused_port()
+    recorder = procs.start(
+        "recorder", ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
+    )
+    config = tmp_path / "host.yaml"
+    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, timeout: 1}}\n")
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    _, items = await _reply(host.address, "before", UserMsg("hello"))
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
+
+    os.kill(recorder.pid, signal.SIGSTOP)
+    try:
+        _, items = await _reply(host.address, "before", UserMsg("are you there?"))
+        end = _end(items)
+        assert end.finished_reason == ReplyFinishedReason.ERROR and "no answer within 1s" in end.error.message
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _reply(host.address, "held", UserMsg("hello"))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "required middleware rec (fail_closed) does not answer (no answer within 1s at" in (
+            refused.value.details() or ""
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as nothing:
+            await get_session(host.address, "held")
+        assert nothing.value.code() == grpc.StatusCode.NOT_FOUND, "a refused reply stores nothing"
+        assert await _health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        status = run_cli("clients.admin", "--host", host.address, "status")
+        assert "rec at 127.0.0.1:" in status.stdout and "unresponsive" in status.stdout, status.stdout
+    finally:
+        os.kill(recorder.pid, signal.SIGCONT)
+
+    for _ in range(150):  # it answers the host's next Describe (asked every second): bounded wait
+        if await _health(host.address) == health_pb2.HealthCheckResponse.SERVING:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the host did not take the middleware back once it answered:\n" + host.tail(30))
+    session, items = await _reply(host.address, "held", UserMsg("hello again"))
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
 
 

@@ -61,6 +61,7 @@ MAX_TOOLS = 128  # per middleware: OpenAI's chat API takes at most 128 tools in 
 
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
+PROBE_EVERY = 1.0  # seconds between the Describes that ask a fail_closed one that hung whether it is back
 
 
 @dataclass
@@ -152,9 +153,10 @@ class RemoteMiddleware:
         self.background: set[asyncio.Task[None]] = set()  # detached hooks' deliveries and Describe
         self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
         self.outage: str | None = None  # why the server could not be reached, until it can again
-        self.hangs = 0  # fail_open: timeouts since it last answered (see suspend)
+        self.hangs = 0  # fail_open: timeouts since it last answered (see stopped_answering)
         self.suspended_until = 0.0  # time.monotonic() until which it is skipped
         self.last_hang = ""
+        self.unresponsive = ""  # fail_closed: why its calls fail at once until a Describe answers
         # fail_open: the agents whose current reply goes on without it (see bypass_rest_of_reply)
         self.bypassing: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
@@ -347,18 +349,51 @@ class RemoteMiddleware:
         except TimeoutError:
             return False
 
-    def suspend(self) -> None:
-        """fail_open, after it did not answer in time: skip it (every reply bypasses it at once)
-        for its timeout, doubled at each further timeout up to MAX_SUSPENSION, then try again;
-        one that answers is no longer counted. A middleware that hangs then costs a reply its
-        timeout now and then, not every reply."""
+    def stopped_answering(self) -> None:
+        """After it did not answer in time, a middleware that hangs must not cost every reply its
+        timeout. fail_open: every reply skips it at once for its timeout, doubled at each further
+        timeout up to MAX_SUSPENSION, then tries it again (one that answers is no longer counted).
+        fail_closed: no reply can run without it, so its calls fail at once and the host refuses
+        new replies (Host.required_unavailable) until it answers a Describe again, asked in the
+        background every PROBE_EVERY seconds: it is back for the first reply after that."""
+        hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%SZ', time.gmtime())}"
+        if not self.policy.fail_open:
+            if not self.unresponsive:  # calls that were waiting together: one hang, one probe
+                self.unresponsive = hang
+                task = asyncio.get_running_loop().create_task(self._probe())
+                self.background.add(task)  # cancelled by close()
+                task.add_done_callback(self.background.discard)
+            return
         now = time.monotonic()
         if now < self.suspended_until:  # calls that were waiting together: one hang, counted once
             return
         self.hangs += 1
         pause = min(self.policy.timeout * 2 ** (self.hangs - 1), MAX_SUSPENSION)
         self.suspended_until = now + pause
-        self.last_hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%SZ', time.gmtime())}"
+        self.last_hang = hang
+
+    async def _probe(self) -> None:
+        """Describe it until it answers (each within its timeout), then let calls through again."""
+        while True:
+            try:
+                await self.connect(timeout=self.policy.timeout)
+            except MiddlewareFailure:
+                await asyncio.sleep(PROBE_EVERY)
+                continue
+            log.info("middleware %s answers again after %s", self.name, self.unresponsive)
+            self.unresponsive = ""
+            return
+
+    def skipped(self) -> str:
+        """Why its hook calls fail (fail_closed) or are bypassed (fail_open) at once, without
+        waiting for it; "" when it is called. Only a middleware that hung is skipped."""
+        if self.unresponsive:
+            return f"not called until it answers again after: {self.unresponsive}"
+        if self.suspended_until:
+            left = self.suspended_until - time.monotonic()
+            if left > 0:
+                return f"skipped for {left:.1f}s more after: {self.last_hang}"
+        return ""
 
     def bypass_rest_of_reply(self, agent: Any) -> None:
         """fail_open, after a failure: the rest of ``agent``'s current reply goes on without this

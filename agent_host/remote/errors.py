@@ -41,7 +41,8 @@ class NoAnswer(MiddlewareFailure):
 
 
 class Suspended(MiddlewareFailure):
-    """A fail_open middleware that hung is skipped for a while (RemoteMiddleware.suspend)."""
+    """A middleware that hung is not called for a while: a fail_open one is skipped, a
+    fail_closed one's calls fail at once (RemoteMiddleware.stopped_answering)."""
 
 
 class OutputLimitExceeded(MiddlewareFailure):

@@ -159,8 +159,8 @@ class HookCall:
                         yield item
                 self.mw.hangs = 0  # it answered
             except MiddlewareFailure as exc:
-                if isinstance(exc, NoAnswer) and self.mw.policy.fail_open:
-                    self.mw.suspend()
+                if isinstance(exc, NoAnswer):
+                    self.mw.stopped_answering()
                 self.mw.failed()
                 table = self.mw.tables.get(self.spec.name)
                 watcher = table is not None and table.detached  # as last described
@@ -255,10 +255,10 @@ class HookCall:
         credits, run the inner pipeline to its next intercepted item (``advance``); read the
         middleware's next message, apply its actions in order, obey its command."""
         mw, spec = self.mw, self.spec
-        if mw.suspended_until:  # set for fail_open middleware only (RemoteMiddleware.suspend)
-            left = mw.suspended_until - time.monotonic()
-            if left > 0:
-                raise Suspended(mw.name, spec.name, f"skipped for {left:.1f}s more after: {mw.last_hang}")
+        if mw.suspended_until or mw.unresponsive:  # it hung lately (RemoteMiddleware.stopped_answering)
+            skipped = mw.skipped()
+            if skipped:
+                raise Suspended(mw.name, spec.name, skipped)
         await mw.ensure_described()
         self.table = mw.tables.get(spec.name)
         if self.table is None:  # the server no longer implements this hook (it was restarted)

@@ -281,12 +281,9 @@ class Host:
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         if self.draining:
             raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")
-        missing = self.required_pending()
+        missing = self.required_unavailable()
         if missing is not None:
-            raise ReplyRejected(
-                grpc.StatusCode.UNAVAILABLE,
-                f"required middleware {missing.name} (fail_closed) is not attached yet: {missing.why}",
-            )
+            raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, missing)
         async with self._holding(sid, wait=wait, on_stop=run.interrupt) as hold:
             journal = await self._open(sid, hold.fence)
             if journal is None:
@@ -537,9 +534,20 @@ class Host:
         self.pending[pending.name] = pending
         pending.task = asyncio.get_running_loop().create_task(self._attach_later(pending))
 
-    def required_pending(self) -> Pending | None:
-        """A required (fail_closed) middleware not attached yet, if any: no reply may run without it."""
-        return next((p for p in self.pending.values() if not p.config.fail_open), None)
+    def required_unavailable(self) -> str | None:
+        """Why no reply can run now, if a required (fail_closed) middleware is missing: not attached
+        yet, or it hung and has not answered since (RemoteMiddleware.stopped_answering). Replies
+        are refused then, before anything is stored, instead of each failing in that middleware."""
+        for p in self.pending.values():
+            if not p.config.fail_open:
+                return f"required middleware {p.name} (fail_closed) is not attached yet: {p.why}"
+        for a in self._setup.middleware:
+            if a.remote.unresponsive:  # set for fail_closed middleware only
+                return (
+                    f"required middleware {a.name} (fail_closed) does not answer "
+                    f"({a.remote.unresponsive}); replies are refused until it answers again"
+                )
+        return None
 
     def forget_pending(self, name: str) -> Pending | None:
         """Stop waiting to attach the pending middleware ``name`` (None: there is none)."""

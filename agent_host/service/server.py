@@ -319,7 +319,7 @@ def _info(a: Attached | Pending) -> host_pb2.MiddlewareInfo:
 
 class HostHealth(health.aio.HealthServicer):
     """grpc.health.v1: NOT_SERVING while a fail_closed middleware or the session store cannot be
-    reached, or such a middleware is not attached yet (every reply would fail), or while draining;
+    reached, or such a middleware is not attached yet or hung (every reply is refused), or while draining;
     SERVING again once they are back. Checked on each Check: nothing runs in between."""
 
     def __init__(self, host: Host) -> None:
@@ -329,7 +329,7 @@ class HostHealth(health.aio.HealthServicer):
 
     async def refresh(self) -> None:
         reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
-        if self.host.required_pending() is not None:  # not attached yet: replies are refused
+        if self.host.required_unavailable() is not None:  # not attached yet, or hung: replies are refused
             reachable.append(False)
         reachable.append(await self.host.store.reachable())  # no store (PostgreSQL down): no reply can be stored
         if self.host.draining or False in reachable:  # draining: load balancers stop sending replies

@@ -12,7 +12,10 @@ for a pass-through middleware (begin -> call_next; item -> emit{forward_seq} + s
 pull; inner_done -> finish, with the inner result):
 
 * ``/bench.Floor/Lockstep``: the default (suspend after each emit: two round trips per item);
-* ``/bench.Floor/RunAhead``: declared run_ahead (emit + pull: one round trip per item).
+* ``/bench.Floor/RunAhead``: declared run_ahead (emit + pull: one round trip per item);
+* ``/bench.Floor/RunAheadSpun``: the same, busy for ``SPIN`` seconds more per item (the bench's host
+  side spins as long): how much a few microseconds of per-item work on each side cost on this
+  machine, the calibration for agentmw's own per-item work above the peer (bench/python_cost.py).
 
 The lock-step peer also serves as a middleware a real host can attach (``agentmw.v1.OnReply`` and
 ``Describe``: on_reply, every item intercepted), so that the bench can pair the real host with the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import time
 
 import grpc
 
@@ -39,6 +43,14 @@ from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 SERVICE = "bench.Echo"
 FLOOR = "bench.Floor"
 CREDITS = 32
+SPIN = 5e-6  # seconds of busy work per item on each side of /bench.Floor/RunAheadSpun
+
+
+def spin(seconds: float) -> None:
+    """Busy for ``seconds`` (bounded): CPU work as the per-item Python of a framework would be."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 async def _exchange(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
@@ -55,7 +67,7 @@ async def _ping_pong(request_iterator: object, context: grpc.aio.ServicerContext
         await context.write(msg)
 
 
-def _floor(suspend: bool) -> grpc.RpcMethodHandler:
+def _floor(suspend: bool, busy: float = 0.0) -> grpc.RpcMethodHandler:
     async def run(request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         Msg = hooks_pb2.MiddlewareMessage
         while True:
@@ -66,6 +78,8 @@ def _floor(suspend: bool) -> grpc.RpcMethodHandler:
             if which == "begin":
                 out = Msg(invocation=invocation, call_next=hooks_pb2.CallNext(credits=CREDITS))
             elif which == "item":
+                if busy:
+                    spin(busy)
                 seq = host.item.seq
                 out = Msg(invocation=invocation, actions=[hooks_pb2.Action(emit=hooks_pb2.Emit(forward_seq=seq))])
                 if suspend:
@@ -101,7 +115,11 @@ async def serve(address: str) -> None:
         "PingPong": grpc.stream_stream_rpc_method_handler(_ping_pong),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-    floor = {"Lockstep": _floor(suspend=True), "RunAhead": _floor(suspend=False)}
+    floor = {
+        "Lockstep": _floor(suspend=True),
+        "RunAhead": _floor(suspend=False),
+        "RunAheadSpun": _floor(suspend=False, busy=SPIN),
+    }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR, floor),))
     on_reply = grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": floor["Lockstep"]})
     server.add_generic_rpc_handlers((on_reply,))

@@ -15,10 +15,12 @@ from typing import Any
 
 from . import four_servers, versus
 from .builtins import PACE, TTS_TEXT
+from .echo_server import SPIN
 from .harness import Series, pace_label, per_round, ratio, spread
 from .hosts import HostsResult
 from .hosts import section as hosts_section
 from .optimizations import OPTIMIZATION_HEADER, optimization_rows
+from .python_cost import PythonCost
 from .scenarios import BYPASS_N, CONCURRENT, ITEMS, Protocol, ReplyTraffic, Unimplemented
 
 FAIR_FRACTION = 0.5  # our reading of "a fraction of AgentScope's" time to first text
@@ -44,6 +46,7 @@ class Results:
     spans_exported: int = 0  # by the tracing server, counted by the OTLP receiver
     hosts: HostsResult | None = None  # bench/hosts.py: replies/s of hosts on PostgreSQL vs SQLite
     four: four_servers.FourResults | None = None  # the four servers vs AgentScope (section 9)
+    python_cost: PythonCost | None = None  # per-item CPU of host and SDK above the peer, no I/O (3)
     versus: versus.VersusResult | None = None  # this tree against the one before isolation (section 10)
     duration: float = 0.0
 
@@ -132,6 +135,7 @@ class Intercept:
     ahead: list[float]  # the same, run_ahead
     floor: list[float]  # the minimal protobuf peer, the same exchanges: per item
     floor_ahead: list[float]
+    floor_ahead_spun: list[float]  # the peer, run_ahead, with SPIN seconds of busy work per item on each side
     host_half: list[float]  # the real host against the peer's middleware side: (stream - none) / ITEMS
     sdk_half: list[float]  # the peer's host side against the real SDK: per item
     pingpong: list[float]  # 1b
@@ -163,6 +167,7 @@ def intercept(c: dict[str, Series], p: Protocol) -> Intercept:
         ahead=per_item("stream_intercept_ahead"),
         floor=[w / ITEMS for w in c["floor_intercept"].walls],
         floor_ahead=[w / ITEMS for w in c["floor_intercept_ahead"].walls],
+        floor_ahead_spun=[w / ITEMS for w in c["floor_intercept_ahead_spun"].walls],
         host_half=per_item("host_half"),
         sdk_half=[w / ITEMS for w in c["sdk_half"].walls],
         pingpong=c["bare_pingpong"].walls,
@@ -396,6 +401,17 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
     return rows + (four_servers.target_rows(r.four) if r.four else []) + versus.target_rows(r.versus)
 
 
+def _python_cost(r: Results, uvloop: bool) -> str:
+    """agentmw's own per-item CPU above the peer on each side (bench/python_cost.py), if measured."""
+    if r.python_cost is None or uvloop:
+        return ""
+    host, sdk = r.python_cost.above()
+    return (
+        f"; agentmw's own per-item work above the peer, measured without I/O (bench/python_cost.py): "
+        f"host {host:.1f} µs, SDK {sdk:.1f} µs"
+    )
+
+
 def _intercept_rows(r: Results, c: dict[str, Series], prefix: str) -> list[list[str]]:
     """Intercepted item against both floors: the minimal protobuf peer doing the same exchanges
     (per item), and the raw-bytes ping-pong (per round trip: the protocol's lock-step takes two)."""
@@ -431,6 +447,13 @@ def _intercept_rows(r: Results, c: dict[str, Series], prefix: str) -> list[list[
             times(over_pb_ahead),
             "≤ 1.25x",
             verdict(over_pb_ahead <= 1.25),
+        ],
+        [
+            f"{prefix}…context: the protobuf peer with {SPIN * 1e6:g} µs more CPU per item on each side / the peer "
+            f"(run_ahead): what that much per-item work costs end to end on this machine{_python_cost(r, uv)}",
+            times(x.over_floor(ahead=True, mine=x.floor_ahead_spun)),
+            "—",
+            "—",
         ],
         [
             f"{prefix}…run_ahead per round trip / 1b; the protobuf peer's / 1b",
@@ -816,7 +839,12 @@ METHOD = [
     "process runs `return await next_handler()`.",
     f"- 3: an on_reply chain whose core replays {ITEMS} text deltas, with and without a middleware that "
     "intercepts every item; the difference divided by the item count (the invocation's fixed cost is "
-    "included, so this is slightly pessimistic).",
+    "included, so this is slightly pessimistic). The spun floor is the protobuf peer busy "
+    f"{SPIN * 1e6:g} µs more per item on each side (bench/echo_server.py RunAheadSpun): on this machine a "
+    "few microseconds of work per item on each side cost several times that end to end (likely: an answer "
+    "that comes a little later finds the other process asleep, and waking it is slow), so it calibrates the "
+    "per-item targets against agentmw's own per-item work, measured without I/O (bench/python_cost.py: "
+    "HookCall and HookSession over stubs that answer at once, against the peer's loops over the same).",
     f"- 4: on_reply chains over {BYPASS_N:,} and 0 deltas with 1 and 4 ReplyEndOnly layers and with none; "
     f"per item per layer = ((mw {BYPASS_N:,} - mw 0) - (none {BYPASS_N:,} - none 0)) / ({BYPASS_N:,} x layers), "
     "host process CPU. Unimplemented hooks: `agent.compress_context()` plus the permission chain with an "

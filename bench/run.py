@@ -33,7 +33,7 @@ from agent_host.remote import RemoteMiddleware
 from agentmw import loops
 from clients.launch import ROOT, ServerProcess, middleware_server, start_all
 
-from . import builtins, four_servers, hosts, scenarios, versus
+from . import builtins, four_servers, hosts, python_cost, scenarios, versus
 from .harness import Sample, Series
 from .peer import start_peer
 from .report import Results, environment, render
@@ -193,6 +193,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("protocol counts")
         res.calls = await scenarios.measure_calls(env, res.protocol, rounds)
         step("1-3 baselines, hook invocation, intercepted item")
+        res.python_cost = await python_cost.measure(rounds)
+        step("3 per-item work of host and SDK without I/O")
         res.calls_uvloop = await calls_on_uvloop(rounds)
         step("1-3 again on uvloop (a child process)")
         res.bypass = await scenarios.measure_bypass(env, rounds, peer)

@@ -35,6 +35,7 @@ from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Tool, Toolkit, tool
 from agentmw.v1 import hooks_pb2
 
+from .echo_server import SPIN, spin
 from .harness import Batch, Sample, Series, interleave, process_cpu, timed_batch
 from .instrument import Tally, counting, server_stats
 from .peer import AgentScopePeer
@@ -294,7 +295,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         await call.code()
         return sample
 
-    paths = {"Lockstep": (env.echo, "/bench.Floor/Lockstep"), "RunAhead": (env.echo, "/bench.Floor/RunAhead")}
+    paths = {name: (env.echo, f"/bench.Floor/{name}") for name in ("Lockstep", "RunAhead", "RunAheadSpun")}
     paths["SDK"] = (env.icpt, "/agentmw.v1.OnReply/Run")  # the peer's host side, the real SDK (InterceptAll)
     floor = {
         name: channel.stream_stream(
@@ -304,13 +305,16 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         )
         for name, (channel, path) in paths.items()
     }
-    floor_pids = {"Lockstep": echo_pid, "RunAhead": echo_pid, "SDK": env.pids["InterceptAll"]}
+    floor_pids = {"Lockstep": echo_pid, "RunAhead": echo_pid, "RunAheadSpun": echo_pid, "SDK": env.pids["InterceptAll"]}
     reply_msgs, hook_msgs = protocol.item.first, protocol.hook.first
 
-    async def floor_invocation(call: Any, invocation: int, templates: dict[str, Any], items: int) -> None:
+    async def floor_invocation(
+        call: Any, invocation: int, templates: dict[str, Any], items: int, busy: float = 0.0
+    ) -> None:
         """One invocation as the host sends it, built from the real host's messages (a new
         HostMessage each, nothing else): begin, ``items`` items (each answered by emit + suspend,
-        then resume -> pull, or at once by emit + pull), inner_done -> finish."""
+        then resume -> pull, or at once by emit + pull), inner_done -> finish. ``busy``: seconds of
+        busy work before each item (the spun floor's host side)."""
         await call.write(hooks_pb2.HostMessage(invocation=invocation, begin=templates["begin"].begin))
         await call.read()
         item = reply_msgs["item.text_block_delta"].item
@@ -319,6 +323,8 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
             delivery = msg.item
             delivery.seq, delivery.inner = seq, 1
             delivery.item.CopyFrom(item.item)
+            if busy:
+                spin(busy)
             await call.write(msg)
             answer = await call.read()
             if answer.HasField("suspend"):
@@ -327,11 +333,11 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         await call.write(hooks_pb2.HostMessage(invocation=invocation, inner_done=templates["inner_done"].inner_done))
         await call.read()
 
-    async def floor_batch(name: str, templates: dict[str, Any], items: int, n: int) -> Sample:
+    async def floor_batch(name: str, templates: dict[str, Any], items: int, n: int, busy: float = 0.0) -> Sample:
         call = floor[name]()  # an open stream, as the host's idle ones
-        await floor_invocation(call, 1, templates, items)
+        await floor_invocation(call, 1, templates, items, busy)
         ids = iter(range(2, n + 2))
-        invocation = lambda: floor_invocation(call, next(ids), templates, items)  # noqa: E731
+        invocation = lambda: floor_invocation(call, next(ids), templates, items, busy)  # noqa: E731
         sample = await timed_batch(invocation, n, server_pid=floor_pids[name])
         await call.done_writing()
         await call.code()
@@ -360,6 +366,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "stream_intercept_ahead": lambda: stream(ahead_chain, env.pids["InterceptAllRunAhead"]),
         "floor_intercept": lambda: floor_batch("Lockstep", reply_msgs, ITEMS, 1),
         "floor_intercept_ahead": lambda: floor_batch("RunAhead", reply_msgs, ITEMS, 1),
+        "floor_intercept_ahead_spun": lambda: floor_batch("RunAheadSpun", reply_msgs, ITEMS, 1, SPIN),
         "host_half": lambda: stream(host_half_chain, echo_pid),
         "sdk_half": lambda: floor_batch("SDK", reply_msgs, ITEMS, 1),
         "floor_hook": lambda: floor_batch("Lockstep", hook_msgs, 0, OPS),

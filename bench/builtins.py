@@ -17,10 +17,12 @@ import argparse
 import asyncio
 import math
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from agent_host.remote import RemoteMiddleware
 from agentmw.data import DataBlockDeltaEvent, TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
 from clients.launch import ROOT, ServerProcess, start_all
 
+from .four_servers import Worker
 from .harness import Batch, Sample, Series, interleave, process_cpu
 from .scenarios import WORDS, make_agent, tool_round_script
 
@@ -57,6 +60,9 @@ class Builtin:
     exports: bool = False  # it sends spans to the OTLP receiver
     pace: tuple[float, float] | None = None  # (time to first token, s per chunk) of a paced model
     rounds: int | None = None  # at most this many rounds (a paced reply takes seconds)
+    # The same class in-process, in a host process of its own (a bench.four_servers worker of this
+    # kind): its tracer provider is global, so it cannot share this process with the other variants.
+    inproc: str = ""
 
 
 BUILTINS = {
@@ -67,6 +73,7 @@ BUILTINS = {
             {"attached": TRACING},
             tool_round_script,  # 3 tool rounds, then 1,000 text deltas: 8 detached invocations per reply
             exports=True,
+            inproc="tracing",
         ),
         Builtin(  # the same on a network model's clock (as the four-servers section's realistic pace)
             "tracing-paced",
@@ -143,6 +150,7 @@ class Fleet:
 
     servers: dict[str, dict[str, ServerProcess]] = field(default_factory=dict)  # builtin -> variant -> process
     receiver: ServerProcess | None = None
+    otlp: str = ""  # the receiver's endpoint
     notes: dict[str, str] = field(default_factory=dict)  # builtin -> why it is not measured
     tmp: tempfile.TemporaryDirectory[str] | None = None
     spans: int = 0  # spans the receiver got, counted when it stops
@@ -179,7 +187,7 @@ def fleet(names: Sequence[str]) -> Fleet:
             # --settle: it prints nothing while the bench runs, every trace when it stops
             argv = ["-m", "clients.traces", "--listen", "127.0.0.1:{port}", "--settle", "3600"]
             f.receiver = ServerProcess(argv, name="otlp-receiver", log_dir=tmp).start()
-            otlp = f"http://{f.receiver.address}"
+            otlp = f.otlp = f"http://{f.receiver.address}"
         f.servers[name] = {}
         for variant, argv in bench.variants.items():
             store = tmp / f"{name}-{variant}"
@@ -192,10 +200,21 @@ def fleet(names: Sequence[str]) -> Fleet:
     return f
 
 
+async def _inproc_worker(f: Fleet, bench: Builtin) -> Worker:
+    """The host process that runs ``bench``'s class in-process (bench.four_servers' worker)."""
+    assert f.tmp is not None
+    tmp = Path(f.tmp.name)
+    argv = [sys.executable, "-m", "bench.four_servers", "--worker", bench.inproc, "--otlp", f.otlp]
+    argv += ["--tts-url", "", "--store", str(tmp / f"{bench.name}-inproc")]
+    worker = Worker(f"{bench.name}-inproc", argv, cwd=ROOT, env={}, log=tmp / f"{bench.name}-inproc.log")
+    return await worker.start()
+
+
 async def measure(f: Fleet, rounds: int) -> dict[str, dict[str, Series]]:
     """Per built-in, its variants and "none", interleaved round by round."""
     out: dict[str, dict[str, Series]] = {}
     clients: list[RemoteMiddleware] = []
+    workers: list[Worker] = []
     try:
         for name, procs in f.servers.items():
             bench = BUILTINS[name]
@@ -220,8 +239,17 @@ async def measure(f: Fleet, rounds: int) -> dict[str, dict[str, Series]]:
                 return run
 
             variants = {v: batch(v) for v in ["none", *attached]}
+            if bench.inproc:
+                worker = await _inproc_worker(f, bench)
+                workers.append(worker)
+                if worker.failure is None:
+                    variants["in-process"] = partial(worker.sample, 1, bench.pace)
+                else:
+                    f.notes[f"{name} in-process"] = f"not measured: {worker.failure}"
             out[name] = await interleave(variants, min(rounds, bench.rounds or rounds))
     finally:
+        for worker in workers:
+            await worker.close()
         for rm in clients:
             await rm.close()
     return out

@@ -111,13 +111,15 @@ class Worker:
         lines = self.log.read_text(errors="replace").strip().splitlines() if self.log.exists() else []
         return f" (stderr: {lines[-1][:300]})" if lines else ""
 
-    async def sample(self, n: int, pace: tuple[float, float], server_pids: Sequence[int] = ()) -> Sample:
-        """One batch of ``n`` concurrent replies; NaN once the worker has failed."""
+    async def sample(self, n: int, pace: tuple[float, float] | None, server_pids: Sequence[int] = ()) -> Sample:
+        """One batch of ``n`` concurrent replies; NaN once the worker has failed. ``pace`` None: the
+        offline model itself (a PacedModel of (0, 0) still adds a generator layer per chunk)."""
         if self.failure is not None:
             return Sample(math.nan, math.nan, math.nan)
         servers0 = sum(process_cpu(pid) for pid in server_pids)
         try:
-            a = await self.ask({"op": "batch", "n": n, "ttft": pace[0], "token": pace[1]})
+            ttft, token = pace if pace is not None else (None, None)
+            a = await self.ask({"op": "batch", "n": n, "ttft": ttft, "token": token})
         except WorkerFailed as exc:
             self.failure = str(exc)
             return Sample(math.nan, math.nan, math.nan)
@@ -268,7 +270,14 @@ def _progress(what: str) -> None:
 
 
 async def _stack(kind: str, args: argparse.Namespace) -> list[Any]:
-    """The four middlewares of a variant, outermost first."""
+    """The four middlewares of a variant, outermost first; ``tracing``: the tracing class alone
+    (bench/builtins.py's in-process tracing variant)."""
+    if kind == "tracing":
+        from agent_host import tracing
+        from mw_servers.tracing import TracingMiddleware
+
+        tracing.configure("agentmw-inproc", endpoint=args.otlp)
+        return [TracingMiddleware()]
     if kind == "remote":
         from agent_host.remote import RemoteMiddleware
 
@@ -294,7 +303,7 @@ async def _stack(kind: str, args: argparse.Namespace) -> list[Any]:
     ]
 
 
-async def _reply(middlewares: list[Any], t0: float, pace: tuple[float, float], question: str = QUESTION) -> Any:
+async def _reply(middlewares: list[Any], t0: float, pace: tuple[float, float] | None, question: str = QUESTION) -> Any:
     """(time to first text, reply end, audio deltas) from ``t0``."""
     from agentmw.data import DataBlockDeltaEvent, TextBlockDeltaEvent, UserMsg
 
@@ -311,7 +320,7 @@ async def _reply(middlewares: list[Any], t0: float, pace: tuple[float, float], q
     return first, time.perf_counter() - t0, audio
 
 
-async def _batch(middlewares: list[Any], n: int, pace: tuple[float, float]) -> dict[str, float]:
+async def _batch(middlewares: list[Any], n: int, pace: tuple[float, float] | None) -> dict[str, float]:
     from .builtins import settle
 
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -339,7 +348,8 @@ async def worker(kind: str, args: argparse.Namespace) -> None:
 
                 answer: dict[str, Any] = {"version": f"agentmw {version('agentmw')}"}
             else:
-                answer = await _batch(middlewares, command["n"], (command["ttft"], command["token"]))
+                pace = None if command["ttft"] is None else (command["ttft"], command["token"])
+                answer = await _batch(middlewares, command["n"], pace)
         except Exception as exc:  # reported to the driver, which drops this variant
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         sys.stdout.write(json.dumps(answer) + "\n")
@@ -526,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--ttft", type=float, default=PACES["realistic"][0], help="realistic pace: seconds")
     parser.add_argument("--token-latency", type=float, default=PACES["realistic"][1], help="realistic pace: s/chunk")
-    parser.add_argument("--worker", choices=("remote", "inproc"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("remote", "inproc", "tracing"), help=argparse.SUPPRESS)
     parser.add_argument("--addresses", help=argparse.SUPPRESS)
     parser.add_argument("--otlp", help=argparse.SUPPRESS)
     parser.add_argument("--tts-url", help=argparse.SUPPRESS)

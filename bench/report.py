@@ -700,6 +700,17 @@ def builtin_targets(builtins: dict[str, dict[str, Series]], notes: dict[str, str
                 "—",
             ],
         ]
+        if "in-process" in s:  # context: the span work in the host, as AgentScope's TracingMiddleware does it
+            rows.append(
+                [
+                    "…context: the same TracingMiddleware in-process (a host process of its own that traces "
+                    "its replies too; the same exporter): time to reply end / none; host CPU / none",
+                    f"{times(ratio(s['in-process'].walls, s['none'].walls))}; "
+                    f"{times(ratio(s['in-process'].cpus, s['none'].cpus))}",
+                    "—",
+                    "—",
+                ]
+            )
     if "tracing-paced" in builtins:  # the instant model above is the worst case: every µs is on the reply's path
         s = builtins["tracing-paced"]
         end = ratio(s["attached"].walls, s["none"].walls)
@@ -860,8 +871,10 @@ METHOD = [
     "runs as its own process (mem0 with the Python of .venv-mem0) and is attached to a fresh `Agent` per "
     "reply; its variants are interleaved with a no-middleware baseline of the same reply. Tracing: the "
     "whole-reply scenario of 5, the server exporting over OTLP/gRPC to a receiver in another process (the "
-    "host does not trace). TTS: one text block; the first audio is timed from the block's end (standard) "
-    "or from the first text (realtime). mem0: a question after a few seeded facts; the reply end "
+    "host does not trace); for context, the same TracingMiddleware in-process in a host process of its own "
+    "(a bench.four_servers worker: the tracer provider is global), exporting to the same receiver, its "
+    "replies interleaved with the others. TTS: one text block; the first audio is timed from the block's "
+    "end (standard) or from the first text (realtime). mem0: a question after a few seeded facts; the reply end "
     "includes the awaited write-back.",
     *four_servers.METHOD,
     "- The AgentScope peer (optional) runs the same scripted replies in AgentScope 2.0.11 in its own "

@@ -189,6 +189,34 @@ async def test_a_fail_open_middleware_that_hangs_is_waited_for_once_then_skipped
         proc.stop()
 
 
+async def test_a_fail_closed_middleware_that_hangs_fails_calls_at_once_until_it_answers_again(
+    marker: ServerProcess,
+) -> None:
+    """Required (fail_closed) and hung (SIGSTOP: connected, silent): the reply that finds it so
+    fails after its timeout; the next reply's hook call fails at once, saying why (before, each
+    waited the timeout again). A Describe asks it every second; once it answers, replies use it."""
+    remote = await RemoteMiddleware(marker.address, policy=Policy(fail_open=False, timeout=1)).connect()
+    agent = make_agent(remote)
+    assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
+    os.kill(marker.pid, signal.SIGSTOP)
+    try:
+        end = end_of(await reply(agent, "it hangs"))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "no answer within 1s (timeout)" in end.error.message
+        end = end_of(await reply(agent, "still hanging"))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "not called until it answers again after: no answer within 1s at" in end.error.message
+        assert remote.unresponsive and metrics.middleware_status(remote)["health"] == "unresponsive"
+    finally:
+        os.kill(marker.pid, signal.SIGCONT)
+    async with asyncio.timeout(15):  # its next Describe is answered (asked every second)
+        while remote.unresponsive:
+            await asyncio.sleep(0.05)
+    items = await reply(agent, "back")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == ANSWER
+    await remote.close()
+
+
 async def test_replies_that_wait_on_the_same_hang_together_count_it_once() -> None:
     """Concurrent replies all time out on a middleware that hangs: one hang, so one pause of its
     timeout (counted per reply, eight replies had paused it for the 5-minute maximum)."""

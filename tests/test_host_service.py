@@ -368,6 +368,32 @@ async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_a
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
 
 
+async def test_a_watcher_that_is_down_leaves_the_host_serving(procs: Procs, tmp_path: Path) -> None:
+    """A middleware whose hooks are all detached (a tracer), fail_closed by default: replies never
+    wait for it, so its outage must not take the host out of a load balancer's rotation (it said
+    NOT_SERVING while such a watcher could not be reached, while every reply completed)."""
+    port = unused_port()
+    watcher = procs.start(
+        "watcher", ["-m", "agentmw.sdk", "tests.conformance_mw:DetachedWatcher", "--address", f"127.0.0.1:{port}"]
+    )
+    config = tmp_path / "host.yaml"
+    config.write_text(f"middleware:\n  - {{name: watch, address: 127.0.0.1:{port}, timeout: 2}}\n")
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    _, items = await _reply(host.address, "s", UserMsg("hello"))
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
+    watcher.kill()
+    for _ in range(100):  # until the host has seen it go (bounded)
+        status = run_cli("clients.admin", "--host", host.address, "status")
+        if "watch at 127.0.0.1:" in status.stdout and "unreachable" in status.stdout:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        pytest.fail("the host did not notice the watcher was gone:\n" + status.stdout)
+    assert await _health(host.address) == health_pb2.HealthCheckResponse.SERVING
+    _, items = await _reply(host.address, "s", UserMsg("still there?"))
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
+
+
 async def test_a_middleware_attached_by_hand_ends_the_wait_for_one_of_its_name(procs: Procs, tmp_path: Path) -> None:
     """A required middleware that is down at start, attached by hand under its name from another
     address: replies run with that one (the host stops waiting for the configured address; before,

@@ -307,6 +307,11 @@ class RemoteMiddleware:
     def implements(self, hook: str) -> bool:
         return hook in self.tables
 
+    def holds_replies(self) -> bool:
+        """Replies wait for some hook of it (one not detached), as last described. A watcher's do
+        not, nor do tools: one that fails is an error result for the model, not a failed reply."""
+        return any(not table.detached for table in self.tables.values())
+
     async def get_middleware_key(self) -> str:
         return self.key
 

@@ -318,9 +318,10 @@ def _info(a: Attached | Pending) -> host_pb2.MiddlewareInfo:
 
 
 class HostHealth(health.aio.HealthServicer):
-    """grpc.health.v1: NOT_SERVING while a fail_closed middleware or the session store cannot be
-    reached, or such a middleware is not attached yet or hung (every reply is refused), or while draining;
-    SERVING again once they are back. Checked on each Check: nothing runs in between."""
+    """grpc.health.v1: NOT_SERVING while a fail_closed middleware that replies wait for (not a
+    detached watcher) or the session store cannot be reached, or such a middleware is not attached
+    yet or hung (every reply is refused), or while draining; SERVING again once they are back.
+    Checked on each Check: nothing runs in between."""
 
     def __init__(self, host: Host) -> None:
         super().__init__()
@@ -328,7 +329,8 @@ class HostHealth(health.aio.HealthServicer):
         self.serving = True
 
     async def refresh(self) -> None:
-        reachable = [a.remote.reachable() for a in self.host.middleware if not a.config.fail_open]
+        required = [a for a in self.host.middleware if not a.config.fail_open and a.remote.holds_replies()]
+        reachable = [a.remote.reachable() for a in required]
         if self.host.required_unavailable() is not None:  # not attached yet, or hung: replies are refused
             reachable.append(False)
         reachable.append(await self.host.store.reachable())  # no store (PostgreSQL down): no reply can be stored

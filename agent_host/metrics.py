@@ -207,10 +207,8 @@ def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool) -> No
         watch.trouble[mw.name] = "bypassed" if bypassed else "failed"
     if not h.failing:  # once per outage, not per reply
         h.failing = True
-        then = (
-            "bypassed (fail_open) until it answers again" if bypassed else "replies that reach it fail until it is back"
-        )
-        log.warning("middleware %s at %s is failing, %s: %s", mw.name, mw.address, then, exc)
+        then = "replies go on without it" if bypassed else "replies that reach it fail"
+        log.warning("middleware %s at %s is failing, %s until it is back: %s", mw.name, mw.address, then, exc)
 
 
 @functools.lru_cache(maxsize=1024)

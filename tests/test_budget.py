@@ -48,7 +48,7 @@ ASK = "keep probing db"
 RULES = [{"pattern": r"keep probing (\w+)", "tool": "probe", "input": {"what": "{0}"}, "repeat": True}]
 MAX_ITERS = 10
 CROSS_AT = 3  # the budget is chosen (from measured usage) so that weights 1/1 cross at this step
-OTHER_WEIGHTS = (0.5, 1.0)  # input, output: the same budget lasts longer
+OTHER_WEIGHTS = (0.5, 1.5)  # input, output (both not 1, so each weight is checked): the same budget lasts longer
 
 
 @tool(description="Probe a system and report its state.")

@@ -29,6 +29,7 @@ from agentmw.data import CustomEvent, HintBlock, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient, Turn, converse
 from clients.launch import ROOT, ServerProcess, start_all
+from mw_servers.mem0 import HEADER, INTRO
 from tests.host_util import Procs, get_session, processes
 
 MEM0_PY = ROOT / ".venv-mem0" / "bin" / "python"
@@ -130,7 +131,10 @@ async def test_a_fact_told_in_one_session_is_recalled_in_the_next(stack: Stack) 
     asked = await say(stack.host.address, "What is my favourite colour?", "alice")
     assert asked.session_id != told.session_id
     hints = await memory_hints(stack.host.address, asked.session_id)
-    assert len(hints) == 1 and "- My favourite colour is teal." in hints[0]
+    assert len(hints) == 1, hints
+    header, intro, *memories = hints[0].splitlines()  # what the model reads: a heading, a line, one per memory
+    assert (header, intro) == (HEADER, INTRO) and "- My favourite colour is teal." in memories, hints[0]
+    assert all(line.startswith("- ") for line in memories), hints[0]
     assert "My favourite colour is teal." in asked.final.text  # the model's answer uses the hint
     # Memory is the user's own: another user is told nothing of it.
     other = await say(stack.host.address, "What is my favourite colour?", "bob")

@@ -8,6 +8,7 @@ confirm_unknown  a RequireUserConfirmEvent for a tool call that does not exist, 
 second_end       the ReplyEndEvent, then a copy of it
 foreign_start    the ReplyStartEvent replaced by one with another reply's id
 stray_delta      a TextBlockDeltaEvent for a block never started, after the start
+foreign_delta    every TextBlockDeltaEvent replaced by one naming another reply (its block is open)
 start_twice      every TextBlockStartEvent twice
 left_open        a TextBlockStartEvent never ended, before the ReplyEndEvent
 no_next          finish at once, without calling next (nothing at all reaches the client)
@@ -23,7 +24,16 @@ import grpc
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc, types_pb2
 from tests.raw_server import serve_raw
 
-MODES = ("confirm_unknown", "second_end", "foreign_start", "stray_delta", "start_twice", "left_open", "no_next")
+MODES = (
+    "confirm_unknown",
+    "second_end",
+    "foreign_start",
+    "stray_delta",
+    "foreign_delta",
+    "start_twice",
+    "left_open",
+    "no_next",
+)
 
 
 class Describe(hooks_pb2_grpc.DescribeServicer):
@@ -57,6 +67,11 @@ def forge(mode: str, seq: int, item: events_pb2.Item, reply_id: str) -> list[hoo
     if mode == "stray_delta" and kind == "reply_start":
         delta = events_pb2.TextBlockDeltaEvent(reply_id=reply_id, block_id="nowhere", delta="boo")
         return [forward, emit(text_block_delta=delta)]
+    if mode == "foreign_delta" and kind == "text_block_delta":
+        delta = events_pb2.TextBlockDeltaEvent()
+        delta.CopyFrom(item.text_block_delta)
+        delta.reply_id = "another-reply"
+        return [emit(text_block_delta=delta)]
     if mode == "start_twice" and kind == "text_block_start":
         return [forward, emit(text_block_start=item.text_block_start)]
     if mode == "left_open" and kind == "reply_end":

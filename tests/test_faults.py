@@ -32,7 +32,7 @@ from agentmw.data import (
     UserMsg,
 )
 from agentmw.tools import Toolkit, add_middleware_tools, tool
-from clients.launch import ServerProcess, middleware_server
+from clients.launch import ServerProcess, middleware_server, unused_port
 
 from .harness import add
 
@@ -249,6 +249,7 @@ LIES = {
     "bad_forward": "forward_seq 99 is not the held item's seq (1)",
     "foreign_block": "not a block this middleware added",
     "unknown_model": "unknown model id 'no-such-model'",
+    "negative_iter": "set_cur_iter below 0",
     "early_eof": "the stream ended before finish",
     "steal_id": "is already in the context",
     "forward_twice": "forward_seq 1 names no held intercepted item (seq 1 was emitted already)",
@@ -305,6 +306,34 @@ async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess)
     assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
     assert marked(items)
     await remote.close()
+
+
+async def test_a_restarted_middleware_cannot_take_another_key() -> None:
+    """The slot a middleware owns is fixed at attach: a server restarted at its address that reports
+    another key (and so would read and write another middleware's slot) is refused, naming both."""
+    port = unused_port()
+
+    def budget_server(key: str) -> ServerProcess:
+        argv = ["-m", "agentmw.sdk", "mw_servers.budget:ReplyBudget", "--address", f"127.0.0.1:{port}"]
+        return ServerProcess([*argv, "--arg", "token_budget=1000000", "--arg", f'key="{key}"'], name=key).start()
+
+    first = budget_server("mine")
+    try:
+        remote = await RemoteMiddleware(f"127.0.0.1:{port}", policy=Policy(timeout=5)).connect()
+        agent = make_agent(remote)
+        assert end_of(await reply(agent, "hi")).finished_reason == ReplyFinishedReason.COMPLETED
+    finally:
+        first.stop()
+    await noticed_gone(remote)
+    second = budget_server("theirs")
+    try:
+        end = end_of(await reply(agent, "hi again"))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "protocol violation: key changed from 'mine' to 'theirs'" in end.error.message
+        assert "theirs" not in agent.state.middle_context  # it never got to write a slot
+        await remote.close()
+    finally:
+        second.stop()
 
 
 async def test_unknown_address_fails_to_attach() -> None:

@@ -41,6 +41,7 @@ FORGERIES = {
     "second_end": "a second ReplyEndEvent",
     "foreign_start": "the ReplyStartEvent carries reply id 'another-reply', not this reply's",
     "stray_delta": "TextBlockDeltaEvent: text block 'nowhere' was never started",
+    "foreign_delta": "TextBlockDeltaEvent of reply 'another-reply' in reply",
     "start_twice": "was already started",
     "left_open": "ReplyEndEvent with blocks still open: text block 'dangling'",
     "no_next": "the reply ended without a ReplyEndEvent and a final Msg",

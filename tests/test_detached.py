@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -173,6 +176,29 @@ async def test_a_watcher_of_every_item_gets_a_long_reply_in_full() -> None:
                 stats = json.loads([r async for r in toolkit.call_tool(call)][-1].content[0].text)
                 seen = sum(n for key, n in stats.items() if key.startswith("on_reply:"))
         assert seen == len(events) > 1000
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_watcher_that_stops_reading_costs_bounded_memory(caplog: Any) -> None:
+    """A watcher of every item that stops reading (SIGSTOP) while a long reply streams: once its
+    stream takes no more, at most MAX_QUEUED batches of copies wait for it and the rest are dropped,
+    saying so; the reply is not held up. (Without the bound every copy of the reply is kept.)"""
+    proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        words = " ".join(f"w{i}" for i in range(40_000))  # far more than the stream's window takes
+        agent = Agent(model=OfflineRuleModel(script=[{"text": words}]), toolkit=Toolkit([fetch]), middlewares=[remote])
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level(logging.WARNING, logger="agentmw.remote"):
+                async with asyncio.timeout(30):
+                    events = [item async for item in agent.reply_stream(UserMsg("hi"))]
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert isinstance(events[-1], Msg) and len(events) > 40_000
+        assert any("falls behind in on_reply: dropping copies" in r.getMessage() for r in caplog.records)
         await remote.close()
     finally:
         proc.stop()

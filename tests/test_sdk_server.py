@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import socket
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,44 @@ async def test_a_run_ahead_emit_goes_out_while_the_code_after_its_yield_waits_an
             async for _ in chain(agent, inputs=None, structured_schema=None):
                 break
             await asyncio.wait_for(mw.cancelled.wait(), 10)
+    finally:
+        await remote.close()
+        await server.stop(None)
+
+
+class _DetachedEmitter(MiddlewareBase):
+    """A watcher (detached) that tries to add an item: the host would never read it."""
+
+    subscriptions = {"on_reply": subscribe(default=Mode.OBSERVE, detached=True)}
+
+    async def on_reply(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any:
+        async for item in next_handler():
+            yield item
+        yield TextBlockDeltaEvent(reply_id="r", block_id="b", delta="extra")
+
+
+async def test_a_detached_hook_that_emits_is_told_it_can_only_watch(caplog: Any) -> None:
+    """Served in this process, so that its log can be read. A watcher's emits and changes would be
+    dropped by the host without a word (hooks.proto, HookDescription.detached): the SDK raises in
+    the author's code instead, saying why, and the reply is as if the watcher were not there."""
+    server, port = await start(_DetachedEmitter(), "127.0.0.1:0")
+    remote = await RemoteMiddleware(f"127.0.0.1:{port}").connect()
+    agent = Agent(model=OfflineRuleModel(), middlewares=[])
+
+    async def deltas(inputs: Any = None, structured_schema: Any = None) -> Any:
+        for word in ("a", "b", "c"):
+            yield TextBlockDeltaEvent(reply_id="r", block_id="b", delta=word)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="agentmw.sdk"):
+            chain = Chain("on_reply", [remote], deltas)
+            out = [item.delta async for item in chain(agent, inputs=None, structured_schema=None)]
+            assert out == ["a", "b", "c"]
+            async with asyncio.timeout(10):  # its copies and the refusal come after the reply
+                while not any("can only watch" in r.getMessage() + (r.exc_text or "") for r in caplog.records):
+                    await asyncio.sleep(0.05)
+        text = "\n".join(r.getMessage() + "\n" + (r.exc_text or "") for r in caplog.records)
+        assert "on_reply is detached: it can only watch, not emit TextBlockDeltaEvent" in text
     finally:
         await remote.close()
         await server.stop(None)

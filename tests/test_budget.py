@@ -291,6 +291,24 @@ async def test_two_replicas_answer_as_one_and_a_new_reply_starts_from_zero(
     await both.close()
 
 
+async def test_a_budget_used_up_exactly_is_spent(reference: list[Any]) -> None:
+    """Used equal to the budget is spent (used >= budget, as AgentScope's): the step after the one
+    that reached it exactly gets no tools, from the server as from the class in-process (remote,
+    the host skips on_reasoning while the slot's "exhausted" flag is off: the flag must say so)."""
+    exact = sum(costs(reference, (1.0, 1.0))[:2])
+    assert exact == int(exact) > 0  # whole token counts: the sum is reached exactly, not crossed
+    items = await reply(make_agent([ReplyBudget(token_budget=exact)]))
+    assert check_stopped(items, exact, (1.0, 1.0)) == 2
+    server = budget_server(exact).start()
+    try:
+        remote = await attach(server.address)
+        items = await reply(make_agent([remote]))
+        assert check_stopped(items, exact, (1.0, 1.0)) == 2
+        await remote.close()
+    finally:
+        server.stop()
+
+
 async def test_budget_zero_allows_no_tool_round(servers: dict[str, ServerProcess]) -> None:
     remote = await attach(servers["zero"].address)
     agent = make_agent([remote])

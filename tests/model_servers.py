@@ -234,20 +234,22 @@ def openai_chunk(
     }
 
 
-def openai_usage_chunk(prompt_tokens: int, completion_tokens: int, id: str = "chatcmpl-1") -> dict[str, Any]:
-    """The extra last chunk that ``stream_options.include_usage`` asks for: no choices, only usage."""
-    return {
-        "id": id,
-        "object": "chat.completion.chunk",
-        "created": 1700000000,
-        "model": "m",
-        "choices": [],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+def openai_usage_chunk(
+    prompt_tokens: int, completion_tokens: int, id: str = "chatcmpl-1", *, cached: int = 0, reasoning: int = 0
+) -> dict[str, Any]:
+    """The extra last chunk that ``stream_options.include_usage`` asks for: no choices, only usage
+    (with ``cached`` / ``reasoning``: its prompt and completion token details, as OpenAI sends them)."""
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    if reasoning:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    chunk = {"id": id, "object": "chat.completion.chunk", "created": 1700000000, "model": "m", "choices": []}
+    return {**chunk, "usage": usage}
 
 
 def openai_tool_fragment(index: int, arguments: str, *, id: str | None = None, name: str | None = None) -> dict:

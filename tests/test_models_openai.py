@@ -93,7 +93,7 @@ async def test_streams_text_reasoning_and_usage(server: ScriptedServer) -> None:
                 openai_chunk("Hi"),
                 openai_chunk(" there"),
                 openai_chunk(finish="stop"),
-                openai_usage_chunk(17, 6),
+                openai_usage_chunk(17, 6, cached=10, reasoning=4),
             ],
             delay=0.01,
         )
@@ -109,6 +109,7 @@ async def test_streams_text_reasoning_and_usage(server: ScriptedServer) -> None:
     assert final.text == "Hi there"
     end = of_type(events, ModelCallEndEvent)[0]
     assert (end.input_tokens, end.output_tokens, end.metadata["model"]) == (17, 6, "a")
+    assert (end.cache_input_tokens, end.reasoning_tokens) == (10, 4)  # the usage details, as reported
 
     (request,) = server.requests
     assert request.path == OPENAI_PATH

@@ -151,6 +151,20 @@ class PromptNote(MiddlewareBase):
         return f"{prompt} +{self.note}"
 
 
+class PromptBySlot(MiddlewareBase):
+    """Appends the name in its own slot to the system prompt, declared cacheable: the answer depends
+    on the input prompt and its slot alone, so the host reuses it only for the same slot."""
+
+    subscriptions = {"on_system_prompt": subscribe(cacheable=True)}
+
+    async def get_middleware_key(self) -> str:
+        return "by_slot"
+
+    async def on_system_prompt(self, agent, prompt):
+        slot = agent.state.middle_context.get("by_slot") or {}
+        return f"{prompt} +{slot.get('who', 'nobody')}"
+
+
 @tool(description="Shout a text back in capitals.", is_read_only=True)
 def shout(text: str) -> str:
     return text.upper() + "!"

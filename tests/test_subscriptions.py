@@ -130,6 +130,28 @@ async def test_a_cacheable_system_prompt_is_asked_once_until_the_server_is_descr
         second.stop()
 
 
+async def test_a_cacheable_system_prompt_is_reused_only_for_the_same_slot() -> None:
+    """Cacheable means: the answer depends on the input prompt and the middleware's own slot alone
+    (hooks.proto, HookDescription.cacheable). Another slot value is another answer, asked for."""
+    server = middleware_server("tests.conformance_mw:PromptBySlot").start()
+    try:
+        remote = await RemoteMiddleware(server.address).connect()
+        counts = count_rpcs(remote)
+        agent = Agent(model=OfflineRuleModel(reply_template="{system}"), middlewares=[remote])
+
+        async def system_prompt(who: str) -> str:
+            agent.state.middle_context["by_slot"] = {"who": who}  # as the embedding application may
+            return [i async for i in agent.reply_stream(UserMsg("hi"))][-1].text
+
+        assert (await system_prompt("ann")).endswith(" +ann")
+        assert (await system_prompt("bob")).endswith(" +bob")
+        assert (await system_prompt("ann")).endswith(" +ann")
+        assert counts["on_system_prompt"] == 2  # ann's answer was kept
+        await remote.close()
+    finally:
+        server.stop()
+
+
 def test_only_when_skips_unless_its_slot_member_is_exactly_true() -> None:
     """The host's reading of HookDescription.only_when: anything but a JSON true keeps the hook idle;
     a name longer than a slot member's is refused at Describe."""

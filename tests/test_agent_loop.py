@@ -210,6 +210,18 @@ async def test_context_is_compressed_into_a_summary_past_the_trigger() -> None:
     assert len(agent.state.context) < 12 and CountCompress.calls >= 6
 
 
+async def test_context_below_the_trigger_is_left_whole() -> None:
+    """Below trigger_ratio nothing is summarized, though the older messages are past what
+    reserve_ratio would keep: the trigger alone decides when to compress."""
+    model = OfflineRuleModel(context_size=100_000)
+    config = ContextConfig(trigger_ratio=0.9, reserve_ratio=0.0001)  # reserve: about 10 tokens
+    agent = Agent(model=model, context_config=config)
+    for i in range(3):
+        await collect(agent, UserMsg(f"message number {i} " + "padding " * 20))
+    assert agent.state.summary == ""
+    assert len(agent.state.context) == 6  # each message and its answer
+
+
 def test_unimplemented_hooks_are_not_in_any_chain() -> None:
     agent = Agent(model=OfflineRuleModel(), middlewares=[SwallowEveryEnd()])
     assert [h for h, layers in agent.layers.items() if layers] == ["on_reply"]

@@ -107,6 +107,10 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     assert isinstance(sessions, list) and len(sessions) == 1
     sid = sessions[0]["session_id"]
     assert sessions[0]["title"] == "use rec__shout text=hi"
+    assert chat(host.address, "--message", "a second session").returncode == 0
+    newest = agentmw_json(host, "sessions", "list", "--limit", "1")  # newest first, at most one
+    assert isinstance(newest, list) and [s["title"] for s in newest] == ["a second session"]
+    assert len(agentmw_json(host, "sessions", "list")) == 2  # type: ignore[arg-type]
 
     shown = agentmw_json(host, "sessions", "show", sid)
     assert isinstance(shown, dict)

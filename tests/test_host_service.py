@@ -270,6 +270,7 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     assert rec["name"] == "rec" and rec["pending"] and "cannot connect to" in rec["last_error"], rec
     status = run_cli("clients.admin", "--host", host.address, "status")
     assert "rec at 127.0.0.1:" in status.stdout and "not attached yet" in status.stdout, status.stdout
+    assert status.returncode == 0, "a fail_open middleware not attached yet leaves the host SERVING"
 
     await recorder_comes_up(procs, host, port)
     session, items = await _reply(host.address, session, UserMsg("hello again"))
@@ -306,6 +307,7 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     assert nothing.value.code() == grpc.StatusCode.NOT_FOUND, "a refused reply stores nothing"
     status = run_cli("clients.admin", "--host", host.address, "status")
     assert "rec at 127.0.0.1:" in status.stdout and "not attached yet" in status.stdout, status.stdout
+    assert status.returncode == 1, "status exits 1 while the host is NOT_SERVING"
 
     await recorder_comes_up(procs, host, port)
     assert await health() == health_pb2.HealthCheckResponse.SERVING

@@ -98,6 +98,44 @@ async def reply(channel: grpc.aio.Channel, text: str, session_id: str = "") -> t
 # ---------------------------------------------------------------------------------------------
 
 
+async def test_replies_per_owner_limits_each_users_replies_at_once(procs: Procs, tmp_path: Path) -> None:
+    """limits.replies_per_owner on one host (SQLite): a user's second reply while her first runs
+    is refused (RESOURCE_EXHAUSTED, saying the limit); another user's goes on; once her first has
+    ended she may reply again."""
+    config = """
+models:
+  default: slow
+  models:
+    slow: {provider: offline, delay: 0.05, reply_template: "one two three four five six seven eight nine ten"}
+security:
+  users:
+    - {name: alice, role: user, token_env: ALICE_TOKEN}
+    - {name: bob, role: user, token_env: BOB_TOKEN}
+limits: {replies_per_owner: 1}
+"""
+    env = {f"{n.upper()}_TOKEN": t for n, t in TOKENS.items()}
+    host = procs.host(tmp_path, config, env)
+    alice, bob = (client_channel(host.address, token=TOKENS[n]) for n in ("alice", "bob"))
+    try:
+        first = asyncio.ensure_future(reply(alice, "a long one"))
+        async with asyncio.timeout(10):  # her first reply is under way (it holds her one place)
+            while not (await call(alice, "ListSessions", host_pb2.ListSessionsRequest())).sessions:
+                await asyncio.sleep(0.02)
+        with pytest.raises(grpc.aio.AioRpcError) as second:
+            await reply(alice, "and another")
+        assert second.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at most 1 replies at once per user" in (second.value.details() or "")
+        _, items = await reply(bob, "mine runs")  # another user's replies count apart
+        assert isinstance(items[-1], Msg)
+        _, items = await first
+        assert isinstance(items[-1], Msg)
+        _, items = await reply(alice, "now again")  # her first has ended
+        assert isinstance(items[-1], Msg)
+    finally:
+        await alice.close()
+        await bob.close()
+
+
 async def test_mtls_host_refuses_plaintext_and_foreign_certificates(certs: Pki, procs: Procs, tmp_path: Path) -> None:
     host = procs.host(
         tmp_path,

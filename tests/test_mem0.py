@@ -212,9 +212,18 @@ async def test_two_replicas_share_a_served_store_and_report_its_failure(
     store = {"provider": "chroma", "config": {"host": "127.0.0.1", "port": port, "collection_name": "shared"}}
     config.write_text(yaml.safe_dump({"vector_store": store}))
     with processes(tmp_path) as procs:
+        # Replicas 0 and 1 await their write-backs; 2 writes in the background (--write background).
         replicas = start_all(
-            mem0_server(procs, f"mem0-{i}", "--config", str(config), "--store", str(tmp_path / f"r{i}"))
-            for i in range(2)
+            mem0_server(
+                procs,
+                f"mem0-{i}",
+                "--config",
+                str(config),
+                "--store",
+                str(tmp_path / f"r{i}"),
+                *(["--write", "background"] if i == 2 else []),
+            )
+            for i in range(3)
         )
         hosts = [
             procs.host(
@@ -233,6 +242,18 @@ async def test_two_replicas_share_a_served_store_and_report_its_failure(
         assert [e["operation"] for e in errors(failed)] == ["search", "add"]
         assert all(e["user_id"] == "frank" and e["error"] for e in errors(failed))
         assert "mem0 search failed" in "\n".join(replicas[1]._lines)
+
+        # Written in the background, the write-back fails after its reply has ended: the session's
+        # next reply reports it (before its own failures), so the client still learns of it.
+        first = await say(hosts[2].address, "What is my favourite tree?", "frank")
+        assert [e["operation"] for e in errors(first)] == ["search"]
+        for _ in range(200):  # until the background write has failed (bounded)
+            if "mem0 add failed" in "\n".join(replicas[2]._lines):
+                break
+            await asyncio.sleep(0.05)
+        later = await say(hosts[2].address, "Still there?", "frank", session=first.session_id)
+        assert [e["operation"] for e in errors(later)] == ["add", "search"]
+        assert all(e["user_id"] == "frank" and e["error"] for e in errors(later))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ import pytest
 from agent_host.agent import MAX_ITERS_HINT, Agent, InputRefused
 from agent_host.models import OfflineRuleModel
 from agentmw.data import (
+    Base64Source,
+    ChatResponse,
     ConfirmResult,
     ContextConfig,
+    DataBlock,
     ExternalExecutionResultEvent,
     HintBlock,
     Msg,
@@ -220,6 +223,38 @@ async def test_context_below_the_trigger_is_left_whole() -> None:
         await collect(agent, UserMsg(f"message number {i} " + "padding " * 20))
     assert agent.state.summary == ""
     assert len(agent.state.context) == 6  # each message and its answer
+
+
+class SpeakingModel(MiddlewareBase):
+    """on_model_call answering with text, then audio (a base64 data block), as an omni model does."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        audio = DataBlock(source=Base64Source(data="UklGRg==", media_type="audio/wav"), name="speech")
+
+        async def chunks():
+            yield ChatResponse(content=[TextBlock(text="Hello")], is_last=False)
+            yield ChatResponse(content=[audio], is_last=False)
+            yield ChatResponse(content=[TextBlock(text="Hello"), audio], is_last=True)
+
+        return chunks()
+
+
+async def test_audio_a_model_streams_is_a_data_block_of_the_reply() -> None:
+    """A model's base64 data block (audio) streams as DataBlockStart/Delta/End. A chunk with data
+    does not end the open text block (AgentScope's conversion), so both end with the call, text first."""
+    agent = Agent(model=OfflineRuleModel(), middlewares=[SpeakingModel()])
+    items = await collect(agent, UserMsg("say hello"))
+    names = [type(i).__name__ for i in items if "Block" in type(i).__name__]
+    assert names == [
+        "TextBlockStartEvent",
+        "TextBlockDeltaEvent",
+        "DataBlockStartEvent",
+        "DataBlockDeltaEvent",
+        "TextBlockEndEvent",
+        "DataBlockEndEvent",
+    ], names
+    (delta,) = [i for i in items if type(i).__name__ == "DataBlockDeltaEvent"]
+    assert (delta.data, delta.media_type) == ("UklGRg==", "audio/wav")
 
 
 def test_unimplemented_hooks_are_not_in_any_chain() -> None:

@@ -106,6 +106,9 @@ async def test_streams_text_reasoning_and_usage(server: ScriptedServer) -> None:
 
     assert [e.delta for e in of_type(events, ThinkingBlockDeltaEvent)] == ["Greeting; ", "reply."]
     assert [e.delta for e in of_type(events, TextBlockDeltaEvent)] == ["Hi", " there"]
+    # The thinking block ends when a chunk without thinking comes (AgentScope's conversion order).
+    blocks = [type(e).__name__ for e in events if "BlockStart" in type(e).__name__ or "BlockEnd" in type(e).__name__]
+    assert blocks == ["ThinkingBlockStartEvent", "ThinkingBlockEndEvent", "TextBlockStartEvent", "TextBlockEndEvent"]
     assert final.text == "Hi there"
     end = of_type(events, ModelCallEndEvent)[0]
     assert (end.input_tokens, end.output_tokens, end.metadata["model"]) == (17, 6, "a")
@@ -126,6 +129,7 @@ async def test_streamed_tool_calls_split_across_chunks(server: ScriptedServer) -
     server.replies.append(
         openai_stream(
             [
+                openai_chunk("Let me check. "),
                 openai_chunk(tool_calls=[openai_tool_fragment(0, "", id="call_1", name="get_weather")]),
                 openai_chunk(tool_calls=[openai_tool_fragment(0, '{"city"')]),
                 openai_chunk(tool_calls=[openai_tool_fragment(0, ': "Lyon"}')]),
@@ -145,6 +149,9 @@ async def test_streamed_tool_calls_split_across_chunks(server: ScriptedServer) -
 
     starts = of_type(events, ToolCallStartEvent)
     assert [s.tool_call_id for s in starts] == ["call_1", "call_2"]
+    # The first chunk without text ends the text block, before the calls start (AgentScope's order).
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.index("TextBlockEndEvent") < kinds.index("ToolCallStartEvent"), kinds
     assert [s.tool_call_name for s in starts] == ["get_weather", "get_weather"]
     deltas: dict[str, str] = {}
     for d in of_type(events, ToolCallDeltaEvent):

@@ -18,6 +18,9 @@ from agentmw.data import (
     ExternalExecutionResultEvent,
     HintBlock,
     Msg,
+    PermissionBehavior,
+    PermissionDecision,
+    PermissionRule,
     ReplyEndEvent,
     ReplyFinishedReason,
     ReplyStartEvent,
@@ -97,6 +100,45 @@ async def test_confirmation_parks_and_resumes_with_an_edited_input() -> None:
     assert not any(isinstance(i, ReplyStartEvent) for i in resumed)
     assert tool_results(agent)[0].output[0].text == "sent to alice: hi"
     assert resumed[-1].text == "Done: send_email returned sent to alice: hi."
+
+
+async def test_a_rule_given_with_a_confirmation_answers_the_next_such_call() -> None:
+    """The user confirms with a rule ("allow send_email"): it is kept in the session's permission
+    rules, so the next call of that tool runs without asking again."""
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    rule = PermissionRule(tool_name="send_email", behavior=PermissionBehavior.ALLOW)
+    answer = ConfirmResult(confirmed=True, tool_call=ask.tool_calls[0], rules=[rule])
+    await collect(agent, UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=[answer]))
+    again = await collect(agent, UserMsg('call send_email {"to": "carol", "body": "hi"}'))
+    assert not any(isinstance(i, RequireUserConfirmEvent) for i in again)
+    assert again[-1].text == "Done: send_email returned sent to carol: hi."
+
+
+class DenyWithReason(MiddlewareBase):
+    """Denies every tool call with its own message, and asks for send_email, suggesting a rule."""
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        call = input_kwargs["tool_call"]
+        if call.name == "send_email":
+            rule = PermissionRule(tool_name="send_email", behavior=PermissionBehavior.ALLOW)
+            return PermissionDecision(behavior=PermissionBehavior.ASK, suggested_rules=[rule])
+        return PermissionDecision(behavior=PermissionBehavior.DENY, message="adding is off today")
+
+
+async def test_a_permission_middlewares_denial_and_suggested_rules_reach_the_model_and_the_client() -> None:
+    """A denial's own message is the tool result the model sees; rules the permission check
+    suggests ride on the confirmation request to the client."""
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([add, send_email]), middlewares=[DenyWithReason()])
+    await collect(agent, UserMsg('call add {"a": 1, "b": 2}'))
+    (denied,) = tool_results(agent)
+    assert denied.state == ToolResultState.DENIED and denied.output == "adding is off today", denied
+    items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    assert [(r.tool_name, r.behavior) for r in ask.tool_calls[0].suggested_rules] == [
+        ("send_email", PermissionBehavior.ALLOW)
+    ]
 
 
 @pytest.mark.parametrize(

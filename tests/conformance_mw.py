@@ -467,6 +467,21 @@ class CountAfterYield(MiddlewareBase):
                 slot["n"] += 1
 
 
+class SlotSetThenDeleted(MiddlewareBase):
+    """Sets its slot when the reply starts and deletes it when the reply ends: none is left."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent, ReplyEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context[key] = {"open": True}
+            elif isinstance(item, ReplyEndEvent):
+                del agent.state.middle_context[key]
+            yield item
+
+
 class Replica(MiddlewareBase):
     """Says which process served: injects its pid after ReplyStartEvent."""
 

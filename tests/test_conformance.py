@@ -144,6 +144,10 @@ def _count_after_yield(events, state):
     assert state["middle_context"]["CountAfterYield"] == {"n": 7}  # start, 5 deltas, the final Msg
 
 
+def _slot_deleted(events, state):
+    assert "SlotSetThenDeleted" not in state["middle_context"], state["middle_context"]  # gone, not null
+
+
 CASES: list[tuple[Scenario, Check]] = [
     (Scenario("pass_through", [Layer("PassThrough")], models={"main": {"script": EVERY_HOOK_SCRIPT}}), _pass_through),
     (Scenario("override_kwargs", [Layer("Override")], message="call add a=1 b=2"), _override),
@@ -204,6 +208,7 @@ CASES: list[tuple[Scenario, Check]] = [
         _count_after_yield,
     ),
     (Scenario("detached_watcher", [Layer("DetachedWatcher")], message="call add a=2 b=2"), _detached),
+    (Scenario("slot_set_then_deleted", [Layer("SlotSetThenDeleted")]), _slot_deleted),
     (
         Scenario(
             "two_layers_order",

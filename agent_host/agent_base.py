@@ -234,10 +234,4 @@ class AgentBase:
         return [ToolResultStartEvent(reply_id=self.state.reply_id, tool_call_id=call.id, tool_call_name=call.name)]
 
     def _close_unfinished_tool_calls(self, state: ToolResultState, text: str) -> list[Any]:
-        reply_id = self.state.reply_id
-        events: list[Any] = []
-        for call in self._unanswered_calls():
-            events += self._result_start(call)
-            events.append(ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=text))
-            events.extend(self._save_result(call, text, state, {}))
-        return events
+        return [event for call in self._unanswered_calls() for event in self._error_result(call, text, state)]

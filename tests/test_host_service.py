@@ -241,12 +241,29 @@ async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -
         assert slots[KEY]["starts"] == 1, "a detached middleware takes no part"
 
 
+def serve_at(procs: Procs, port: int, target: str = "tests.host_util:RecorderMiddleware") -> ServerProcess:
+    """The middleware class ``target`` served by the SDK launcher at 127.0.0.1:``port``."""
+    return procs.start(target.rsplit(":", 1)[-1], ["-m", "agentmw.sdk", target, "--address", f"127.0.0.1:{port}"])
+
+
+def host_with(procs: Procs, tmp_path: Path, port: int, policy: str, name: str = "rec") -> ServerProcess:
+    """A host configured with one middleware ``name`` at 127.0.0.1:``port`` (``policy``: more keys
+    of its YAML entry, e.g. "timeout: 3")."""
+    config = tmp_path / "host.yaml"
+    config.write_text(f"middleware:\n  - {{name: {name}, address: 127.0.0.1:{port}, {policy}}}\n")
+    return procs.host(tmp_path / "sessions.db", "--config", str(config))
+
+
+async def _health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return answer.status
+
+
 async def recorder_comes_up(procs: Procs, host: ServerProcess, port: int) -> None:
     """Start the recorder at the port a host waits on, and wait until the host has attached it
     (bounded: its channel connects within ~1 s of the server's start)."""
-    procs.start(
-        "recorder", ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
-    )
+    serve_at(procs, port)
     for _ in range(200):
         if "attached middleware rec" in host.tail(50):
             return
@@ -258,9 +275,7 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     """Optional (fail_open), it does not stop the host from starting: replies go on without it,
     and once its server answers the host attaches it (a required one: the test below)."""
     port = unused_port()
-    config = tmp_path / "host.yaml"
-    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, fail_open: true, timeout: 3}}\n")
-    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    host = host_with(procs, tmp_path, port, "fail_open: true, timeout: 3")
     assert "is fail_open and cannot be reached" in host.tail(50) and "starting without it" in host.tail(50)
     session, items = await _reply(host.address, "", UserMsg("hello"))
     assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.COMPLETED
@@ -287,17 +302,10 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     middleware and why, nothing stored) and the health check says NOT_SERVING, until its server
     answers and the host attaches it."""
     port = unused_port()
-    config = tmp_path / "host.yaml"
-    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, timeout: 3}}\n")
-    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    host = host_with(procs, tmp_path, port, "timeout: 3")
     assert "is required (fail_closed) and cannot be reached" in host.tail(50)
 
-    async def health() -> int:
-        async with grpc.aio.insecure_channel(host.address) as channel:
-            answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        return answer.status
-
-    assert await health() == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert await _health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await _reply(host.address, "held", UserMsg("hello"))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -310,16 +318,10 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     assert status.returncode == 1, "status exits 1 while the host is NOT_SERVING"
 
     await recorder_comes_up(procs, host, port)
-    assert await health() == health_pb2.HealthCheckResponse.SERVING
+    assert await _health(host.address) == health_pb2.HealthCheckResponse.SERVING
     session, items = await _reply(host.address, "held", UserMsg("hello again"))
     assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
-
-
-async def _health(address: str) -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
-        answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    return answer.status
 
 
 async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_again(
@@ -330,12 +332,8 @@ async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_a
     middleware and why, nothing stored) and the health check says NOT_SERVING, instead of each
     waiting the timeout in it. Once it answers again (SIGCONT), replies run with it."""
     port = unused_port()
-    recorder = procs.start(
-        "recorder", ["-m", "agentmw.sdk", "tests.host_util:RecorderMiddleware", "--address", f"127.0.0.1:{port}"]
-    )
-    config = tmp_path / "host.yaml"
-    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{port}, timeout: 1}}\n")
-    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    recorder = serve_at(procs, port)
+    host = host_with(procs, tmp_path, port, "timeout: 1")
     _, items = await _reply(host.address, "before", UserMsg("hello"))
     assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
 
@@ -375,12 +373,8 @@ async def test_a_watcher_that_is_down_leaves_the_host_serving(procs: Procs, tmp_
     wait for it, so its outage must not take the host out of a load balancer's rotation (it said
     NOT_SERVING while such a watcher could not be reached, while every reply completed)."""
     port = unused_port()
-    watcher = procs.start(
-        "watcher", ["-m", "agentmw.sdk", "tests.conformance_mw:DetachedWatcher", "--address", f"127.0.0.1:{port}"]
-    )
-    config = tmp_path / "host.yaml"
-    config.write_text(f"middleware:\n  - {{name: watch, address: 127.0.0.1:{port}, timeout: 2}}\n")
-    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    watcher = serve_at(procs, port, "tests.conformance_mw:DetachedWatcher")
+    host = host_with(procs, tmp_path, port, "timeout: 2", name="watch")
     _, items = await _reply(host.address, "s", UserMsg("hello"))
     assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
     watcher.kill()
@@ -400,9 +394,7 @@ async def test_a_middleware_attached_by_hand_ends_the_wait_for_one_of_its_name(p
     """A required middleware that is down at start, attached by hand under its name from another
     address: replies run with that one (the host stops waiting for the configured address; before,
     the waiting went on and every reply stayed refused)."""
-    config = tmp_path / "host.yaml"
-    config.write_text(f"middleware:\n  - {{name: rec, address: 127.0.0.1:{unused_port()}, timeout: 3}}\n")
-    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    host = host_with(procs, tmp_path, unused_port(), "timeout: 3")
     with pytest.raises(grpc.aio.AioRpcError, match="required middleware rec"):
         await _reply(host.address, "", UserMsg("hello"))
     recorder = procs.recorder()

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -365,9 +365,7 @@ class RemoteMiddleware:
         if not self.policy.fail_open:
             if not self.unresponsive:  # calls that were waiting together: one hang, one probe
                 self.unresponsive = hang
-                task = asyncio.get_running_loop().create_task(self._probe())
-                self.background.add(task)  # cancelled by close()
-                task.add_done_callback(self.background.discard)
+                self.in_background(self._probe())
             return
         now = time.monotonic()
         if now < self.suspended_until:  # calls that were waiting together: one hang, counted once
@@ -399,6 +397,13 @@ class RemoteMiddleware:
             if left > 0:
                 return f"skipped for {left:.1f}s more after: {self.last_hang}"
         return ""
+
+    def in_background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``coro`` as a task of this middleware's: close() cancels the ones still running."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
 
     def bypass_rest_of_reply(self, agent: Any) -> None:
         """fail_open, after a failure: the rest of ``agent``'s current reply goes on without this

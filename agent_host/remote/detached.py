@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -65,7 +65,7 @@ class _Outbox:
         """Describe ``mw`` again, in the background and one Describe at a time: a watcher is never
         waited for, not even for that (a server that hangs would hold every reply up)."""
         if self.describing is None or self.describing.done():
-            self.describing = _background(mw, _describe(mw))
+            self.describing = mw.in_background(_describe(mw))
 
     def hold(self, delivery: DetachedDelivery) -> None:
         self.held.append(delivery)
@@ -78,7 +78,7 @@ class _Outbox:
             self.timer = None
         group, self.held = self.held, []
         if group:
-            _background(group[0].mw, _send_all(group))
+            group[0].mw.in_background(_send_all(group))
 
 
 def _outbox(mw: RemoteMiddleware) -> _Outbox:
@@ -93,13 +93,6 @@ async def _describe(mw: RemoteMiddleware) -> None:
     except MiddlewareFailure as exc:
         mw.failed()
         metrics.hook_failed(mw, "Describe", exc, bypassed=True)
-
-
-def _background(mw: RemoteMiddleware, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-    task = asyncio.get_running_loop().create_task(coro)
-    mw.background.add(task)  # cancelled by mw.close()
-    task.add_done_callback(mw.background.discard)
-    return task
 
 
 class DetachedDelivery:
@@ -164,7 +157,7 @@ class DetachedDelivery:
     def _stream(self) -> None:
         """A full batch: this invocation sends from now on by itself, as its batches come."""
         if self.task is None:
-            self.task = _background(self.mw, self._run())
+            self.task = self.mw.in_background(self._run())
         else:
             self._wake()
 

@@ -27,6 +27,9 @@ INTERRUPTED_TOOL_TEXT = "<system-reminder>The tool call has been interrupted by 
 # A function name as the strictest model API (OpenAI) takes it; a middleware's tools are registered
 # as "<middleware>__<tool>", so its name is held to the same characters.
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# Tools in one model request, as the strictest model API (OpenAI's chat API) takes them: more, and
+# every model call is refused by the provider.
+MAX_MODEL_TOOLS = 128
 
 
 class ToolInputError(ValueError):

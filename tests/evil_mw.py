@@ -150,8 +150,9 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         done_with_inner: bool = False,
         cacheable: bool = False,
         default_mode: int = 0,
+        key: str = "Evil",
     ) -> None:
-        self.description = hooks_pb2.MiddlewareDescription(key="Evil", protocol_version="v1", provides_tools=tools)
+        self.description = hooks_pb2.MiddlewareDescription(key=key, protocol_version="v1", provides_tools=tools)
         for hook in hooks:
             self.description.hooks.add(
                 hook=HOOKS[hook].number,  # type: ignore[arg-type]
@@ -198,6 +199,7 @@ async def main() -> None:
     parser.add_argument("--done-with-inner", action="store_true")
     parser.add_argument("--cacheable", action="store_true")
     parser.add_argument("--default-mode", choices=("intercept", "observe"), default="intercept")
+    parser.add_argument("--key", default="Evil")
     args = parser.parse_args()
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
     server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
@@ -207,7 +209,12 @@ async def main() -> None:
     handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts) for hook in hooks}
     mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE if args.default_mode == "observe" else 0
     describe = Describe(
-        hooks, args.tools is not None, done_with_inner=args.done_with_inner, cacheable=args.cacheable, default_mode=mode
+        hooks,
+        args.tools is not None,
+        done_with_inner=args.done_with_inner,
+        cacheable=args.cacheable,
+        default_mode=mode,
+        key=args.key,
     )
     await serve_raw("evil middleware", args.address, describe, handlers, server)
 

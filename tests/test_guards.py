@@ -6,6 +6,7 @@ dead server, and the context sent only to hooks that asked for it. Real processe
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,3 +178,30 @@ def test_servers_listen_below_the_ephemeral_range_so_a_restart_finds_their_port_
         assert proc.restart().port == free
     finally:
         proc.stop()
+
+
+async def test_the_tools_of_all_middleware_together_fit_in_a_model_request(tmp_path: Path) -> None:
+    """Each middleware may list up to 128 tools, but the model is offered all of them in every
+    request: one that would bring the total past 128 is refused at attach (RESOURCE_EXHAUSTED,
+    saying how many come from whom) and the host goes on with the others. Before, it was attached,
+    and the provider then refused every model call of every reply."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": f"t{i}", "inputSchema": {"type": "object"}} for i in range(100)]))
+    with processes(tmp_path) as procs:
+        first, second = (
+            procs.start(key, ["-m", "tests.evil_mw", "--tools", str(tools), "--key", key]) for key in ("first", "second")
+        )
+        host = procs.host(tmp_path / "sessions.db")
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            host_stub = stub(channel)
+            attach = host_pb2.AttachMiddlewareRequest
+            await host_stub.AttachMiddleware(attach(address=first.address, name="one"), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await host_stub.AttachMiddleware(attach(address=second.address, name="two"), timeout=10)
+            listed = await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.value.details() == (
+        "the model would be offered 204 tools (the host's own: 4; one: 100, two: 100), "
+        "and a model request takes at most 128"
+    )
+    assert [m.name for m in listed.middleware] == ["one"]

@@ -26,7 +26,7 @@ from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec
 from agentmw.subscriptions import SubscriptionTable
-from agentmw.tools import TOOL_NAME, Tool
+from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
 from agentmw.transport import HOST_KEEPALIVE_MS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 
@@ -57,7 +57,7 @@ _steps = random.Random()  # its own generator: invocation ids touch no global ra
 DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
-MAX_TOOLS = 128  # per middleware: OpenAI's chat API takes at most 128 tools in a request
+MAX_TOOLS = MAX_MODEL_TOOLS  # per middleware (and all of them together: Host._set_middleware)
 
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped

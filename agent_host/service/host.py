@@ -45,7 +45,7 @@ from agentmw.data import (
 from agentmw.data.state import AgentState
 from agentmw.hooks import HOOKS
 from agentmw.security import channel
-from agentmw.tools import Tool, Toolkit, middleware_tools
+from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools
 
 from .. import metrics, tracing
 from ..agent import CUT_OFF, Agent, InputRefused
@@ -86,6 +86,10 @@ class ReplyRejected(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class TooManyTools(ValueError):
+    """Attaching a middleware would offer the model more tools than a model request takes."""
 
 
 @dataclass(eq=False)
@@ -605,6 +609,12 @@ class Host:
         for a in middleware:
             for name, t in a.tools.items():
                 toolkit.register(t, name)  # a clash raises before anything changes
+        if len(toolkit.tools) > MAX_MODEL_TOOLS:  # each within its limit, too many together
+            counts = ", ".join(f"{a.name}: {len(a.tools)}" for a in middleware if a.tools)
+            raise TooManyTools(
+                f"the model would be offered {len(toolkit.tools)} tools (the host's own: {len(self.tools)}; "
+                f"{counts}), and a model request takes at most {MAX_MODEL_TOOLS}"
+            )
         self._setup = _Setup(tuple(middleware), toolkit)
 
     # -- lifecycle ---------------------------------------------------------------------------------

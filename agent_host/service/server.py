@@ -30,7 +30,7 @@ from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, S
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
-from .host import WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun
+from .host import WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
 
 log = logging.getLogger("agentmw.host")
 
@@ -153,6 +153,8 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
             log.warning("AttachMiddleware %s failed: %s", request.address, exc)
             await asyncio.sleep(max(0.0, started + CONNECT_TIMEOUT - time.monotonic()))
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"cannot attach {request.address}: {ATTACH_FAILED}")
+        except TooManyTools as exc:
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         return _info(attached)

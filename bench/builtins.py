@@ -32,6 +32,7 @@ from clients.launch import ROOT, ServerProcess, start_all
 
 from .four_servers import Worker
 from .harness import Batch, Sample, Series, interleave, process_cpu
+from .middlewares import WatcherFloor
 from .scenarios import WORDS, make_agent, tool_round_script
 
 MEM0_PYTHON = ROOT / ".venv-mem0" / "bin" / "python"
@@ -63,6 +64,12 @@ class Builtin:
     # The same class in-process, in a host process of its own (a bench.four_servers worker of this
     # kind): its tracer provider is global, so it cannot share this process with the other variants.
     inproc: str = ""
+    # An in-process middleware that does the least any middleware on the same hooks must (variant
+    # FLOOR): what is left of the target's budget for the server's own work.
+    floor: Callable[[], Any] | None = None
+
+
+FLOOR = "in-process floor"
 
 
 BUILTINS = {
@@ -74,6 +81,7 @@ BUILTINS = {
             tool_round_script,  # 3 tool rounds, then 1,000 text deltas: 8 detached invocations per reply
             exports=True,
             inproc="tracing",
+            floor=WatcherFloor,
         ),
         Builtin(  # the same on a network model's clock (as the four-servers section's realistic pace)
             "tracing-paced",
@@ -140,7 +148,7 @@ async def settle(middlewares: list[Any]) -> None:
     """Wait for the middlewares' background deliveries (and so for the servers' work on them), so
     that none of it lands in the next variant's turn."""
     for rm in middlewares:
-        while rm.background:
+        while getattr(rm, "background", None):  # a remote one's (in-process ones have none)
             await asyncio.gather(*rm.background, return_exceptions=True)
 
 
@@ -239,6 +247,9 @@ async def measure(f: Fleet, rounds: int) -> dict[str, dict[str, Series]]:
                 return run
 
             variants = {v: batch(v) for v in ["none", *attached]}
+            if bench.floor is not None:
+                floor = bench.floor()
+                variants[FLOOR] = partial(reply, [floor], bench)
             if bench.inproc:
                 worker = await _inproc_worker(f, bench)
                 workers.append(worker)

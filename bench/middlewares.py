@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from agentmw.sdk import (
+    ChatResponse,
     MiddlewareBase,
     Mode,
     ModelCallEndEvent,
@@ -166,6 +167,31 @@ class Realistic(Counted):
             yield item
 
 
+class WatcherFloor(MiddlewareBase):
+    """In-process, the least a watcher of the tracing server's three hooks can cost: one generator
+    per streamed item on on_reply, on_model_call's stream and on_acting, and no other work (the
+    in-process TracingMiddleware wraps the same three, so does the host's flat detached path)."""
+
+    async def on_reply(self, agent: Any, input_kwargs: dict[str, Any], next_handler: NextHandler) -> AsyncIterator[Any]:
+        async for item in next_handler():
+            yield item
+
+    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: NextHandler) -> Any:
+        result = await next_handler()
+        return result if isinstance(result, ChatResponse) else _passed(result)
+
+    async def on_acting(
+        self, agent: Any, input_kwargs: dict[str, Any], next_handler: NextHandler
+    ) -> AsyncIterator[Any]:
+        async for item in next_handler():
+            yield item
+
+
+async def _passed(stream: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for item in stream:
+        yield item
+
+
 __all__ = [
     "STATS_TOOL",
     "Counted",
@@ -176,4 +202,5 @@ __all__ = [
     "PassThroughCallEager",
     "Realistic",
     "ReplyEndOnly",
+    "WatcherFloor",
 ]

@@ -14,7 +14,7 @@ from importlib import metadata
 from typing import Any
 
 from . import four_servers, versus
-from .builtins import PACE, TTS_TEXT
+from .builtins import FLOOR, PACE, TTS_TEXT
 from .echo_server import SPIN
 from .harness import Series, pace_label, per_round, ratio, spread
 from .hosts import HostsResult
@@ -711,6 +711,17 @@ def builtin_targets(builtins: dict[str, dict[str, Series]], notes: dict[str, str
                     "—",
                 ]
             )
+        if FLOOR in s:  # context: how much of the budget merely wrapping the same hooks takes
+            rows.append(
+                [
+                    "…context: the least any middleware on the same three hooks costs, in-process "
+                    "(bench/middlewares.py WatcherFloor: a generator per streamed item, nothing else): "
+                    "time to reply end / none",
+                    times(ratio(s[FLOOR].walls, s["none"].walls)),
+                    "—",
+                    "—",
+                ]
+            )
     if "tracing-paced" in builtins:  # the instant model above is the worst case: every µs is on the reply's path
         s = builtins["tracing-paced"]
         end = ratio(s["attached"].walls, s["none"].walls)
@@ -750,7 +761,7 @@ def builtin_rows(builtins: dict[str, dict[str, Series]], spans: int) -> list[lis
             note = ""
             if variant != "none":
                 note = f"reply end {times(ratio(s.walls, series['none'].walls))} of none"
-            if name.startswith("tracing") and variant != "none":
+            if name.startswith("tracing") and variant not in ("none", FLOOR):
                 note += f"; {spans:,} spans exported in all"
             elif name == "tts" and variant != "none":
                 note += (
@@ -873,7 +884,10 @@ METHOD = [
     "whole-reply scenario of 5, the server exporting over OTLP/gRPC to a receiver in another process (the "
     "host does not trace); for context, the same TracingMiddleware in-process in a host process of its own "
     "(a bench.four_servers worker: the tracer provider is global), exporting to the same receiver, its "
-    "replies interleaved with the others. TTS: one text block; the first audio is timed from the block's "
+    "replies interleaved with the others; and, for the budget of the target, the least any middleware on "
+    "the same three hooks costs in-process (bench/middlewares.py WatcherFloor: a generator per streamed "
+    "item and nothing else; the host's flat detached path wraps the same hooks the same way). "
+    "TTS: one text block; the first audio is timed from the block's "
     "end (standard) or from the first text (realtime). mem0: a question after a few seeded facts; the reply end "
     "includes the awaited write-back.",
     *four_servers.METHOD,

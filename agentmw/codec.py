@@ -130,6 +130,8 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
 
 
 def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:
+    if type(value) is dict and not value:  # an event's usual metadata: update({}) sets nothing
+        return
     try:
         out.update(value)
     except (ValueError, TypeError):  # non-JSON leaves (an enum, a dataclass): once through JSON

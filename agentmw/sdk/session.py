@@ -42,7 +42,7 @@ from agentmw.wire import (
 )
 
 from .snapshot import same_fields, scalar_fields
-from .view import AgentView, KwargsDict
+from .view import EDITABLE, AgentView, KwargsDict
 
 log = logging.getLogger("agentmw.sdk")
 
@@ -301,9 +301,15 @@ class HookSession:
         self._queue(action)
 
     def sync_state(self) -> None:
-        """Turn in-place changes of the view (context edits, the slot) into mutations, in order."""
-        self.view.state.context.sync()
-        self.sync_slot()
+        """Turn in-place changes of the view (context edits, the slot) into mutations, in order.
+        It runs twice per intercepted item: the checks that find nothing to do are made here, not
+        by a call each (a context not sent, a slot neither used nor a dict or list)."""
+        state = self.view.state
+        if state.context.visible:
+            state.context.sync()
+        slot = state.middle_context
+        if slot.touched or isinstance(dict.get(slot, slot.key), EDITABLE):
+            self.sync_slot()
 
     def sync_slot(self) -> None:
         slot = self.view.state.middle_context

@@ -12,41 +12,71 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+import typing
 from collections.abc import Callable
 from typing import Any
 
 _PLAIN = frozenset((str, int, float, bool, type(None)))
-_getters: dict[type, Callable[[Any], tuple[Any, ...]]] = {}
 IMMUTABLE: Any = ()  # the snapshot of a value that cannot be edited in place
+
+# Per data class: a getter of all its fields' values (one tuple), and the positions of the fields
+# whose declared type is not a plain scalar or an enum. Only those are looked at one by one: the
+# values are the codec's, so a field declared ``str`` holds a str, which no edit changes in place.
+_Plan = tuple[Callable[[Any], tuple[Any, ...]], tuple[int, ...]]
+_plans: dict[type, _Plan | None] = {}
+
+
+def _plan(cls: type) -> _Plan | None:
+    if not dataclasses.is_dataclass(cls):
+        return None
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not names:
+        return None
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # unresolvable annotations: every field is looked at
+        hints = {}
+
+    def fixed(declared: Any) -> bool:
+        return declared in _PLAIN or (isinstance(declared, type) and issubclass(declared, enum.Enum))
+
+    getter = operator.attrgetter(*names) if len(names) > 1 else (lambda item, name=names[0]: (getattr(item, name),))
+    return getter, tuple(i for i, name in enumerate(names) if not fixed(hints.get(name)))
 
 
 def scalar_fields(item: Any) -> tuple[Any, ...] | None:
     """A snapshot of a dataclass item's fields when each is a scalar or an empty dict / list (an
     event's usual ``metadata``): an in-place edit of the author then shows in ``same_fields``.
     None for anything else (then the item is compared encoded)."""
-    get = _getters.get(type(item))
-    if get is None:
-        names = tuple(f.name for f in dataclasses.fields(item)) if dataclasses.is_dataclass(item) else ()
-        get = _getters[type(item)] = operator.attrgetter(*names) if len(names) > 1 else lambda _: ()
+    cls = type(item)
+    plan = _plans[cls] if cls in _plans else _plans.setdefault(cls, _plan(cls))
+    if plan is None:
+        return None
+    get, loose = plan
     values = get(item)
-    if not values:
-        return None
-    snapshot = list(values)
-    for i, value in enumerate(values):
+    for i in loose:
+        value = values[i]
         kind = type(value)
-        if kind in _PLAIN or isinstance(value, enum.Enum):
-            continue
-        if (kind is dict or kind is list) and not value:
-            snapshot[i] = kind()  # a fresh empty one: an edit of the item's own shows as a difference
+        if kind in _PLAIN or isinstance(value, enum.Enum) or ((kind is dict or kind is list) and not value):
             continue
         return None
-    return tuple(snapshot)
+    return values
 
 
 def same_fields(item: Any, fields: tuple[Any, ...]) -> bool:
-    """``item``'s fields still equal the snapshot, types included (True is not 1 on the wire)."""
-    values = _getters[type(item)](item)
-    return values == fields and all(map(operator.is_, map(type, values), map(type, fields)))
+    """``item`` (the very object ``scalar_fields`` took ``fields`` of) was not edited: its fields
+    still equal the snapshot, those not declared scalar with their types too (True is not 1 in a
+    JSON value), and an empty dict or list it held is still empty (an edit in place leaves the
+    same object, which equals itself)."""
+    get, loose = _plans[type(item)]  # type: ignore[misc]  # set by scalar_fields
+    values = get(item)
+    if values != fields:
+        return False
+    for i in loose:
+        value = values[i]
+        if type(value) is not type(fields[i]) or ((type(value) is dict or type(value) is list) and value):
+            return False
+    return True
 
 
 def snapshot(value: Any) -> tuple[Any, ...] | None:

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 # once: json.dumps builds a new encoder per call when given sort_keys, and a dict or list slot is
 # compared this way at every message the SDK sends (twice per intercepted item).
 _canonical = json.JSONEncoder(sort_keys=True).encode
+EDITABLE = (dict, list)  # a slot value of these may be edited through a reference kept by the author
 
 
 class SlotDict(dict):
@@ -96,7 +97,7 @@ class SlotDict(dict):
         """(changed since the last sync, current value); resets the mark. A dict or list value is
         always compared: the author may keep a reference to it and edit it later."""
         value = dict.get(self, self.key)
-        if not self.touched and not isinstance(value, (dict, list)):
+        if not self.touched and not isinstance(value, EDITABLE):
             return False, None
         self.touched = False
         text = _canonical(value)

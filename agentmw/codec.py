@@ -130,8 +130,6 @@ def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
 
 
 def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:
-    if type(value) is dict and not value:  # an event's usual metadata: update({}) sets nothing
-        return
     try:
         out.update(value)
     except (ValueError, TypeError):  # non-JSON leaves (an enum, a dataclass): once through JSON
@@ -520,7 +518,12 @@ class Codec:
                         dict_to_struct(v, getattr(out, name).add())
 
                 return set_structs, lambda seq: [struct_to_dict(s) for s in seq]
-            return (lambda out, name, value: dict_to_struct(value, getattr(out, name))), struct_to_dict
+
+            def set_struct(out: Message, name: str, value: Any) -> None:
+                if value or type(value) is not dict:  # an event's usual metadata, {}, sets nothing
+                    dict_to_struct(value, getattr(out, name))
+
+            return set_struct, struct_to_dict
         if full == _VALUE:
             return (lambda out, name, value: json_to_value(value, getattr(out, name))), value_to_json
         msg_desc = field.message_type

@@ -445,15 +445,16 @@ class HookCall:
         self.generation += 1
         self.inner = self._inner_items(overrides)
 
-    async def _inner_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        """The inner pipeline as items, whatever the hook's shape; a CALL hook's value is kept."""
+    def _inner_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
+        """The inner pipeline as items, whatever the hook's shape; a CALL hook's value is kept. A
+        stream hook's is its own generator, with no layer around it: this is the per-item path."""
+        if self.spec.kind is Kind.STREAM:
+            return self.next_handler(**overrides)  # type: ignore[no-any-return]
+        return self._value_items(overrides)
+
+    async def _value_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
         kind = self.spec.kind
-        call = self.next_handler(**overrides)
-        if kind is Kind.STREAM:
-            async for item in call:
-                yield item
-            return
-        value = await call
+        value = await self.next_handler(**overrides)
         if kind is Kind.CALL:
             self.inner_result = value
         elif isinstance(value, ChatResponse):
@@ -655,13 +656,6 @@ class HookCall:
             timeout - (now - since) if since is not None else timeout, self._check_wait
         )
 
-    def _waiting(self, since: float | None = None) -> None:
-        """The host starts to wait on the stream (the watchdog measures from ``since``, else now).
-        Inline around each read and write, not a coroutine wrapping them: every frame between the
-        host's task and grpc is resumed at each wakeup, four per intercepted item."""
-        self.waiting_since = time.monotonic() if since is None else since
-        self.waiter = asyncio.current_task(self.loop)  # with the loop given: no running-loop lookup
-
     def _fail_if_timed_out(self, what: str) -> None:
         """On a CancelledError while waiting: raise the failure when our watchdog cancelled the
         wait; return when the reply itself was cancelled (that wins: the caller re-raises)."""
@@ -726,8 +720,13 @@ class HookCall:
         await self._settle_copies()
         await self._send(self._with_pending(msg) if self.held_begin is not None or self.copies else msg)
 
+    # _send and _read mark the wait on the stream for the watchdog (waiting_since, waiter) in line,
+    # not through a call or a coroutine wrapping them: this is the per-item path, and every frame
+    # between the host's task and grpc is resumed at each wakeup. current_task is given the loop:
+    # no running-loop lookup.
+
     async def _send(self, msg: hooks_pb2.HostMessage) -> None:
-        self._waiting()
+        self.waiting_since, self.waiter = time.monotonic(), asyncio.current_task(self.loop)
         try:
             await self.call.write(msg)  # a middleware that stops reading blocks it
         except asyncio.CancelledError:
@@ -747,7 +746,7 @@ class HookCall:
             await self._write_copies()  # what it may be waiting for goes out first (or their failure)
         since = time.monotonic()
         while True:
-            self._waiting(since)
+            self.waiting_since, self.waiter = since, asyncio.current_task(self.loop)
             try:
                 msg = await self.call.read()
             except asyncio.CancelledError:

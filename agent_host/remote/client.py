@@ -320,11 +320,13 @@ class RemoteMiddleware:
         re-established since (a server restarted between replies may implement other hooks now;
         its idle streams have ended then, even when the channel is READY again by the time the
         next call comes)."""
-        return (
-            not self.described
-            or self.channel.get_state() != grpc.ChannelConnectivity.READY
-            or any(call.done() for idle in self.idle.values() for call in idle)
-        )
+        if not self.described or self.channel.get_state() != grpc.ChannelConnectivity.READY:
+            return True
+        for idle in self.idle.values():  # loops, not any() over a generator: once per hook call
+            for call in idle:
+                if call.done():
+                    return True
+        return False
 
     async def ensure_described(self) -> None:
         if self.needs_describe():

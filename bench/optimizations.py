@@ -194,6 +194,39 @@ OPTIMIZATIONS += _measured(
 )
 
 
+# 2026-12-01, 17:25-17:50 UTC: per-item work on both sides. SDK (1c8b0ad): the unchanged-item
+# snapshot reads all fields in one call and checks one by one only those not declared a scalar or
+# an enum; the state sync's no-op checks in line. Codec (1c8b0ad, 91c2505): an empty metadata dict is
+# not handed to Struct.update. Host (91c2505): no generator layer around a stream hook's inner
+# pipeline, the watchdog's wait marks in line. Without I/O: ``python -m bench.python_cost``, four
+# runs each of 7453146 and this tree, alternating (ranges). End to end, the SDK alone: this tree's
+# host against the run_ahead (and lock-step) middleware served by each tree's SDK, 40 alternating
+# rounds, twice (/tmp scratch harness, as bench.run's streams: an untimed stream first). Both sides:
+# ``bench.run --calls-only``, four runs each of 7453146 and this tree, alternating (medians).
+OPTIMIZATIONS += _measured(
+    "per-item work, SDK and host (agentmw/sdk/snapshot.py, session.py, codec.py, agent_host/remote/protocol.py)",
+    "1c8b0ad, 91c2505",
+    ("SDK CPU per run_ahead item above the peer, without I/O", "7.3-7.5 µs", "6.1-6.3 µs"),
+    ("host CPU per run_ahead item above the peer, without I/O", "4.5-4.8 µs", "4.1-4.2 µs"),
+    ("encode_item, one text delta", "0.94 µs", "0.70 µs"),
+    ("the SDK alone: wall per run_ahead item, same host", "1.00x", "0.93x, 0.94x"),
+    ("the SDK alone: wall per lock-step item, same host", "1.00x", "0.94x"),
+    ("both: run_ahead item / the protobuf peer (end to end)", "1.33x", "1.28x"),
+    ("both: lock-step item / the protobuf peer (end to end)", "1.24x", "1.23x"),
+    ("both: wall per run_ahead item", "226.8 µs", "214.3 µs"),
+    ("both: host CPU per run_ahead item", "145.8 µs", "135.2 µs"),
+)
+
+# The host's HookCall keeps its fields' start values as class attributes (0648238): ~35 assignments
+# fewer per hook call. The tracing server's reply (3 tool rounds, 8 detached invocations), time in
+# HookCall() per reply, perf_counter around each construction, 60 replies each (/tmp scratch).
+OPTIMIZATIONS += _measured(
+    "host: a hook call sets only the state it uses (agent_host/remote/protocol.py)",
+    "0648238",
+    ("constructing the HookCalls of one traced reply (8 invocations)", "14.5 µs", "7.2 µs"),
+)
+
+
 def optimization_rows() -> list[list[str]]:
     return [list(row) for row in OPTIMIZATIONS] or [["(none recorded)", "", "", "", ""]]
 

@@ -50,21 +50,26 @@ async def reply(agent: Agent, text: str) -> tuple[ReplyEndEvent, Msg]:
     return ends[0], items[-1]
 
 
+async def second_refused(host: ServerProcess, first: ServerProcess, second: ServerProcess) -> grpc.aio.AioRpcError:
+    """Attach ``first`` as "one", then ``second`` as "two", which must be refused; "one" stays alone."""
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        host_stub = stub(channel)
+        attach = host_pb2.AttachMiddlewareRequest
+        await host_stub.AttachMiddleware(attach(address=first.address, name="one"), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await host_stub.AttachMiddleware(attach(address=second.address, name="two"), timeout=10)
+        listed = await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)
+    assert [m.name for m in listed.middleware] == ["one"]
+    return refused.value
+
+
 async def test_two_servers_with_one_key_cannot_both_attach(tmp_path: Path) -> None:
     """One key is one middle_context slot: a second server reporting it is refused at attach."""
     with processes(tmp_path) as procs:
         first, second = procs.recorder(), procs.recorder()  # both report the key "recorder"
-        host = procs.host(tmp_path / "sessions.db")
-        async with grpc.aio.insecure_channel(host.address) as channel:
-            host_stub = stub(channel)
-            attach = host_pb2.AttachMiddlewareRequest
-            await host_stub.AttachMiddleware(attach(address=first.address, name="one"), timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await host_stub.AttachMiddleware(attach(address=second.address, name="two"), timeout=10)
-            listed = await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)
-    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    assert f"reports key {KEY!r}, already used by middleware 'one'" in (refused.value.details() or "")
-    assert [m.name for m in listed.middleware] == ["one"]
+        refused = await second_refused(procs.host(tmp_path / "sessions.db"), first, second)
+    assert refused.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert f"reports key {KEY!r}, already used by middleware 'one'" in (refused.details() or "")
 
 
 async def test_a_restarted_middleware_with_another_key_is_refused(servers: list[ServerProcess]) -> None:
@@ -188,20 +193,10 @@ async def test_the_tools_of_all_middleware_together_fit_in_a_model_request(tmp_p
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"name": f"t{i}", "inputSchema": {"type": "object"}} for i in range(100)]))
     with processes(tmp_path) as procs:
-        first, second = (
-            procs.start(key, ["-m", "tests.evil_mw", "--tools", str(tools), "--key", key]) for key in ("first", "second")
-        )
-        host = procs.host(tmp_path / "sessions.db")
-        async with grpc.aio.insecure_channel(host.address) as channel:
-            host_stub = stub(channel)
-            attach = host_pb2.AttachMiddlewareRequest
-            await host_stub.AttachMiddleware(attach(address=first.address, name="one"), timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await host_stub.AttachMiddleware(attach(address=second.address, name="two"), timeout=10)
-            listed = await host_stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=5)
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert refused.value.details() == (
+        first, second = (procs.start(k, ["-m", "tests.evil_mw", "--tools", str(tools), "--key", k]) for k in ("a", "b"))
+        refused = await second_refused(procs.host(tmp_path / "sessions.db"), first, second)
+    assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.details() == (
         "the model would be offered 204 tools (the host's own: 4; one: 100, two: 100), "
         "and a model request takes at most 128"
     )
-    assert [m.name for m in listed.middleware] == ["one"]

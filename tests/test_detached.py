@@ -20,7 +20,8 @@ from agent_host.models.registry import ModelRegistry
 from agent_host.models.retry import RetryPolicy
 from agent_host.remote import RemoteMiddleware
 from agent_host.remote.detached import HOLD
-from agentmw.data import ChatResponse, Msg, ReplyEndEvent, ToolCallBlock, ToolResponse, UserMsg
+from agentmw.data import ChatResponse, Msg, ReplyEndEvent, ReplyFinishedReason, ToolCallBlock, ToolResponse, UserMsg
+from agentmw.errors import ErrorType, ModelError
 from agentmw.middleware import MiddlewareBase, subscribe
 from agentmw.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import middleware_server
@@ -124,7 +125,7 @@ async def test_a_watcher_costs_each_streamed_item_one_frame_per_hook() -> None:
             async with asyncio.timeout(30):
                 async for _ in agent.reply_stream(UserMsg("hi")):
                     pass
-            depths.append(model.depths[-1])  # streaming (the first chunk is fetched at the call)
+            depths.append(model.depths[-1])  # a chunk read while the reply streams
         assert depths[1] - depths[0] <= 2, f"frames per chunk: {depths[0]} without the watcher, {depths[1]} with it"
         await remote.close()
     finally:
@@ -152,6 +153,47 @@ async def test_a_model_call_that_fails_at_the_call_is_retried_under_a_watcher() 
                 call = ToolCallBlock(id="s", name="StampingWatcher__stamps", input="{}")
                 stamps = json.loads([r async for r in toolkit.call_tool(call)][-1].content[0].text)
         assert sorted(hook for hook, _ in stamps) == ["on_model_call", "on_model_call", "on_reply"]
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+class FailsBeforeItsFirstChunk(OfflineRuleModel):
+    """Its first call answers with a stream that fails before its first chunk (as a layer's own
+    generator may): a failure while the stream is read, which is not retried."""
+
+    async def _open(self, messages, tools, tool_choice, parameters=None):
+        stream = await super()._open(messages, tools, tool_choice, parameters)
+        if self.calls > 1:
+            return stream
+
+        async def failing():
+            raise ModelError("lost before the first chunk", error_type=ErrorType.UPSTREAM, retryable=True)
+            yield
+
+        return failing()
+
+
+async def test_a_watcher_does_not_change_which_model_errors_are_retried() -> None:
+    """A detached on_model_call is transparent: the call returns when the inner call does, so an
+    error of the stream's first read stays an error of the stream, as with no watcher (not
+    retried: the reply ends in error after one call). Before, the flat path read the first chunk at
+    the call, so the same error was retried, and the reply succeeded, only with a watcher attached."""
+    proc = middleware_server("tests.test_detached:StampingWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        outcomes = []
+        for middlewares in ([], [remote]):
+            model = FailsBeforeItsFirstChunk(script=[{"text": "second time lucky"}, {"text": "unused"}])
+            models = ModelRegistry()
+            models.add(model, max_retries=1, retry=RetryPolicy(initial_delay=0.01))
+            agent = Agent(models=models, middlewares=middlewares)
+            async with asyncio.timeout(30):
+                items = [item async for item in agent.reply_stream(UserMsg("hi"))]
+            (end,) = [i for i in items if isinstance(i, ReplyEndEvent)]
+            outcomes.append((end.finished_reason, model.calls))
+        assert outcomes[0] == (ReplyFinishedReason.ERROR, 1), outcomes
+        assert outcomes[1] == outcomes[0], f"without a watcher {outcomes[0]}, with it {outcomes[1]}"
         await remote.close()
     finally:
         proc.stop()

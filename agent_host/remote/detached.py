@@ -281,8 +281,10 @@ class Watch:
         return self.flow()
 
     async def stream(self) -> Any:
-        """on_model_call: the inner call runs to its first chunk here (call-time errors raise
-        here, as on the generic path); a whole ChatResponse is passed on as it is."""
+        """on_model_call: returns when the inner call does, with the inner stream (or a whole
+        ChatResponse) as it is: a watcher changes nothing, not even which errors raise at the call
+        (where retries happen) and which while the stream is read. (The generic path reads the
+        first chunk at the call: the middleware's own call returns only with its first emit.)"""
         call = self.call
         try:
             begin = await self._open()
@@ -297,7 +299,6 @@ class Watch:
                 async for _ in self.flow(begin, _single(result)):
                     pass
                 return result
-            first = await anext(result, None)
         except Exception as exc:
             if begin:  # its copies end with the error
                 delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
@@ -309,7 +310,7 @@ class Watch:
         except BaseException as exc:
             self._ended(exc)
             raise
-        return self.flow(begin, result, first)
+        return self.flow(begin, result)
 
     async def _open(self) -> hooks_pb2.HostMessage | Literal[False] | None:
         """The Begin; None when the middleware is bypassed (it is being described again, in the
@@ -331,13 +332,11 @@ class Watch:
         call.generation = 1  # the inner pipeline is called once
         return call._begin()
 
-    async def flow(
-        self, begin: Any = _UNOPENED, inner: Any = None, first: Any = None, *, own: bool = True
-    ) -> AsyncIterator[Any]:
-        """The inner pipeline's items (``first`` before them, unless None), with copies of the
-        subscribed ones sent in the background; ``begin`` None: no copies at all. Unopened: it
-        opens the invocation and calls the inner pipeline itself. ``own``: it ends the
-        invocation's metrics and span (the generic path, which calls it too, does that itself)."""
+    async def flow(self, begin: Any = _UNOPENED, inner: Any = None, *, own: bool = True) -> AsyncIterator[Any]:
+        """The inner pipeline's items, with copies of the subscribed ones sent in the background;
+        ``begin`` None: no copies at all. Unopened: it opens the invocation and calls the inner
+        pipeline itself. ``own``: it ends the invocation's metrics and span (the generic path,
+        which calls it too, does that itself)."""
         call = self.call
         error: BaseException | None = None
         delivery: DetachedDelivery | None = None
@@ -352,8 +351,6 @@ class Watch:
                 inner = call.next_handler()
             async with aclosing(inner):
                 if not begin:  # bypassed: nothing to copy
-                    if first is not None:
-                        yield first
                     async for item in inner:
                         yield item
                     return
@@ -363,10 +360,6 @@ class Watch:
                 table = call.table
                 assert table is not None
                 copy, bypass = call._item_message, Mode.BYPASS
-                if first is not None:
-                    if table.mode_of(first) is not bypass:
-                        delivery.add(copy(first, observed=True))
-                    yield first
                 # table.mode_of, inlined: a call per streamed item is a measurable part of the cost
                 by_class, default, chat = table.by_class.get, table.default, (table.chat_delta, table.chat_final)
                 async for item in inner:

@@ -177,6 +177,19 @@ class Tools(MiddlewareBase):
         return [shout]
 
 
+@tool(description="Takes its time.", is_read_only=True)
+async def dawdle(seconds: float) -> str:
+    await asyncio.sleep(seconds)
+    return "done at last"
+
+
+class SlowTools(Tools):
+    """Tools' tool and one that takes as long as it is told."""
+
+    async def list_tools(self):
+        return [shout, dawdle]
+
+
 class SlotAcrossHooks(MiddlewareBase):
     """Writes its slot in on_reply at ReplyStart; on_reasoning of the same reply reads it."""
 

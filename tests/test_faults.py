@@ -11,6 +11,8 @@ import asyncio
 import os
 import re
 import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -430,6 +432,20 @@ async def test_a_middleware_that_is_down_costs_one_reply_the_wait_not_every_repl
     await remote.close()
 
 
+def tool_caller(toolkit: Toolkit, name: str, **tool_input: Any) -> Callable[[], Awaitable[str]]:
+    """A reply that calls the tool ``name`` once: what its result says (the reply completes)."""
+    call = {"tool_calls": [{"name": name, "input": tool_input}]}
+
+    async def result() -> str:
+        agent = Agent(model=OfflineRuleModel(script=[call, {"text": "done"}]), toolkit=toolkit)
+        items = await reply(agent, "call it")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+        (msg,) = [m for m in agent.state.context if any(isinstance(b, ToolResultBlock) for b in m.content)]
+        return str(msg.content)
+
+    return result
+
+
 async def test_a_tool_whose_server_is_down_costs_one_call_the_wait() -> None:
     """A tool-only middleware is never described again by a hook call: its tool calls find the
     outage themselves. The first call after the server went away waits up to the timeout; the
@@ -439,15 +455,7 @@ async def test_a_tool_whose_server_is_down_costs_one_call_the_wait() -> None:
         remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=3)).connect()
         toolkit = Toolkit([])
         await add_middleware_tools(toolkit, remote)
-        call = {"tool_calls": [{"name": "Tools__shout", "input": {"text": "hi"}}]}
-
-        async def shout() -> str:
-            agent = Agent(model=OfflineRuleModel(script=[call, {"text": "done"}]), toolkit=toolkit)
-            items = await reply(agent, "shout")
-            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
-            (result,) = [m for m in agent.state.context if any(isinstance(b, ToolResultBlock) for b in m.content)]
-            return str(result.content)
-
+        shout = tool_caller(toolkit, "Tools__shout", text="hi")
         assert "HI!" in await shout()
         proc.kill()
         assert "cannot connect to" in await shout()  # waits up to 3 s
@@ -458,6 +466,40 @@ async def test_a_tool_whose_server_is_down_costs_one_call_the_wait() -> None:
         assert await remote.wait_ready(5)
         assert "HI!" in await shout()
         assert remote.outage is None
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_tool_whose_server_hangs_costs_one_call_the_wait() -> None:
+    """A tool-only middleware that hangs (SIGSTOP: connected, silent): the first tool call waits
+    its timeout; a Describe then finds the server silent too, so the next calls fail at once,
+    saying why, until it answers again (before, every call waited the timeout). A tool merely
+    slower than the timeout fails alone: the server answers the Describe, the next call runs."""
+    proc = middleware_server("tests.conformance_mw:SlowTools").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=1)).connect()
+        toolkit = Toolkit([])
+        await add_middleware_tools(toolkit, remote)
+        shout = tool_caller(toolkit, "SlowTools__shout", text="hi")
+        assert "no answer within 1s" in await tool_caller(toolkit, "SlowTools__dawdle", seconds=3)()
+        await asyncio.gather(*remote.background)  # its Describe: answered
+        assert not remote.skipped() and "HI!" in await shout()
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            assert "no answer within 1s" in await shout()
+            async with asyncio.timeout(5):  # the Describe after it: no answer within 1 s either
+                while not remote.skipped():
+                    await asyncio.sleep(0.05)
+            for _ in range(2):
+                async with asyncio.timeout(0.5):  # half the timeout: no wait any more
+                    assert "not called until it answers again after: no answer within 1s" in await shout()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        async with asyncio.timeout(10):  # asked every second whether it is back
+            while remote.skipped():
+                await asyncio.sleep(0.05)
+        assert "HI!" in await shout()
         await remote.close()
     finally:
         proc.stop()

@@ -157,6 +157,7 @@ class RemoteMiddleware:
         self.suspended_until = 0.0  # time.monotonic() until which it is skipped
         self.last_hang = ""
         self.unresponsive = ""  # fail_closed: why its calls fail at once until a Describe answers
+        self.confirming: asyncio.Task[None] | None = None  # the Describe after a tool call hung
         # fail_open: the agents whose current reply goes on without it (see bypass_rest_of_reply)
         self.bypassing: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
@@ -389,6 +390,22 @@ class RemoteMiddleware:
             self.unresponsive = ""
             return
 
+    def tool_call_hung(self) -> None:
+        """A tool call had no answer in time, the connection up: a tool slower than the timeout, or
+        a server that hangs. A Describe in the background tells which (within the timeout): one that
+        gets no answer either counts as a hook call's hang (stopped_answering), so the next tool
+        calls fail at once instead of each after the timeout; one that answers changes nothing."""
+        if self.confirming is None or self.confirming.done():
+            self.confirming = self.in_background(self._confirm_hang())
+
+    async def _confirm_hang(self) -> None:
+        try:
+            await self.connect(timeout=self.policy.timeout)
+        except NoAnswer:
+            self.stopped_answering()
+        except MiddlewareFailure:  # down, or broken: the calls that follow find out themselves
+            pass
+
     def skipped(self) -> str:
         """Why its hook calls fail (fail_closed) or are bypassed (fail_open) at once, without
         waiting for it; "" when it is called. Only a middleware that hung is skipped."""
@@ -553,6 +570,9 @@ class RemoteTool(Tool):
 
     async def _stream(self, tool_input: dict[str, Any], state: Any) -> AsyncIterator[ToolChunk | ToolResponse]:
         mw = self.middleware
+        skipped = mw.skipped()  # it hung lately: fail now, not after another timeout
+        if skipped:
+            raise MiddlewareFailure(mw.name, "CallTool", skipped)
         request = hooks_pb2.CallToolRequest()
         codec.encode(ToolCallBlock(id="", name=self.descriptor.name, input=json.dumps(tool_input)), request.tool_call)
         request.tool_input.update(tool_input)
@@ -575,6 +595,8 @@ class RemoteTool(Tool):
                     what = f"no answer within {mw.policy.timeout:g}s"
                     if mw.channel.get_state() is not grpc.ChannelConnectivity.READY:  # it waited for a connection
                         what = mw._down(f"cannot connect to {mw.address} (waited {mw.policy.timeout:g}s)")
+                    else:
+                        mw.tool_call_hung()
                     raise MiddlewareFailure(mw.name, "CallTool", what) from None
                 mw.outage = None
                 if msg is grpc.aio.EOF or msg is None:

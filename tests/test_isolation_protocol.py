@@ -146,6 +146,14 @@ async def test_done_with_inner_with_observed_items_is_refused_at_attach(evil: An
         await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
 
 
+async def test_a_hook_described_twice_is_refused_at_attach(evil: Any) -> None:
+    """Two descriptions of one hook (say, one intercepting, one detached): which holds? Neither, the
+    attach fails saying so (before, the last one silently won)."""
+    proc = evil("--hooks", "on_reply,on_reply")
+    with pytest.raises(ProtocolError, match="describes on_reply twice"):
+        await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+
+
 async def test_an_onion_declared_cacheable_is_refused_at_attach(evil: Any) -> None:
     proc = evil("--cacheable")
     with pytest.raises(ProtocolError, match="on_reply cannot be cacheable"):

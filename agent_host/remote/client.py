@@ -214,6 +214,8 @@ class RemoteMiddleware:
             spec = HOOKS_BY_NUMBER.get(hook.hook)
             if spec is None:
                 raise ProtocolError(self.name, "Describe", f"unknown hook number {hook.hook}")
+            if spec.name in tables:
+                raise ProtocolError(self.name, "Describe", f"describes {spec.name} twice")
             try:
                 tables[spec.name] = SubscriptionTable(hook)
             except ValueError as exc:

@@ -81,6 +81,17 @@ def subscribe(
     calling it (no effect in-process). ``cacheable`` (on_system_prompt only): the new prompt
     depends on the input prompt and this middleware's slot alone, so the host, served remotely,
     reuses an answer for the same two instead of calling again at every reasoning step."""
+    intercept, observe = list(intercept), list(observe)
+    listed: dict[int, Any] = {}
+    for kind in [*intercept, *observe]:  # one mode per item kind (the host refuses two at Describe)
+        for item_type in _item_types(kind):
+            if item_type in listed:
+
+                def name(k: Any) -> str:
+                    return getattr(k, "__name__", repr(k))
+
+                raise ValueError(f"{name(kind)} is subscribed twice (it is also {name(listed[item_type])})")
+            listed[item_type] = kind
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
     _check_done_with_inner(done_with_inner, [default, *modes.values()])
@@ -166,7 +177,12 @@ class SubscriptionTable:
         self.eager_next = desc.eager_next or desc.detached
         self.by_class: dict[type, Mode] = {}
         self.chat_delta = self.chat_final = self.default
+        listed: set[int] = set()
         for sub in desc.subscriptions:
+            if sub.item_type in listed:  # two modes for one kind: which would hold?
+                name = events_pb2.ItemType.Name(sub.item_type)
+                raise ValueError(f"item type {name} is subscribed twice")
+            listed.add(sub.item_type)
             mode = Mode(sub.mode or Mode.INTERCEPT)
             if sub.item_type == events_pb2.ITEM_TYPE_CHAT_RESPONSE_DELTA:
                 self.chat_delta = mode

@@ -4,6 +4,7 @@ cost no RPC and no message."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,10 @@ import pytest
 from agent_host.agent import Agent
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
-from agentmw.data import TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
-from agentmw.subscriptions import SubscriptionTable
+from agentmw.data import ChatResponse, ReplyEndEvent, TextBlockDeltaEvent, TextBlockEndEvent, UserMsg
+from agentmw.subscriptions import SubscriptionTable, subscribe
 from agentmw.tools import Toolkit
-from agentmw.v1 import hooks_pb2
+from agentmw.v1 import events_pb2, hooks_pb2
 from clients.launch import middleware_server, start_all
 
 from .harness import add
@@ -164,6 +165,16 @@ def test_only_when_skips_unless_its_slot_member_is_exactly_true() -> None:
         SubscriptionTable(hooks_pb2.HookDescription(only_when="x" * 257))
 
 
+def test_an_item_kind_subscribed_twice_is_refused_where_it_is_declared() -> None:
+    """One mode per kind: the SDK refuses a second at declaration (before, the last list won, and
+    ChatResponse with "chat_response_final" sent the final chunk's mode twice)."""
+    with pytest.raises(ValueError, match="ReplyEndEvent is subscribed twice"):
+        subscribe(intercept=[ReplyEndEvent], observe=[ReplyEndEvent])
+    twice = "ChatResponse is subscribed twice (it is also 'chat_response_final')"
+    with pytest.raises(ValueError, match=re.escape(twice)):
+        subscribe(observe=[ChatResponse], intercept=["chat_response_final"])
+
+
 @pytest.mark.parametrize(
     ("description", "error"),
     [
@@ -173,6 +184,19 @@ def test_only_when_skips_unless_its_slot_member_is_exactly_true() -> None:
         (
             dict(hook=hooks_pb2.HOOK_ON_REPLY, done_with_inner=True, default_mode=hooks_pb2.SUBSCRIPTION_MODE_OBSERVE),
             "done_with_inner cannot go with observed items",
+        ),
+        (
+            dict(
+                hook=hooks_pb2.HOOK_ON_REPLY,
+                subscriptions=[
+                    hooks_pb2.ItemSubscription(item_type=item, mode=mode)
+                    for item, mode in (
+                        (events_pb2.ITEM_TYPE_REPLY_END, hooks_pb2.SUBSCRIPTION_MODE_INTERCEPT),
+                        (events_pb2.ITEM_TYPE_REPLY_END, hooks_pb2.SUBSCRIPTION_MODE_BYPASS),
+                    )
+                ],
+            ),
+            "item type ITEM_TYPE_REPLY_END is subscribed twice",
         ),
     ],
 )

@@ -471,14 +471,23 @@ async def test_a_tool_whose_server_is_down_costs_one_call_the_wait() -> None:
         proc.stop()
 
 
-async def test_a_tool_whose_server_hangs_costs_one_call_the_wait() -> None:
+@pytest.mark.parametrize(
+    ("fail_open", "skipped"),
+    [
+        (False, "not called until it answers again after: no answer within 1s"),
+        (True, "s more after: no answer within 1s"),
+    ],
+)
+async def test_a_tool_whose_server_hangs_costs_one_call_the_wait(fail_open: bool, skipped: str) -> None:
     """A tool-only middleware that hangs (SIGSTOP: connected, silent): the first tool call waits
     its timeout; a Describe then finds the server silent too, so the next calls fail at once,
-    saying why, until it answers again (before, every call waited the timeout). A tool merely
-    slower than the timeout fails alone: the server answers the Describe, the next call runs."""
+    saying why (fail_closed: until it answers again; fail_open: for a pause, as a hook call's
+    hang), and once it answers a tool call clears the count of hangs (before, every call waited
+    the timeout). A tool merely slower than the timeout fails alone: the server answers the
+    Describe, the next call runs."""
     proc = middleware_server("tests.conformance_mw:SlowTools").start()
     try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=1)).connect()
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=1, fail_open=fail_open)).connect()
         toolkit = Toolkit([])
         await add_middleware_tools(toolkit, remote)
         shout = tool_caller(toolkit, "SlowTools__shout", text="hi")
@@ -493,13 +502,14 @@ async def test_a_tool_whose_server_hangs_costs_one_call_the_wait() -> None:
                     await asyncio.sleep(0.05)
             for _ in range(2):
                 async with asyncio.timeout(0.5):  # half the timeout: no wait any more
-                    assert "not called until it answers again after: no answer within 1s" in await shout()
+                    assert skipped in await shout()
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        async with asyncio.timeout(10):  # asked every second whether it is back
+        async with asyncio.timeout(10):  # fail_closed: asked every second; fail_open: the pause ends
             while remote.skipped():
                 await asyncio.sleep(0.05)
         assert "HI!" in await shout()
+        assert remote.hangs == 0  # it answers: its next hang pauses it for the timeout again, not twice as long
         await remote.close()
     finally:
         proc.stop()

@@ -600,7 +600,7 @@ class RemoteTool(Tool):
                     else:
                         mw.tool_call_hung()
                     raise MiddlewareFailure(mw.name, "CallTool", what) from None
-                mw.outage = None
+                mw.outage, mw.hangs = None, 0  # it answers (fail_open: a later hang pauses it afresh)
                 if msg is grpc.aio.EOF or msg is None:
                     raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
                 items, size, policy = items + 1, size + msg.ByteSize(), mw.policy

@@ -154,6 +154,16 @@ async def test_a_hook_described_twice_is_refused_at_attach(evil: Any) -> None:
         await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
 
 
+async def test_a_key_that_is_a_document_is_refused_at_attach(evil: Any) -> None:
+    """The key names the middleware's slot in every session it touches: 257 characters and more
+    are refused (before, any length was taken and stored with each session)."""
+    with pytest.raises(ProtocolError, match=r"a middleware key of 257 characters \(at most 256\)"):
+        await RemoteMiddleware(evil("--key", "k" * 257).address, policy=Policy(timeout=5)).connect()
+    longest = await RemoteMiddleware(evil("--key", "k" * 256).address, policy=Policy(timeout=5)).connect()
+    assert longest.key == "k" * 256
+    await longest.close()
+
+
 async def test_an_onion_declared_cacheable_is_refused_at_attach(evil: Any) -> None:
     proc = evil("--cacheable")
     with pytest.raises(ProtocolError, match="on_reply cannot be cacheable"):

@@ -58,6 +58,7 @@ DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 MAX_TOOLS = MAX_MODEL_TOOLS  # per middleware (and all of them together: Host._set_middleware)
+MAX_KEY = 256  # characters of a middleware key: a slot's name, not a document
 
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
@@ -209,6 +210,9 @@ class RemoteMiddleware:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         if not desc.key:
             raise ProtocolError(self.name, "Describe", "empty middleware key")
+        if len(desc.key) > MAX_KEY:  # it names a slot kept in every session it touches
+            what = f"a middleware key of {len(desc.key)} characters (at most {MAX_KEY})"
+            raise ProtocolError(self.name, "Describe", what)
         tables = {}
         for hook in desc.hooks:
             spec = HOOKS_BY_NUMBER.get(hook.hook)

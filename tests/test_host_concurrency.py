@@ -161,6 +161,28 @@ async def test_message_sent_while_a_reply_parks_is_refused(host: ServerProcess) 
 
 
 @pytest.mark.parametrize(
+    ("session", "has"),
+    [("line\nbreak", "control characters"), ("x" * 257, "257 characters")],
+    ids=["control_characters", "too_long"],
+)
+async def test_a_session_id_that_cannot_be_one_is_refused_before_anything_changes(
+    host: ServerProcess, session: str, has: str
+) -> None:
+    """A client's session id is stored, logged and listed: at most 256 printable characters. One
+    with a line break (it would forge log lines) or a document's length is refused, and nothing is
+    stored (before, either became a session)."""
+    async with HostClient(host.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in client.reply(session, UserMsg("hello")):
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == f"a session id is at most 256 printable characters (this one has {has})"
+    with pytest.raises(grpc.aio.AioRpcError) as missing:  # nothing was stored
+        await get_session(host.address, session)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
     ("role", "blocks"),
     [("system", "text"), ("user", "hint")],
     ids=["system_message", "user_message_posing_as_a_runtime_hint"],

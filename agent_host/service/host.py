@@ -78,6 +78,7 @@ MAX_ATTACH_PAUSE = 30.0  # seconds at most between tries to attach a middleware 
 # What a middleware not reached at start may still cure by itself (a refusal will not: wrong token,
 # protocol violation), so the host starts without it and waits (Host.attach_when_it_answers).
 WAIT_FOR = (Unreachable, NoAnswer)
+MAX_SESSION_ID = 256  # characters of a session id a client chooses (the host mints 32)
 
 
 class ReplyRejected(Exception):
@@ -282,6 +283,12 @@ class Host:
         self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, *, wait: bool = True
     ) -> None:
         sid = run.session_id
+        if not (len(sid) <= MAX_SESSION_ID and sid.isprintable()):  # it is stored, logged and listed
+            what = "control characters" if len(sid) <= MAX_SESSION_ID else f"{len(sid)} characters"
+            raise ReplyRejected(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a session id is at most {MAX_SESSION_ID} printable characters (this one has {what})",
+            )
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         if self.draining:
             raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")

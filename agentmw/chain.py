@@ -9,6 +9,7 @@ count) and runs the rest of the chain anew each time it is called.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
@@ -83,6 +84,21 @@ async def prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for item in rest:
             yield item
     finally:
-        close = getattr(rest, "aclose", None)
-        if close is not None:
-            await close()
+        await close(rest)
+
+
+async def close(stream: Any) -> None:
+    """Close a layer's stream left half-read. A layer's hook is usually an async generator, but
+    may return any async iterator (``return Wrapped(next_handler())``), which has no aclose."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+@contextlib.asynccontextmanager
+async def closing(stream: Any) -> AsyncIterator[Any]:
+    """``contextlib.aclosing`` for any layer's stream (see ``close``)."""
+    try:
+        yield stream
+    finally:
+        await close(stream)

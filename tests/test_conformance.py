@@ -737,6 +737,42 @@ async def test_an_observed_item_in_hand_is_forwarded_when_the_middleware_finishe
         proc.stop()
 
 
+async def test_an_inner_layer_that_returns_a_plain_async_iterator_is_closed_without_aclose() -> None:
+    """A layer's hook may return any async iterator (``return Wrapped(next_handler())``), not only an
+    async generator. When the middleware above it finishes with the inner pipeline half-read, the
+    host closes it if it can be closed, and ends the call cleanly (the inner pipeline as it was
+    given, with no generator around it, raised AttributeError: no aclose)."""
+    from agent_host.agent import Agent
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import RemoteMiddleware
+    from agentmw.chain import Chain
+    from agentmw.data import TextBlockDeltaEvent
+    from clients.launch import ServerProcess
+
+    class Plain:
+        def __init__(self) -> None:
+            self.left = [TextBlockDeltaEvent(reply_id="r", block_id="b", delta=f"w{i}") for i in range(5)]
+
+        def __aiter__(self) -> Plain:
+            return self
+
+        async def __anext__(self) -> Any:
+            if not self.left:
+                raise StopAsyncIteration
+            return self.left.pop(0)
+
+    proc = ServerProcess(["-m", "tests.raw_mw", "finish_early", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        chain = Chain("on_reply", [remote], lambda inputs=None, structured_schema=None: Plain())
+        agent = Agent(model=OfflineRuleModel(), middlewares=[])
+        out = [item async for item in chain(agent, inputs=None, structured_schema=None)]
+        assert [d.delta for d in out] == ["w0", "w1"]
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 RUN_AHEAD = Scenario("run_ahead", [Layer("MaxItersAtStart"), Layer("AfterYieldRunsAhead")])
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Literal
 
 import grpc
 
+from agentmw.chain import closing
 from agentmw.data import ChatResponse
 from agentmw.subscriptions import Mode
 from agentmw.v1 import hooks_pb2
@@ -349,7 +349,7 @@ class Watch:
                         yield item
                     return
                 inner = call.next_handler()
-            async with aclosing(inner):
+            async with closing(inner):
                 if not begin:  # bypassed: nothing to copy
                     async for item in inner:
                         yield item

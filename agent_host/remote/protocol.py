@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf import struct_pb2
 
-from agentmw.chain import prepend
+from agentmw.chain import close, prepend
 from agentmw.codec import CodecError, codec, json_to_value, value_to_json
 from agentmw.data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
 from agentmw.hooks import HookSpec, Kind
@@ -249,7 +249,7 @@ class HookCall:
                 call.cancel()
         if self.inner is not None:
             inner, self.inner = self.inner, None
-            await inner.aclose()
+            await close(inner)
 
     # -- the protocol -----------------------------------------------------------------------------
 
@@ -430,7 +430,7 @@ class HookCall:
     async def _start_inner(self, call_next: hooks_pb2.CallNext) -> None:
         if self.inner is not None:  # a second call_next closes the first inner pipeline
             inner, self.inner = self.inner, None
-            await inner.aclose()
+            await close(inner)
         try:
             overrides = decode_kwargs(self.spec, call_next.overrides, complete=False)
         except CodecError as exc:

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+from agentmw.chain import closing
 from agentmw.data import (
     ErrorInfo,
     ErrorType,
@@ -159,7 +160,7 @@ class Acting(AgentBase):
             return
         await self.journal.record_tool_started(call.id)  # after a crash: in doubt, never run again
         response: ToolResponse | None = None
-        async with aclosing(self._acting_chain(self, tool_call=call)) as items:
+        async with closing(self._acting_chain(self, tool_call=call)) as items:
             try:
                 while (item := await self._interruptible(anext(items, None))) is not None:
                     if isinstance(item, ToolResponse):

@@ -12,13 +12,12 @@ import asyncio
 import copy
 import logging
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 
-from agentmw.chain import Chain, Layer
+from agentmw.chain import Chain, Layer, closing
 from agentmw.data import (
     RESUME_EVENTS,
     AssistantMsg,
@@ -243,7 +242,7 @@ class Agent(Reasoning, Acting, Compression):
         failure: BaseException | None = None
         try:
             try:
-                async with aclosing(
+                async with closing(
                     self._reply_chain(self, inputs=inputs, structured_schema=structured_schema)
                 ) as items:
                     async for item in items:
@@ -360,7 +359,7 @@ class Agent(Reasoning, Acting, Compression):
                     await self.compress_context()
                     for event in self._inject_runtime_state():  # on_reply sees it, on_reasoning does not
                         yield event
-                    async with aclosing(self._reasoning_chain(self, tool_choice=action.tool_choice)) as items:
+                    async with closing(self._reasoning_chain(self, tool_choice=action.tool_choice)) as items:
                         async for item in items:
                             if isinstance(item, Msg):
                                 final_msg = item

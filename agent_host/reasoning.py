@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
+from agentmw.chain import closing
 from agentmw.data import (
     AssistantMsg,
     ChatResponse,
@@ -60,7 +60,7 @@ class Reasoning(AgentBase):
                 for event in converter.convert(result):
                     yield event
             else:
-                async with aclosing(result) as chunks:
+                async with closing(result) as chunks:
                     count = 0
                     while (chunk := await self._interruptible(anext(chunks, None))) is not None:
                         if chunk.is_last:

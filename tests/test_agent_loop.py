@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -466,3 +467,47 @@ async def test_structured_output_is_forced_then_given_up_on() -> None:
     assert Recorder.choices == [None, None] + [STRUCTURED_OUTPUT_TOOL] * STRUCTURED_OUTPUT_GRACE_ITERS
     hints = [b for b in agent.state.context[-1].content if isinstance(b, HintBlock)]
     assert len(hints) == 2 + STRUCTURED_OUTPUT_GRACE_ITERS and "GenerateStructuredOutput" in hints[0].hint[0].text
+
+
+class _Plain:
+    """An async iterator that is not a generator: it has no aclose."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __aiter__(self) -> _Plain:
+        return self
+
+    async def __anext__(self) -> Any:
+        return await anext(self.inner)
+
+
+class ReturnsPlainIterators(MiddlewareBase):
+    """Wraps each stream it passes on in a plain async iterator instead of yielding from it."""
+
+    def on_reply(self, agent, input_kwargs, next_handler):
+        return _Plain(next_handler())
+
+    def on_reasoning(self, agent, input_kwargs, next_handler):
+        return _Plain(next_handler())
+
+    def on_acting(self, agent, input_kwargs, next_handler):
+        return _Plain(next_handler())
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        result = await next_handler()
+        return result if isinstance(result, ChatResponse) else _Plain(result)
+
+
+async def test_a_layer_may_return_any_async_iterator() -> None:
+    """A hook returns an async iterator; it need not be an async generator. The agent closes each
+    stream as it can (before, a reply through such a layer failed with AttributeError: no aclose)."""
+    agent = Agent(
+        model=OfflineRuleModel(script=[{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]}, {"text": "3"}]),
+        toolkit=Toolkit([add]),
+        middlewares=[ReturnsPlainIterators()],
+    )
+    items = [item async for item in agent.reply_stream(UserMsg("add"))]
+    (end,) = [i for i in items if isinstance(i, ReplyEndEvent)]
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+    assert items[-1].text == "3"

@@ -8,6 +8,7 @@ from typing import Any
 
 from agentmw.data import (
     AssistantMsg,
+    ChatResponse,
     CustomEvent,
     HintBlock,
     ModelCallEndEvent,
@@ -188,6 +189,37 @@ class SlowTools(Tools):
 
     async def list_tools(self):
         return [shout, dawdle]
+
+
+class PlainIterator:
+    """An async iterator over ``inner`` that is not a generator: it has no aclose."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await anext(self.inner)
+
+
+class ReturnsPlainIterators(MiddlewareBase):
+    """Passes every stream on wrapped in a PlainIterator instead of yielding from it (in-process:
+    a hook returns an async iterator, not necessarily an async generator)."""
+
+    def on_reply(self, agent, input_kwargs, next_handler):
+        return PlainIterator(next_handler())
+
+    def on_reasoning(self, agent, input_kwargs, next_handler):
+        return PlainIterator(next_handler())
+
+    def on_acting(self, agent, input_kwargs, next_handler):
+        return PlainIterator(next_handler())
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        result = await next_handler()
+        return result if isinstance(result, ChatResponse) else PlainIterator(result)
 
 
 class SlotAcrossHooks(MiddlewareBase):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
 
 import pytest
 
@@ -38,6 +37,7 @@ from agentmw.data import (
 from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Toolkit, tool
 
+from .conformance_mw import ReturnsPlainIterators
 from .harness import add
 
 
@@ -467,36 +467,6 @@ async def test_structured_output_is_forced_then_given_up_on() -> None:
     assert Recorder.choices == [None, None] + [STRUCTURED_OUTPUT_TOOL] * STRUCTURED_OUTPUT_GRACE_ITERS
     hints = [b for b in agent.state.context[-1].content if isinstance(b, HintBlock)]
     assert len(hints) == 2 + STRUCTURED_OUTPUT_GRACE_ITERS and "GenerateStructuredOutput" in hints[0].hint[0].text
-
-
-class _Plain:
-    """An async iterator that is not a generator: it has no aclose."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __aiter__(self) -> _Plain:
-        return self
-
-    async def __anext__(self) -> Any:
-        return await anext(self.inner)
-
-
-class ReturnsPlainIterators(MiddlewareBase):
-    """Wraps each stream it passes on in a plain async iterator instead of yielding from it."""
-
-    def on_reply(self, agent, input_kwargs, next_handler):
-        return _Plain(next_handler())
-
-    def on_reasoning(self, agent, input_kwargs, next_handler):
-        return _Plain(next_handler())
-
-    def on_acting(self, agent, input_kwargs, next_handler):
-        return _Plain(next_handler())
-
-    async def on_model_call(self, agent, input_kwargs, next_handler):
-        result = await next_handler()
-        return result if isinstance(result, ChatResponse) else _Plain(result)
 
 
 async def test_a_layer_may_return_any_async_iterator() -> None:

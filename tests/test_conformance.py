@@ -708,22 +708,14 @@ async def test_every_delivered_item_is_numbered_and_a_burst_of_copies_comes_batc
         proc.stop()
 
 
-async def test_an_observed_item_in_hand_is_forwarded_when_the_middleware_finishes_instead_of_granting() -> None:
-    """The host took the second item from the inner pipeline and waits for credits to copy it; the
-    middleware finishes instead. The item is the host's to forward (observed items never wait on the
-    middleware), so the stream ends after it: nothing taken from the inner pipeline is lost."""
+async def finish_early_over(core: Any) -> list[Any]:
+    """The items of an on_reply chain of ``core`` under raw_mw's finish_early: it observes every
+    item with one credit and finishes after the first copy."""
     from agent_host.agent import Agent
     from agent_host.models import OfflineRuleModel
     from agent_host.remote import RemoteMiddleware
     from agentmw.chain import Chain
-    from agentmw.data import TextBlockDeltaEvent
     from clients.launch import ServerProcess
-
-    deltas = [TextBlockDeltaEvent(reply_id="r", block_id="b", delta=f"w{i}") for i in range(5)]
-
-    async def core(inputs: Any = None, structured_schema: Any = None) -> Any:
-        for delta in deltas:
-            yield delta
 
     proc = ServerProcess(["-m", "tests.raw_mw", "finish_early", "--address", "127.0.0.1:0"]).start()
     try:
@@ -731,10 +723,27 @@ async def test_an_observed_item_in_hand_is_forwarded_when_the_middleware_finishe
         chain = Chain("on_reply", [remote], core)
         agent = Agent(model=OfflineRuleModel(), middlewares=[])
         out = [item async for item in chain(agent, inputs=None, structured_schema=None)]
-        assert [d.delta for d in out] == ["w0", "w1"]
         await remote.close()
+        return out
     finally:
         proc.stop()
+
+
+def _deltas(inputs: Any = None, structured_schema: Any = None) -> Any:
+    from agentmw.data import TextBlockDeltaEvent
+
+    async def stream() -> Any:
+        for i in range(5):
+            yield TextBlockDeltaEvent(reply_id="r", block_id="b", delta=f"w{i}")
+
+    return stream()
+
+
+async def test_an_observed_item_in_hand_is_forwarded_when_the_middleware_finishes_instead_of_granting() -> None:
+    """The host took the second item from the inner pipeline and waits for credits to copy it; the
+    middleware finishes instead. The item is the host's to forward (observed items never wait on the
+    middleware), so the stream ends after it: nothing taken from the inner pipeline is lost."""
+    assert [d.delta for d in await finish_early_over(_deltas)] == ["w0", "w1"]
 
 
 async def test_an_inner_layer_that_returns_a_plain_async_iterator_is_closed_without_aclose() -> None:
@@ -742,35 +751,10 @@ async def test_an_inner_layer_that_returns_a_plain_async_iterator_is_closed_with
     async generator. When the middleware above it finishes with the inner pipeline half-read, the
     host closes it if it can be closed, and ends the call cleanly (the inner pipeline as it was
     given, with no generator around it, raised AttributeError: no aclose)."""
-    from agent_host.agent import Agent
-    from agent_host.models import OfflineRuleModel
-    from agent_host.remote import RemoteMiddleware
-    from agentmw.chain import Chain
-    from agentmw.data import TextBlockDeltaEvent
-    from clients.launch import ServerProcess
+    from tests.conformance_mw import PlainIterator
 
-    class Plain:
-        def __init__(self) -> None:
-            self.left = [TextBlockDeltaEvent(reply_id="r", block_id="b", delta=f"w{i}") for i in range(5)]
-
-        def __aiter__(self) -> Plain:
-            return self
-
-        async def __anext__(self) -> Any:
-            if not self.left:
-                raise StopAsyncIteration
-            return self.left.pop(0)
-
-    proc = ServerProcess(["-m", "tests.raw_mw", "finish_early", "--address", "127.0.0.1:0"]).start()
-    try:
-        remote = await RemoteMiddleware(proc.address).connect()
-        chain = Chain("on_reply", [remote], lambda inputs=None, structured_schema=None: Plain())
-        agent = Agent(model=OfflineRuleModel(), middlewares=[])
-        out = [item async for item in chain(agent, inputs=None, structured_schema=None)]
-        assert [d.delta for d in out] == ["w0", "w1"]
-        await remote.close()
-    finally:
-        proc.stop()
+    plain = await finish_early_over(lambda inputs=None, structured_schema=None: PlainIterator(_deltas()))
+    assert [d.delta for d in plain] == ["w0", "w1"]
 
 
 RUN_AHEAD = Scenario("run_ahead", [Layer("MaxItersAtStart"), Layer("AfterYieldRunsAhead")])

@@ -25,6 +25,7 @@ from agentmw.errors import ErrorType, ModelError
 from agentmw.middleware import MiddlewareBase, subscribe
 from agentmw.tools import Toolkit, add_middleware_tools, tool
 from clients.launch import middleware_server
+from tests.conformance_mw import ReturnsPlainIterators
 
 
 @tool(description="Waits on I/O for a moment (the host's loop runs other tasks meanwhile).")
@@ -199,33 +200,13 @@ async def test_a_watcher_does_not_change_which_model_errors_are_retried() -> Non
         proc.stop()
 
 
-class Plain:
-    """An async iterator that is not a generator: it has no aclose."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __aiter__(self) -> Plain:
-        return self
-
-    async def __anext__(self) -> Any:
-        return await anext(self.inner)
-
-
-class ReturnsAPlainIterator(MiddlewareBase):
-    """An in-process layer whose on_reply returns its inner stream wrapped, not a generator."""
-
-    def on_reply(self, agent, input_kwargs, next_handler):
-        return Plain(next_handler())
-
-
 async def test_a_watcher_over_a_layer_that_returns_a_plain_iterator() -> None:
     """A layer's hook may return any async iterator. A watcher above one closes it as it can: the
     reply completes (before, every such reply failed with AttributeError: no aclose)."""
     proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
     try:
         remote = await RemoteMiddleware(proc.address).connect()
-        agent = Agent(model=OfflineRuleModel(), middlewares=[remote, ReturnsAPlainIterator()])
+        agent = Agent(model=OfflineRuleModel(), middlewares=[remote, ReturnsPlainIterators()])
         async with asyncio.timeout(30):
             items = [item async for item in agent.reply_stream(UserMsg("hi"))]
         (end,) = [i for i in items if isinstance(i, ReplyEndEvent)]

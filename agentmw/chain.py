@@ -19,7 +19,8 @@ from .hooks import HOOKS, HookSpec
 class Layer(Protocol):
     """What a chain calls on a layer, one method per hook position (hooks.py): ``MiddlewareBase``
     (middleware.py, its hooks typed per position) and ``RemoteMiddleware`` (remote/client.py) both
-    are one."""
+    are one. A stream hook returns an async iterator: usually an async generator, but any will do
+    (whoever stops reading one early closes it with ``close``, which needs no ``aclose``)."""
 
     def implements(self, hook: str) -> bool: ...  # whether it takes part in this hook position
 

@@ -9,7 +9,6 @@ count) and runs the rest of the chain anew each time it is called.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
@@ -96,10 +95,17 @@ async def close(stream: Any) -> None:
         await aclose()
 
 
-@contextlib.asynccontextmanager
-async def closing(stream: Any) -> AsyncIterator[Any]:
-    """``contextlib.aclosing`` for any layer's stream (see ``close``)."""
-    try:
-        yield stream
-    finally:
-        await close(stream)
+class closing:  # named as contextlib.aclosing, whose place it takes
+    """``contextlib.aclosing`` for any layer's stream (see ``close``). A class, not an
+    asynccontextmanager generator: it wraps every chain call of every reply."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    async def __aenter__(self) -> Any:
+        return self.stream
+
+    async def __aexit__(self, *exc: object) -> None:
+        await close(self.stream)

@@ -240,7 +240,7 @@ def middleware_status(mw: Any) -> dict[str, Any]:
     health = "connecting" if reachable is None else "reachable" if reachable else "unreachable"
     return {
         # A fail_closed one that hung, connected but not answering (RemoteMiddleware.stopped_answering).
-        "health": "unresponsive" if getattr(mw, "unresponsive", "") and reachable else health,
+        "health": "unresponsive" if mw.unresponsive and reachable else health,
         "last_error": h.last_error,
         "last_error_at": h.last_error_at,
         "failures": h.failures,

@@ -82,16 +82,8 @@ def subscribe(
     depends on the input prompt and this middleware's slot alone, so the host, served remotely,
     reuses an answer for the same two instead of calling again at every reasoning step."""
     intercept, observe = list(intercept), list(observe)
-    listed: dict[int, Any] = {}
-    for kind in [*intercept, *observe]:  # one mode per item kind (the host refuses two at Describe)
-        for item_type in _item_types(kind):
-            if item_type in listed:
-
-                def name(k: Any) -> str:
-                    return getattr(k, "__name__", repr(k))
-
-                raise ValueError(f"{name(kind)} is subscribed twice (it is also {name(listed[item_type])})")
-            listed[item_type] = kind
+    kinds = [*intercept, *observe]
+    _check_once((t, getattr(kind, "__name__", repr(kind))) for kind in kinds for t in _item_types(kind))
     modes = {kind: Mode.INTERCEPT for kind in intercept}
     modes.update({kind: Mode.OBSERVE for kind in observe})
     _check_done_with_inner(done_with_inner, [default, *modes.values()])
@@ -106,6 +98,17 @@ def subscribe(
         only_when=only_when,
         cacheable=cacheable,
     )
+
+
+def _check_once(listed: Iterable[tuple[int, str]]) -> None:
+    """One mode per item kind: ``listed`` is each subscription's (item type, name). One rule for
+    the author's declaration (subscribe) and the host's reading of it (Describe)."""
+    seen: dict[int, str] = {}
+    for item_type, name in listed:
+        if item_type in seen:
+            also = f" (it is also {seen[item_type]})" if seen[item_type] != name else ""
+            raise ValueError(f"{name} is subscribed twice{also}")
+        seen[item_type] = name
 
 
 def _check_done_with_inner(done_with_inner: bool, modes: Iterable[Mode]) -> None:
@@ -150,6 +153,10 @@ _CLASS_BY_ITEM_TYPE = {
 }
 
 
+def _type_name(item_type: int) -> str:
+    return events_pb2.ItemType.Name(item_type) if item_type in events_pb2.ItemType.values() else str(item_type)
+
+
 MAX_FLAG_NAME = 256  # only_when: a slot member's name, not a document
 
 
@@ -177,12 +184,8 @@ class SubscriptionTable:
         self.eager_next = desc.eager_next or desc.detached
         self.by_class: dict[type, Mode] = {}
         self.chat_delta = self.chat_final = self.default
-        listed: set[int] = set()
+        _check_once((sub.item_type, f"item type {_type_name(sub.item_type)}") for sub in desc.subscriptions)
         for sub in desc.subscriptions:
-            if sub.item_type in listed:  # two modes for one kind: which would hold?
-                name = events_pb2.ItemType.Name(sub.item_type)
-                raise ValueError(f"item type {name} is subscribed twice")
-            listed.add(sub.item_type)
             mode = Mode(sub.mode or Mode.INTERCEPT)
             if sub.item_type == events_pb2.ITEM_TYPE_CHAT_RESPONSE_DELTA:
                 self.chat_delta = mode

@@ -57,7 +57,6 @@ _steps = random.Random()  # its own generator: invocation ids touch no global ra
 DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
-MAX_TOOLS = MAX_MODEL_TOOLS  # per middleware (and all of them together: Host._set_middleware)
 MAX_KEY = 256  # characters of a middleware key: a slot's name, not a document
 
 
@@ -538,8 +537,11 @@ class RemoteMiddleware:
             def bad(what: str, name: str = proto.name) -> ProtocolError:
                 return ProtocolError(self.name, "ListTools", f"tool {name!r}: {what}")
 
-            if len(tools) == MAX_TOOLS:  # else every model call of every reply would be refused
-                raise bad(f"one too many: a middleware lists at most {MAX_TOOLS} tools (a model request takes 128)")
+            if len(tools) == MAX_MODEL_TOOLS:  # else every model call of every reply would be refused
+                raise bad(
+                    f"one too many: a middleware lists at most {MAX_MODEL_TOOLS} tools "
+                    f"(a model request takes {MAX_MODEL_TOOLS})"
+                )
             if proto.ByteSize() > MAX_TOOL_DESCRIPTOR_BYTES:
                 raise bad(f"descriptor of {proto.ByteSize()} bytes (limit {MAX_TOOL_DESCRIPTOR_BYTES})")
             try:

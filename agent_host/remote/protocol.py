@@ -258,10 +258,9 @@ class HookCall:
         credits, run the inner pipeline to its next intercepted item (``advance``); read the
         middleware's next message, apply its actions in order, obey its command."""
         mw, spec = self.mw, self.spec
-        if mw.suspended_until or mw.unresponsive:  # it hung lately (RemoteMiddleware.stopped_answering)
-            skipped = mw.skipped()
-            if skipped:
-                raise Suspended(mw.name, spec.name, skipped)
+        skipped = mw.skipped()  # it hung lately (RemoteMiddleware.stopped_answering)
+        if skipped:
+            raise Suspended(mw.name, spec.name, skipped)
         await mw.ensure_described()
         self.table = mw.tables.get(spec.name)
         if self.table is None:  # the server no longer implements this hook (it was restarted)

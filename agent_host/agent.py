@@ -328,6 +328,9 @@ class Agent(Reasoning, Acting, Compression):
                 async for event in self._handle_incoming_event(inputs):
                     yield event
             else:
+                parked = self._parked()
+                if parked is not None:
+                    raise ReplyError(parked)
                 self._handle_incoming_messages(inputs)
                 state.reply_context = ReplyContext(reply_id=new_id(), structured_schema=structured_schema)
                 state.version += 1
@@ -405,8 +408,9 @@ class Agent(Reasoning, Acting, Compression):
 
     def check_inputs(self, inputs: Any) -> None:
         """Raise InputRefused, before anything changes, for inputs that cannot go to this agent now:
-        messages that cannot start a reply; a message while tool calls wait for their answer (they
-        would be left unanswered); a confirmation or execution result that no call waits for.
+        messages that cannot start a reply; a new reply (a message, or no inputs) while tool calls
+        wait for their answer (they would be left unanswered); a confirmation or execution result
+        that no call waits for.
         AgentScope raises ValueError for these; the host answers INVALID_ARGUMENT or
         FAILED_PRECONDITION. (reply_stream checks; a failure after it ends the reply instead.)"""
         if isinstance(inputs, (UserConfirmResultEvent, ExternalExecutionResultEvent)):
@@ -421,14 +425,23 @@ class Agent(Reasoning, Acting, Compression):
             check_input_messages(inputs)
         except ReplyError as exc:
             raise InputRefused(str(exc), malformed=True) from None
+        parked = self._parked()
+        if parked is not None:
+            raise InputRefused(parked, malformed=False)
+
+    def _parked(self) -> str | None:
+        """Why no new reply may start now, or None: tool calls of a parked reply wait for their
+        answer, which a new reply would leave unanswered for good. Asked of the client's inputs
+        (check_inputs) and again of what reaches the core, which an on_reply layer may have replaced
+        (as AgentScope's _check_incoming_event does in _reply_impl)."""
         awaiting = self.awaiting_calls()
-        if awaiting and inputs is not None:
-            names = ", ".join(f"{c.name} ({c.id})" for c in awaiting)
-            raise InputRefused(
-                f"the reply is parked, waiting on {names}: answer with a UserConfirmResultEvent or "
-                "ExternalExecutionResultEvent, or end it with a UserInterruptEvent",
-                malformed=False,
-            )
+        if not awaiting:
+            return None
+        names = ", ".join(f"{c.name} ({c.id})" for c in awaiting)
+        return (
+            f"the reply is parked, waiting on {names}: answer with a UserConfirmResultEvent or "
+            "ExternalExecutionResultEvent, or end it with a UserInterruptEvent"
+        )
 
     def _handle_incoming_messages(self, inputs: Any) -> None:
         for msg in check_input_messages(inputs):

@@ -186,6 +186,10 @@ async def test_inputs_the_parked_agent_cannot_take_are_refused_and_nothing_chang
     with pytest.raises(InputRefused, match=r"the reply is parked, waiting on send_email") as refused:
         await collect(agent, UserMsg("never mind, something else"))
     assert not refused.value.malformed
+    # No inputs at all start a new reply too (AgentScope: no event while calls wait is a ValueError):
+    # it used to run over the parked call, leaving it unanswered for good.
+    with pytest.raises(InputRefused, match=r"the reply is parked, waiting on send_email"):
+        await collect(agent, None)
     real = agent.awaiting_calls()[0]
 
     def answer(call: ToolCallBlock) -> UserConfirmResultEvent:

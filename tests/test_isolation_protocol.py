@@ -22,15 +22,18 @@ from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.remote.errors import ProtocolError
 from agentmw.data import (
+    ConfirmResult,
     CustomEvent,
     ReplyFinishedReason,
+    RequireUserConfirmEvent,
     ToolResultBlock,
     ToolResultEndEvent,
     ToolResultState,
+    UserConfirmResultEvent,
     UserMsg,
 )
 from agentmw.data.blocks import block_text
-from agentmw.tools import Toolkit, add_middleware_tools
+from agentmw.tools import Toolkit, add_middleware_tools, tool
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
 
@@ -328,6 +331,42 @@ async def test_on_reply_cannot_yield_model_chunks_or_tool_responses(evil: Any, s
     assert end.finished_reason == ReplyFinishedReason.ERROR
     name = {"chat_response": "ChatResponse", "tool_response": "ToolResponse"}[kind]
     assert f"protocol violation: on_reply cannot yield {name}" in end.error.message, end.error.message
+    await remote.close()
+
+
+@tool(description="Send an email.", needs_confirmation=True)
+def send_email(to: str, body: str) -> str:
+    return f"sent to {to}: {body}"
+
+
+async def test_an_on_reply_override_cannot_start_a_new_reply_over_a_parked_one(evil: Any, scripts: Path) -> None:
+    """A reply parks on a confirmation; the client answers it, and the on_reply middleware calls next
+    with a new user message instead. The core refuses it (as AgentScope's _reply_impl does), the
+    reply ends with an error (this middleware then finishes with no item: the grammar's error), and
+    the parked call gets an error result. Before, the core started a new reply over it: the call was
+    left without a result for good, and every later model request of the session carried an
+    unanswered tool call (which real providers refuse)."""
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]), middlewares=[remote])
+    parked = await reply(agent, 'call send_email {"to": "bob", "body": "hi"}')
+    ask = next(i for i in parked if isinstance(i, RequireUserConfirmEvent))
+    message = {"id": "injected", "name": "user", "role": "ROLE_USER", "content": [{"text": {"id": "b1", "text": "hi"}}]}
+    script(scripts, agent, messages=[{"callNext": {"overrides": {"onReply": {"message": message}}}}])
+    answer = ConfirmResult(confirmed=True, tool_call=ask.tool_calls[0])
+    items = []
+    async with asyncio.timeout(30):
+        async for item in agent.reply_stream(UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=[answer])):
+            items.append(item)
+    end = end_of(items)
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    blocks = [b for m in agent.state.context for b in m.content]
+    calls = {b.id for b in blocks if b.type == "tool_call"}
+    results = {b.id: b for b in blocks if isinstance(b, ToolResultBlock)}
+    assert calls == set(results) == {ask.tool_calls[0].id}, (calls, set(results))
+    assert results[ask.tool_calls[0].id].state == ToolResultState.ERROR
+    assert not agent.awaiting_calls()
+    assert "injected" not in {m.id for m in agent.state.context}
     await remote.close()
 
 

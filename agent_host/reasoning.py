@@ -18,6 +18,7 @@ from agentmw.data import (
     ModelCallStartEvent,
     Msg,
     ReplyFinishedReason,
+    TextBlock,
     ThinkingBlock,
     ToolCallBlock,
     ToolChoice,
@@ -29,6 +30,7 @@ from . import metrics
 from .agent_base import AgentBase, ReplyError
 from .chunk_events import ChunkConverter
 from .models.retry import call_with_fallback
+from .reply_grammar import blame_of
 
 YIELD_EVERY_CHUNKS = 16  # fairness under concurrency costs ~3% CPU on a 1,000-delta reply (bench)
 # The result of a tool call in a model output that was cut (finish reason length / content_filter).
@@ -36,6 +38,10 @@ _CUT_CALL = (
     "<system-reminder>Not run: the model's output was cut ({reason}) before this call was complete, "
     "so its arguments may be incomplete.</system-reminder>"
 )
+
+
+# What a model's response may hold (types.proto ChatResponse): what the assistant's turn is made of.
+_RESPONSE_BLOCKS = (TextBlock, ToolCallBlock, ThinkingBlock, DataBlock)
 
 
 class Reasoning(AgentBase):
@@ -90,6 +96,7 @@ class Reasoning(AgentBase):
             yield event
         if completed is None:
             raise ReplyError(f"model {used!r} returned an empty streaming response")
+        self._check_response(completed, used)
         usage = completed.usage
         # An interrupted or failed reply stops at the end event, so its partial content is saved before it
         # (docs/behaviour.md#interruption).
@@ -133,6 +140,19 @@ class Reasoning(AgentBase):
                 usage=copy.copy(saved.usage) if saved else None,
                 finished_reason=ReplyFinishedReason.COMPLETED,
             )
+
+    def _check_response(self, response: ChatResponse, used: str) -> None:
+        """Before the response is saved as the assistant's turn: only blocks a model produces. A
+        model client cannot break this; an on_model_call middleware can (in-process or remote), and a
+        tool result in it would enter the session with no call of its own (a context real providers
+        refuse from then on)."""
+        for block in response.content:
+            if not isinstance(block, _RESPONSE_BLOCKS):
+                who = blame_of(self.layers["on_model_call"], "on_model_call")
+                raise ReplyError(
+                    f"the response of model {used!r} holds a {block.type} block, which a model response "
+                    f"cannot ({who}): only text, tool_call, thinking and data blocks"
+                )
 
     def _call_metadata(self, used: str) -> dict[str, Any]:
         metadata: dict[str, Any] = {"model": used}

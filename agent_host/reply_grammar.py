@@ -291,14 +291,14 @@ class ReplyGrammar:
         return out
 
 
-def blame_of(layers: list[Any]) -> str:
-    """Who can put items into a reply's stream: its on_reply layers (or the agent alone)."""
+def blame_of(layers: list[Any], hook: str = "on_reply") -> str:
+    """Who can put items into a hook's stream: its layers (or the agent alone)."""
     names = [getattr(layer, "name", None) or type(layer).__name__ for layer in layers]
     if not names:
-        return "no on_reply middleware: the agent itself"
+        return f"no {hook} middleware: the agent itself"
     if len(names) == 1:
-        return f"on_reply middleware {names[0]!r}"
-    return "one of the on_reply middleware " + ", ".join(repr(n) for n in names)
+        return f"{hook} middleware {names[0]!r}"
+    return f"one of the {hook} middleware " + ", ".join(repr(n) for n in names)
 
 
 __all__ = ["ReplyGrammar", "ReplyGrammarError", "blame_of"]

@@ -22,7 +22,8 @@ YAML (every key optional)::
     tools: [get_weather, add, send_email, lookup_order]   # built-in demo tools to enable
     middleware:                    # onion order: first = outermost
       - {name: budget, address: 127.0.0.1:50062, fail_open: false, timeout: 10}
-      # also per middleware: max_items / max_bytes, what one hook call may emit (100000 / 64 MiB);
+      # also per middleware: max_items / max_bytes, what one hook call may emit (100000 / 64 MiB),
+      # max_item_bytes, the largest one item, tool chunk or slot value it may send (2 MiB);
       # key: the middle_context slot it must report in Describe (the host decides, not the server);
       # permissions: {hooks: [on_reply, ...], context: true, mutate_context: true, set_model: true,
       #               tools: true}   (each true / every hook by default; docs/security.md)
@@ -126,6 +127,7 @@ class MiddlewareConfig:
     timeout: float = DEFAULT_TIMEOUT
     max_items: int = 100_000  # per hook call (agent_host.remote.Policy)
     max_bytes: int = 64 * 1024 * 1024
+    max_item_bytes: int = 2 * 1024 * 1024  # one item, tool chunk or slot value
     source: str = ""  # where it was configured, for error messages
 
 
@@ -381,7 +383,7 @@ def _seconds(raw: Any, where: str) -> float:
 
 
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
-_MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes", "key", "permissions"}
+_MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes", "max_item_bytes", "key", "permissions"}
 _PERMISSION_KEYS = {"hooks": list, "context": bool, "mutate_context": bool, "set_model": bool, "tools": bool}
 _SECURITY_KEYS = {
     "tls",
@@ -584,7 +586,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
             _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout"), f"{where}.timeout"
         )
         limits = {}
-        for key in ("max_items", "max_bytes"):
+        for key in ("max_items", "max_bytes", "max_item_bytes"):
             if key in entry:
                 limits[key] = _expect(entry[key], int, f"{where}.{key}")
                 if limits[key] < 1:

@@ -204,9 +204,15 @@ def bearer_interceptors(token: str) -> list[Any]:
     return [kind(token) for kind in kinds]
 
 
+# What a client of the host accepts in one message: a ReplyEvent's single item may be as large as a
+# tool result the host made, and GetSession carries a whole session (host.proto ReplyEvent).
+CLIENT_MAX_MESSAGE = 64 * 1024 * 1024
+
+
 def client_channel(address: str, tls: TlsFiles | None = None, token: str = "") -> grpc.aio.Channel:
     """A channel to an AgentHost: TLS when configured, the token on every call when given."""
-    return channel(address, tls, interceptors=bearer_interceptors(token) if token else None)
+    options = [("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE)]
+    return channel(address, tls, options=options, interceptors=bearer_interceptors(token) if token else None)
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentmw.codec import codec
+from agentmw.security import CLIENT_MAX_MESSAGE
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 DEFAULT_HOST = "127.0.0.1:50070"
@@ -39,7 +40,8 @@ class Admin:
     def __init__(self, address: str, timeout: float = TIMEOUT) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        # GetSession carries a whole session: as large as the host's other clients accept
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE)])
         self.stub = host_pb2_grpc.AgentHostStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

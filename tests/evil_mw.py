@@ -20,7 +20,8 @@ one it behaves: a pass-through that intercepts every item. A script is a JSON ob
 Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
 (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
-JSON list of ToolDescriptor objects served by ListTools), ``--done-with-inner`` and ``--cacheable``
+JSON list of ToolDescriptor objects served by ListTools; each tool streams chunks without end, but
+one named ``huge`` sends one chunk of 3 MB), ``--done-with-inner`` and ``--cacheable``
 (declare every hook so), ``--default-mode observe`` (every item observed).
 """
 
@@ -177,7 +178,12 @@ class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
 
     async def CallTool(self, request: Any, context: Any) -> Any:
         """Every tool streams text chunks without end (a runaway), until the host cancels the call;
-        then ``<tools file>.cancelled`` is written."""
+        then ``<tools file>.cancelled`` is written. One named ``huge`` sends one chunk of 3 MB."""
+        if request.tool_call.name == "huge":
+            chunk = events_pb2.Item()
+            chunk.tool_chunk.content.add().text.text = "x" * 3_000_000
+            yield chunk
+            return
         try:
             while True:
                 chunk = events_pb2.Item()

@@ -21,6 +21,7 @@ from agent_host.config import ConfigError, load_config
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.remote.errors import ProtocolError
+from agentmw.codec import codec
 from agentmw.data import (
     ConfirmResult,
     CustomEvent,
@@ -390,7 +391,78 @@ async def test_a_model_response_holding_a_tool_result_is_refused(evil: Any, scri
     await remote.close()
 
 
-# -- 5. tool descriptors, health, restarts ----------------------------------------------------------
+# -- 5. nothing a middleware sends reaches a client in a message a default client refuses ------------
+
+
+async def default_client_reply(address: str, session_id: str) -> list[Any]:
+    """A reply read as any gRPC client with default options reads it (4 MiB per message at most)."""
+    start = host_pb2.StartReply(session_id=session_id)
+    codec.encode(UserMsg("hi"), start.message)
+    items = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        async for event in stub(channel).Reply(iter([host_pb2.ReplyRequest(start=start)]), timeout=30):
+            assert event.session_id == session_id
+            items += [codec.decode_item(i) for i in event.items]
+    return items
+
+
+def big(name: str, size: int) -> dict[str, Any]:
+    return {"emit": {"item": {"custom": {"name": name, "value": {"pad": "x" * size}}}}}
+
+
+async def test_what_a_middleware_sends_reaches_a_default_client(evil: Any, scripts: Path, tmp_path: Path) -> None:
+    """Through a real host, read by a client with gRPC's default 4 MiB limit per message:
+    - 40 items of 100 kB emitted at once arrive (over several ReplyEvents): before, the host put
+      them in one message of 8 MB, which the client refused (RESOURCE_EXHAUSTED) without having seen
+      even the session id;
+    - an item of 2.5 MB, over the middleware's max_item_bytes, ends the reply with an error naming
+      the middleware; a slot value as large, the same: before, the item broke the client's stream,
+      and the slot made every later GetSession of the session fail."""
+    proc = evil()
+    with processes(tmp_path) as procs:
+        host = procs.host(tmp_path / "s.db", "--middleware", f"evil={proc.address}")
+        (scripts / "many.json").write_text(
+            json.dumps({"messages": [{"actions": [big(f"e{i}", 100_000) for i in range(40)]}]})
+        )
+        items = await default_client_reply(host.address, "many")
+        assert [i.name for i in items if isinstance(i, CustomEvent)] == [f"e{i}" for i in range(40)]
+
+        (scripts / "one.json").write_text(json.dumps({"messages": [{"actions": [big("one", 2_500_000)]}]}))
+        end = end_of(await default_client_reply(host.address, "one"))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "middleware 'evil' failed in on_reply: emitted an item of" in end.error.message, end.error.message
+        assert "(limit 2097152)" in end.error.message
+
+        slot = {"mutate": {"setSlot": {"pad": "x" * 2_500_000}}}
+        (scripts / "slot.json").write_text(json.dumps({"messages": [{"actions": [slot]}]}))
+        end = end_of(await default_client_reply(host.address, "slot"))
+        assert "set a slot of" in end.error.message, end.error.message
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            session = await stub(channel).GetSession(host_pb2.GetSessionRequest(session_id="slot"), timeout=10)
+        assert json.loads(session.middle_context_json or "{}") == {}
+
+
+async def test_a_tool_chunk_over_the_item_limit_is_an_error_result(evil: Any, tmp_path: Path) -> None:
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([{"name": "huge", "inputSchema": {"type": "object"}}]))
+    proc = evil("--tools", str(path), "--hooks", "on_check_permission")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    toolkit = Toolkit()
+    await add_middleware_tools(toolkit, remote)
+    agent = Agent(
+        model=OfflineRuleModel(script=[{"tool_calls": [{"name": "Evil__huge", "input": {}}]}, {"text": "ok"}]),
+        toolkit=toolkit,
+    )
+    async with asyncio.timeout(30):
+        items = [item async for item in agent.reply_stream(UserMsg("go"))]
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+    (stored,) = [b for m in agent.state.context for b in m.content if isinstance(b, ToolResultBlock)]
+    text = block_text(stored.output)
+    assert "failed in CallTool: a tool sent a chunk of" in text and "(limit 2097152)" in text, text
+    await remote.close()
+
+
+# -- 6. tool descriptors, health, restarts ----------------------------------------------------------
 
 
 BAD_TOOLS = {

@@ -56,6 +56,9 @@ _steps = random.Random()  # its own generator: invocation ids touch no global ra
 # emits some 10k chunks and tens of MB), small enough to stop a runaway one in seconds.
 DEFAULT_MAX_ITEMS = 100_000
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+# One item (or tool chunk, or slot value) in one piece: it reaches a client in one ReplyEvent (or a
+# GetSession), and a gRPC client accepts 4 MiB per message by default (host.proto).
+DEFAULT_MAX_ITEM_BYTES = 2 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 MAX_KEY = 256  # characters of a middleware key: a slot's name, not a document
 
@@ -69,18 +72,20 @@ class Policy:
     """Per-middleware failure policy. ``timeout``: seconds the host waits for one message from the
     middleware (never counted while the host runs the inner pipeline for it), and for each
     handshake (Describe, ListTools) or tool call message. ``max_items`` / ``max_bytes``: what one
-    hook call of the middleware may emit (items) and send (bytes) before it is failed as a runaway."""
+    hook call of the middleware may emit (items) and send (bytes) before it is failed as a runaway.
+    ``max_item_bytes``: the largest one item it emits, tool chunk it sends or slot value it sets."""
 
     fail_open: bool = False
     timeout: float = 10.0
     connect_timeout: float = 5.0
     max_items: int = DEFAULT_MAX_ITEMS
     max_bytes: int = DEFAULT_MAX_BYTES
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES
 
     def __post_init__(self) -> None:
         self.timeout = check_seconds(self.timeout)
         self.connect_timeout = check_seconds(self.connect_timeout, "connect_timeout")
-        for name in ("max_items", "max_bytes"):
+        for name in ("max_items", "max_bytes", "max_item_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number above 0, got {value!r}")
@@ -609,7 +614,11 @@ class RemoteTool(Tool):
                 mw.outage, mw.hangs = None, 0  # it answers (fail_open: a later hang pauses it afresh)
                 if msg is grpc.aio.EOF or msg is None:
                     raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
-                items, size, policy = items + 1, size + msg.ByteSize(), mw.policy
+                items, policy = items + 1, mw.policy
+                size += (piece := msg.ByteSize())
+                if piece > policy.max_item_bytes:
+                    what = f"a tool sent a chunk of {piece} bytes (limit {policy.max_item_bytes})"
+                    raise OutputLimitExceeded(mw.name, "CallTool", what)
                 if items > policy.max_items:
                     raise OutputLimitExceeded(mw.name, "CallTool", f"a tool sent more than {policy.max_items} chunks")
                 if size > policy.max_bytes:

@@ -525,9 +525,14 @@ class HookCall:
             return item
         if which == "item":
             self.emitted += 1
-            if self.emitted > self.mw.policy.max_items:
+            policy = self.mw.policy
+            if self.emitted > policy.max_items:
                 raise OutputLimitExceeded(
-                    self.mw.name, self.spec.name, f"emitted more than {self.mw.policy.max_items} items in one call"
+                    self.mw.name, self.spec.name, f"emitted more than {policy.max_items} items in one call"
+                )
+            if (size := emit.item.ByteSize()) > policy.max_item_bytes:  # it would reach a client in one piece
+                raise OutputLimitExceeded(
+                    self.mw.name, self.spec.name, f"emitted an item of {size} bytes (limit {policy.max_item_bytes})"
                 )
             try:
                 item = codec.decode_item(emit.item)
@@ -583,6 +588,11 @@ class HookCall:
         self.mw.check_mutation(op, self.spec.name)  # its permissions (security: client.py)
         try:
             if op == "set_slot":
+                if (size := mutation.set_slot.ByteSize()) > self.mw.policy.max_item_bytes:  # state, not a store
+                    limit = self.mw.policy.max_item_bytes
+                    raise OutputLimitExceeded(
+                        self.mw.name, self.spec.name, f"set a slot of {size} bytes (limit {limit})"
+                    )
                 value = value_to_json(mutation.set_slot)
                 if value is None:
                     state.middle_context.pop(key, None)

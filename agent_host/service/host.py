@@ -71,6 +71,9 @@ log = logging.getLogger("agentmw.host")
 
 QUEUE_SIZE = 256  # items a reply may run ahead of a slow client before it waits
 BATCH = 64  # items at most in one ReplyEvent
+# Bytes at most in one ReplyEvent of several items: far below the 4 MiB a gRPC client accepts by
+# default, however large the items are that came at once (one item alone may take more: host.proto).
+BATCH_BYTES = 1024 * 1024
 # Seconds an interrupted reply may take to wind down (its end flows out through every on_reply
 # middleware) before it is cut off: a middleware that keeps the reply going cannot keep the host busy.
 INTERRUPT_GRACE = 5.0
@@ -476,7 +479,11 @@ class Host:
                 mc.address,
                 name=mc.name or None,
                 policy=Policy(
-                    fail_open=mc.fail_open, timeout=mc.timeout, max_items=mc.max_items, max_bytes=mc.max_bytes
+                    fail_open=mc.fail_open,
+                    timeout=mc.timeout,
+                    max_items=mc.max_items,
+                    max_bytes=mc.max_bytes,
+                    max_item_bytes=mc.max_item_bytes,
                 ),
                 access=self._access(mc),
             )

@@ -30,7 +30,7 @@ from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, S
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
-from .host import WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
+from .host import BATCH_BYTES, WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
 
 log = logging.getLogger("agentmw.host")
 
@@ -84,7 +84,11 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
                 event = host_pb2.ReplyEvent(session_id=session_id)
                 for item in batch:
                     codec.encode_item(item, event.items.add())
-                yield event
+                if len(batch) == 1 or event.ByteSize() <= BATCH_BYTES:  # the usual case: one size check
+                    yield event
+                else:
+                    for part in _split(event):
+                        yield part
         except ReplyRejected as exc:
             await abort(context, exc.code, str(exc))
         finally:
@@ -183,6 +187,21 @@ async def _per_host_middleware(host: Host, context: grpc.aio.ServicerContext) ->
             "this host shares its session store with other hosts: attach and detach would change one host only; "
             "change the middleware in every host's configuration and restart them one by one (they drain)",
         )
+
+
+def _split(event: host_pb2.ReplyEvent) -> list[host_pb2.ReplyEvent]:
+    """A ReplyEvent of several items over BATCH_BYTES as several, in order, each within it (an item
+    larger than that alone goes alone): what came at once never adds up to a message a client refuses."""
+    parts = [host_pb2.ReplyEvent(session_id=event.session_id)]
+    size = 0
+    for item in event.items:
+        n = item.ByteSize()
+        if parts[-1].items and size + n > BATCH_BYTES:
+            parts.append(host_pb2.ReplyEvent(session_id=event.session_id))
+            size = 0
+        parts[-1].items.add().CopyFrom(item)
+        size += n
+    return parts
 
 
 async def _watch_cancel(request_iterator: Any, run: ReplyRun) -> None:

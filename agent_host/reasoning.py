@@ -189,7 +189,12 @@ class Reasoning(AgentBase):
         async def attempt(model_id: str) -> tuple[Any, str]:
             self._models_used: list[str] = []
             result = await self._model_chain(
-                self, current_model=self.models.get(model_id), messages=messages, tools=tools, tool_choice=tool_choice
+                self,
+                current_model=self.models.get(model_id),
+                messages=messages,
+                tools=tools,
+                tool_choice=tool_choice,
+                parameters=None,  # every key of the hook is present (hooks.py), as a remote layer gets them
             )
             return result, (self._models_used[-1] if self._models_used else model_id)
 

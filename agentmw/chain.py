@@ -4,7 +4,9 @@ A layer is anything with the hook's method, ``hook(agent=, input_kwargs=, next_h
 onions and ``hook(agent, prompt)`` for the transformer: an in-process ``MiddlewareBase`` or a
 ``RemoteMiddleware`` proxy. The first layer is outermost. ``next_handler(**overrides)`` merges
 the overrides over the kwargs dict the layer received (as it is at call time, so in-place edits
-count) and runs the rest of the chain anew each time it is called.
+count) and runs the rest of the chain anew each time it is called. Every layer and the core get
+every parameter of the hook: one not passed, or deleted from ``input_kwargs``, is None (cleared),
+as a remote layer gets it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Chain:
         self.spec: HookSpec = HOOKS[hook]
         self.layers = list(layers)
         self.core = core
+        self.unset: dict[str, Any] = dict.fromkeys(sorted(self.spec.params))  # every parameter, None
 
     def __call__(self, agent: Any, **params: Any) -> Any:
         """Run the chain: returns what the outermost layer returns (generator, awaitable)."""
@@ -53,6 +56,8 @@ class Chain:
         return self._run(agent, 0, params)
 
     def _run(self, agent: Any, index: int, params: dict[str, Any]) -> Any:
+        if len(params) < len(self.unset):  # one not passed or deleted: None (a length check per call)
+            params = {**self.unset, **params}
         if index == len(self.layers):
             return self.core(**params)
         input_kwargs = dict(params)

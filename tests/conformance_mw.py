@@ -917,3 +917,53 @@ class ReadsOuterSlot(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (SlotAfterYield, ReadsOuterSlot)})
+
+
+# -- fidelity of the kwargs (every key present, a deleted key cleared) ----------------------------
+
+
+class KwargKeys(MiddlewareBase):
+    """Records, for each onion hook, its input_kwargs' keys (each hook's every parameter); reads
+    on_model_call's ``parameters`` by ``[]``, as the hook table allows. Then passes through."""
+
+    def _note(self, agent: Any, hook: str, input_kwargs: Any) -> None:
+        agent.state.middle_context.setdefault("KwargKeys", {})[hook] = sorted(input_kwargs)
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        self._note(agent, "on_reply", input_kwargs)
+        async for item in next_handler():
+            yield item
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        self._note(agent, "on_reasoning", input_kwargs)
+        async for item in next_handler():
+            yield item
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        self._note(agent, "on_acting", input_kwargs)
+        async for item in next_handler():
+            yield item
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        self._note(agent, "on_check_permission", input_kwargs)
+        return await next_handler()
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        self._note(agent, "on_model_call", input_kwargs)
+        params = dict(input_kwargs["parameters"] or {})  # the hook table: present, None when unset
+        return await next_handler(parameters={**params, "temperature": 0})
+
+    async def on_compress_context(self, agent, input_kwargs, next_handler):
+        self._note(agent, "on_compress_context", input_kwargs)
+        await next_handler()
+
+
+class DeletesTools(MiddlewareBase):
+    """Deletes ``tools`` from on_model_call's input_kwargs: the model gets none (cleared)."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        del input_kwargs["tools"]
+        return await next_handler()
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (KwargKeys, DeletesTools)})

@@ -14,7 +14,11 @@ from typing import Any
 
 import pytest
 
+from agentmw.hooks import HOOKS, Kind
+
 from .harness import Layer, Scenario, Servers, final_text, kinds, run
+
+ONION_HOOKS = {name: spec for name, spec in HOOKS.items() if spec.kind is not Kind.TRANSFORM}
 
 EVERY_HOOK_SCRIPT = [
     {"tool_calls": [{"name": "add", "input": {"a": 2, "b": 3}}]},
@@ -384,10 +388,26 @@ def _ordered_custom_event(events, state):
     assert list(custom["value"]) == ["zeta", "alpha", "mid"] and list(custom["value"]["alpha"]) == ["y", "b"]
 
 
+def _every_kwarg_present(events, state):
+    """Each hook's input_kwargs holds every parameter of the hook table, None when unset (in-process,
+    on_model_call had no ``parameters``: ``input_kwargs["parameters"]`` raised KeyError)."""
+    assert state["middle_context"]["KwargKeys"] == {name: sorted(spec.params) for name, spec in ONION_HOOKS.items()}
+    assert final_text(events) == "Done: add returned 3."
+
+
+def _deleted_kwarg_cleared(events, state):
+    """A key deleted from input_kwargs reaches the core as None: the model got no tools (in-process,
+    the core was called without ``tools``: TypeError)."""
+    assert "ToolCallStartEvent" not in kinds(events)
+    assert final_text(events) == "You said: call add a=1 b=2"
+
+
 FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("acting_drained", [Layer("ActingAfterLoop")], message="call add a=1 b=2"), _acting_drained),
     (Scenario("tool_raises", [Layer("RaisingTool")], message="call RaisingTool__fragile text=x"), _tool_raises),
     (Scenario("ordered_custom_event", [Layer("OrderedCustomEvent")]), _ordered_custom_event),
+    (Scenario("every_kwarg_present", [Layer("KwargKeys")], message="call add a=1 b=2"), _every_kwarg_present),
+    (Scenario("deleted_kwarg_cleared", [Layer("DeletesTools")], message="call add a=1 b=2"), _deleted_kwarg_cleared),
 ]
 
 

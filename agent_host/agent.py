@@ -45,7 +45,7 @@ from agentmw.data import (
     UserInterruptEvent,
     new_id,
 )
-from agentmw.data.state import AgentState
+from agentmw.data.state import AgentState, checked_max_iters
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 
@@ -198,11 +198,12 @@ class Agent(Reasoning, Acting, Compression):
     @property
     def max_iters(self) -> int:
         """This reply's limit: a middleware's change (kept with the reply, across a pause) or the default."""
-        return self.state.reply_context.max_iters or self.default_max_iters
+        chosen = self.state.reply_context.max_iters
+        return self.default_max_iters if chosen is None else chosen  # 0 is a limit (AgentScope)
 
     @max_iters.setter
     def max_iters(self, value: int) -> None:
-        self.state.reply_context.max_iters = value
+        self.state.reply_context.max_iters = checked_max_iters(value)
         self.state.version += 1
 
     def set_model(self, model_id: str) -> None:

@@ -967,3 +967,23 @@ class DeletesTools(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (KwargKeys, DeletesTools)})
+
+
+class MaxItersZero(MiddlewareBase):
+    """At ReplyStartEvent: tries max_iters = -1 (refused at the assignment), then sets 0."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                try:
+                    agent.max_iters = -1
+                except ValueError as exc:
+                    agent.state.middle_context["MaxItersZero"] = {"refused": str(exc)}
+                agent.max_iters = 0
+                agent.state.middle_context["MaxItersZero"]["now"] = agent.max_iters
+            yield item
+
+
+MIDDLEWARE[MaxItersZero.__name__] = MaxItersZero

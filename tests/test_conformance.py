@@ -402,12 +402,23 @@ def _deleted_kwarg_cleared(events, state):
     assert final_text(events) == "You said: call add a=1 b=2"
 
 
+def _max_iters_zero(events, state):
+    """max_iters = 0 is taken as is, as AgentScope does: the forced final answer (no tools) at once,
+    ending EXCEED_MAX_ITERS; a negative one is refused at the assignment. (In-process, 0 meant the
+    default and the tool ran; remote, the host refused set_max_iters below 1 and the reply failed.)"""
+    assert state["middle_context"]["MaxItersZero"] == {"refused": "max_iters must be 0 or more, not -1", "now": 0}
+    assert "ToolCallStartEvent" not in kinds(events)
+    assert events[-2]["finished_reason"] == "exceed_max_iters"
+    assert final_text(events) == "You said: call add a=1 b=2"
+
+
 FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("acting_drained", [Layer("ActingAfterLoop")], message="call add a=1 b=2"), _acting_drained),
     (Scenario("tool_raises", [Layer("RaisingTool")], message="call RaisingTool__fragile text=x"), _tool_raises),
     (Scenario("ordered_custom_event", [Layer("OrderedCustomEvent")]), _ordered_custom_event),
     (Scenario("every_kwarg_present", [Layer("KwargKeys")], message="call add a=1 b=2"), _every_kwarg_present),
     (Scenario("deleted_kwarg_cleared", [Layer("DeletesTools")], message="call add a=1 b=2"), _deleted_kwarg_cleared),
+    (Scenario("max_iters_zero", [Layer("MaxItersZero")], message="call add a=1 b=2"), _max_iters_zero),
 ]
 
 

@@ -624,9 +624,7 @@ class HookCall:
                     raise self._violation("set_cur_iter below 0")
                 state.cur_iter = mutation.set_cur_iter
             elif op == "set_max_iters":
-                if mutation.set_max_iters < 1:
-                    raise self._violation("set_max_iters below 1")
-                agent.max_iters = mutation.set_max_iters
+                agent.max_iters = mutation.set_max_iters  # checked as in-process (ValueError below)
             else:
                 raise self._violation("an empty mutation")
         except (CodecError, KeyError, TypeError, ValueError) as exc:

@@ -23,12 +23,21 @@ class ReplyContext:
     # cleared when it ends.
     model_id: str | None = None
     # A max_iters a middleware set for this reply (``agent.max_iters = n``); None = the agent's own.
+    # Taken as is, as AgentScope does: 0 asks for the final answer at once (docs/behaviour.md).
     max_iters: int | None = None
 
     @property
     def structured_output_pending(self) -> bool:
         """A structured output is required and not generated yet (a remote view has the same name)."""
         return self.structured_schema is not None and self.structured_output is None
+
+
+def checked_max_iters(value: int) -> int:
+    """``agent.max_iters = value``, in-process and in a remote view alike: any count of iterations,
+    0 included (AgentScope takes it as is: the forced final answer comes at once)."""
+    if value < 0:
+        raise ValueError(f"max_iters must be 0 or more, not {value}")
+    return value
 
 
 class _ReplyIds(Protocol):

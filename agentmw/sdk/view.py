@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentmw.codec import codec, json_to_value, value_to_json
 from agentmw.data import ContentBlock, ModelRef, Msg, Role
-from agentmw.data.state import ReplyFields
+from agentmw.data.state import ReplyFields, checked_max_iters
 from agentmw.v1 import hooks_pb2
 
 from .snapshot import snapshot, unchanged
@@ -357,7 +357,7 @@ class AgentView:
 
     @max_iters.setter
     def max_iters(self, value: int) -> None:
-        self._max_iters = value
+        self._max_iters = checked_max_iters(value)  # raises here, as in-process
         self._session.mutate(hooks_pb2.Mutation(set_max_iters=value))
 
     @property

@@ -23,7 +23,6 @@ from agentmw.data import (
     TextBlock,
     ToolCallBlock,
     ToolCallState,
-    ToolChunk,
     ToolResponse,
     ToolResultEndEvent,
     ToolResultStartEvent,
@@ -32,9 +31,11 @@ from agentmw.data import (
     UserConfirmResultEvent,
 )
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError
+from agentmw.wire import EMITTABLE
 
 from .agent_base import AgentBase, ReplyError
 from .chunk_events import tool_chunk_events, tool_output_events
+from .reply_grammar import blame_of
 
 log = logging.getLogger("agentmw.agent")
 
@@ -166,9 +167,9 @@ class Acting(AgentBase):
                     if isinstance(item, ToolResponse):
                         response = item
                         break
-                    if isinstance(item, ToolChunk):
-                        for event in tool_chunk_events(reply_id, call.id, item):
-                            yield event
+                    self._check_acting_item(item)
+                    for event in tool_chunk_events(reply_id, call.id, item):
+                        yield event
             except asyncio.CancelledError:  # the tool run was interrupted (docs/behaviour.md#interruption)
                 if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
                     raise
@@ -196,14 +197,25 @@ class Acting(AgentBase):
     async def _drain_acting(self, items: AsyncIterator[Any], call: ToolCallBlock) -> None:
         """Run the on_acting chain to its end once its result is saved and announced, as AgentScope
         drains it: code after a middleware's loop (a span's end, an audit record) runs, in-process
-        and remote alike. A call has one result, the first ToolResponse: items after it are dropped
-        (docs/behaviour.md#acting). Middleware code, not core work: an interruption does not cut it."""
+        and remote alike. A call has one result, the first ToolResponse: tool items after it are
+        dropped, any other item fails the reply as before it (docs/behaviour.md#acting). Middleware
+        code, not core work: an interruption does not cut it."""
         async for item in items:
+            self._check_acting_item(item)
             log.warning(
                 "on_acting yielded a %s after the ToolResponse of call %s (%s): dropped",
                 type(item).__name__,
                 call.id,
                 call.name,
+            )
+
+    def _check_acting_item(self, item: Any) -> None:
+        """on_acting yields only ToolChunks and ToolResponses: anything else fails the reply, naming
+        the layers, as a remote layer's emit of it is a protocol violation (wire.EMITTABLE)."""
+        if type(item) not in EMITTABLE["on_acting"]:
+            blame = blame_of(self.layers["on_acting"], "on_acting")
+            raise ReplyError(
+                f"the tool call broke the hook contract ({blame}): on_acting cannot yield {type(item).__name__}"
             )
 
     async def _acting_impl(self, tool_call: ToolCallBlock) -> AsyncIterator[Any]:

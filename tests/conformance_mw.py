@@ -987,3 +987,15 @@ class MaxItersZero(MiddlewareBase):
 
 
 MIDDLEWARE[MaxItersZero.__name__] = MaxItersZero
+
+
+class ActingYieldsCustom(MiddlewareBase):
+    """on_acting yields a CustomEvent, which is no tool item, before the tool's own."""
+
+    async def on_acting(self, agent, input_kwargs, next_handler):
+        yield CustomEvent(name="acting_note", value={}, reply_id=agent.state.reply_id)
+        async for item in next_handler():
+            yield item
+
+
+MIDDLEWARE[ActingYieldsCustom.__name__] = ActingYieldsCustom

@@ -422,9 +422,12 @@ FIDELITY_CASES: list[tuple[Scenario, Check]] = [
 ]
 
 
+ACTING_YIELDS_CUSTOM = Scenario("acting_yields_custom", [Layer("ActingYieldsCustom")], message="call add a=1 b=2")
+
+
 @pytest.fixture(scope="module")
 def fidelity_servers():
-    started = Servers([scenario for scenario, _ in FIDELITY_CASES])
+    started = Servers([*(scenario for scenario, _ in FIDELITY_CASES), ACTING_YIELDS_CUSTOM])
     yield started
     started.stop()
 
@@ -436,6 +439,35 @@ async def test_fidelity_same_in_process_and_remote(scenario: Scenario, check: Ch
     check(local_events, local_state)
     check(remote_events, remote_state)  # each placement on its own: key order is not seen by ==
     assert remote_events == local_events and remote_state == local_state
+
+
+async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_remotely(
+    fidelity_servers: Servers,
+) -> None:
+    """on_acting yields only ToolChunks and a ToolResponse: a CustomEvent fails the reply, naming
+    the middleware and the hook, in-process as remotely (a protocol violation). In-process it was
+    dropped and the tool ran."""
+    scenario = ACTING_YIELDS_CUSTOM
+    local_events, local_state = await run(scenario, ["local"], None)
+    remote_events, remote_state = await run(scenario, ["remote"], fidelity_servers)
+    assert kinds(remote_events) == kinds(local_events)
+    assert kinds(local_events)[-5:] == [
+        "ToolResultStartEvent",
+        "ToolResultTextDeltaEvent",
+        "ToolResultEndEvent",
+        "ReplyEndEvent",
+        "Msg",
+    ]
+    local_error, remote_error = local_events[-2]["error"]["message"], remote_events[-2]["error"]["message"]
+    assert local_error == (
+        "ReplyError: the tool call broke the hook contract (on_acting middleware 'ActingYieldsCustom'): "
+        "on_acting cannot yield CustomEvent"
+    )
+    assert remote_error.endswith(
+        "middleware 'ActingYieldsCustom' failed in on_acting: protocol violation: on_acting cannot yield CustomEvent"
+    )
+    assert states_compared(remote_state)["context"][-1]["error"] == states_compared(local_state)["context"][-1]["error"]
+    assert "3" not in [e.get("delta") for e in local_events]  # the tool did not run
 
 
 # -- fidelity, SDK side: each scenario fails remotely without the fix it names -------------------

@@ -999,3 +999,40 @@ class ActingYieldsCustom(MiddlewareBase):
 
 
 MIDDLEWARE[ActingYieldsCustom.__name__] = ActingYieldsCustom
+
+
+# -- the view shows the middleware's own changes at once, as in-process ---------------------------
+
+
+class SetModelThenRead(MiddlewareBase):
+    """Chooses the backup model, then reads ``agent.model``."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        agent.set_model("backup")
+        yield CustomEvent(name="model_now", value={"id": agent.model.id}, reply_id=agent.state.reply_id)
+        async for item in next_handler():
+            yield item
+
+
+class ChangeContextThenRead(MiddlewareBase):
+    """In the first step: appends a hint, appends another to the tail, removes the first, reading
+    ``agent.state.context`` after each."""
+
+    subscriptions = {"on_reasoning": subscribe(wants_context=True)}
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        if agent.state.cur_iter == 0:
+            context = agent.state.context
+            seen = [len(context)]
+            agent.state.append_context(agent.name, [HintBlock(hint="one")])
+            seen.append([len(context), [b.hint for b in context[-1].content]])
+            agent.state.append_to_last_assistant(agent.name, [HintBlock(hint="two")])
+            seen.append([len(context), [b.hint for b in context[-1].content]])
+            agent.state.remove_block(context[-1].content[0].id)
+            seen.append([len(context), [b.hint for b in context[-1].content]])
+            yield CustomEvent(name="context_now", value={"seen": seen}, reply_id=agent.state.reply_id)
+        async for item in next_handler():
+            yield item
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (SetModelThenRead, ChangeContextThenRead)})

@@ -545,6 +545,24 @@ def _observe_deltas_intercept_end(events, state):
     assert kinds(events).count("TextBlockEndEvent") == 1 and kinds(events)[-1] == "Msg"
 
 
+def _custom(events, name):
+    return next(e["value"] for e in events if e["class"] == "CustomEvent" and e["name"] == name)
+
+
+def _set_model_then_read(events, state):
+    """After ``agent.set_model(id)``, ``agent.model`` is that model (remotely: it was the old one
+    until the host sent its state again)."""
+    assert _custom(events, "model_now") == {"id": "backup"}
+    assert final_text(events) == "B: hello there"
+
+
+def _change_context_then_read(events, state):
+    """The context shows the middleware's own appends and removal at once (remotely: not until the
+    host sent its state again)."""
+    assert _custom(events, "context_now") == {"seen": [1, [2, ["one"]], [2, ["one", "two"]], [2, ["two"]]]}
+    assert [b["hint"] for b in state["context"][1]["content"] if b["class"] == "HintBlock"] == ["two"]
+
+
 SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
     (Scenario("in_place_append_message", [Layer("InPlaceAppendMessage")]), _in_place_append_message),
@@ -570,6 +588,15 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
         _catch_model_error,
     ),
     (Scenario("slot_from_two_hooks", [Layer("SlotFromTwoHooks")], message="call add a=1 b=2"), _slot_from_two_hooks),
+    (
+        Scenario(
+            "set_model_then_read",
+            [Layer("SetModelThenRead")],
+            models={"main": {}, "backup": {"reply_template": "B: {text}"}},
+        ),
+        _set_model_then_read,
+    ),
+    (Scenario("change_context_then_read", [Layer("ChangeContextThenRead")]), _change_context_then_read),
     (
         Scenario("observe_last_uses_grant", [Layer("ObserveCounter")], models={"main": {"reply_template": WORDS_25}}),
         _observe_last_uses_grant,

@@ -333,3 +333,39 @@ async def test_a_stopping_server_lets_the_middleware_finish_its_background_work(
         assert mark.read_text() == "flushed", proc.tail()
     finally:
         proc.stop()
+
+
+class _StubSession:
+    """What an AgentView asks of its HookSession: the messages sent, a queue of mutations."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.mutations: list[hooks_pb2.Mutation] = []
+
+    def mutate(self, mutation: hooks_pb2.Mutation) -> None:
+        self.mutations.append(mutation)
+
+    def sync_state(self) -> None:
+        pass
+
+
+def _host_state(model_id: str, max_iters: int, applied: int) -> hooks_pb2.HookContext:
+    ctx = hooks_pb2.HookContext(max_iters=max_iters, applied=applied)
+    ctx.model.id, ctx.model.provider = model_id, "offline"
+    return ctx
+
+
+def test_the_view_keeps_its_own_change_over_host_state_taken_before_the_host_read_it() -> None:
+    session: Any = _StubSession()
+    view = AgentView(session, "Key")
+    session.view = view
+    view.refresh(_host_state("main", 10, applied=0))
+    view.set_model("backup")
+    view.max_iters = 3
+    assert (view.model.id, view.model.provider, view.max_iters) == ("backup", "", 3)  # the id alone, at once
+    assert [m.WhichOneof("op") for m in session.mutations] == ["set_model", "set_max_iters"]
+    view.refresh(_host_state("main", 10, applied=0))  # sent before the host read our message: stale
+    assert (view.model.id, view.max_iters) == ("backup", 3)
+    session.sent = 1
+    view.refresh(_host_state("backup", 3, applied=1))  # the host's state once it applied them
+    assert (view.model.id, view.model.provider, view.max_iters) == ("backup", "offline", 3)

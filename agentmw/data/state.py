@@ -90,10 +90,7 @@ class AgentState(ReplyFields):
 
     def reply_message(self, name: str) -> Msg | None:
         """The tail message if it is this reply's assistant message."""
-        tail = self.context[-1] if self.context else None
-        if tail and tail.role == Role.ASSISTANT and tail.name == name and tail.id == self.reply_id:
-            return tail
-        return None
+        return reply_message(self.context, self.reply_id, name)
 
     def append_message(self, msg: Msg) -> None:
         """Append a message to the context, checked against the role rules (``Msg.check_role``:
@@ -104,30 +101,55 @@ class AgentState(ReplyFields):
 
     def append_context(self, name: str, blocks: Sequence[ContentBlock]) -> Msg:
         """Append blocks to this reply's assistant message, creating it when the tail is not it."""
-        msg = self.reply_message(name)
-        if msg is None:
-            msg = Msg(name=name, content=[], role=Role.ASSISTANT, id=self.reply_id)
-            self.context.append(msg)
-        msg.content.extend(blocks)
+        msg = append_blocks(self.context, self.reply_id, name, blocks)
         self.version += 1
         return msg
 
     def append_to_last_assistant(self, name: str, blocks: list[ContentBlock]) -> Msg:
         """Append to the tail if it is an assistant message by ``name`` (any reply), else start this
         reply's message. (AgentScope's budget middleware uses this looser rule.)"""
-        tail = self.context[-1] if self.context else None
-        if tail is None or tail.role != Role.ASSISTANT or tail.name != name:
-            tail = Msg(name=name, content=[], role=Role.ASSISTANT, id=self.reply_id)
-            self.context.append(tail)
-        tail.content.extend(blocks)
+        msg = append_blocks(self.context, self.reply_id, name, blocks, any_reply=True)
         self.version += 1
-        return tail
+        return msg
 
     def remove_block(self, block_id: str) -> bool:
-        for msg in reversed(self.context):
-            for i, block in enumerate(msg.content):
-                if block.id == block_id:
-                    del msg.content[i]
-                    self.version += 1
-                    return True
-        return False
+        if remove_block(self.context, block_id) is None:
+            return False
+        self.version += 1
+        return True
+
+
+# The changes of a context that the host's state and a remote middleware's view of it (which
+# shows its own changes at once, as in-process) both make: one rule for both.
+
+
+def reply_message(context: Sequence[Msg], reply_id: str, name: str, *, any_reply: bool = False) -> Msg | None:
+    """The tail message if it is reply ``reply_id``'s assistant message by ``name`` (``any_reply``:
+    any assistant message by ``name``)."""
+    tail = context[-1] if context else None
+    if tail and tail.role == Role.ASSISTANT and tail.name == name and (any_reply or tail.id == reply_id):
+        return tail
+    return None
+
+
+def append_blocks(
+    context: list[Msg], reply_id: str, name: str, blocks: Sequence[ContentBlock], *, any_reply: bool = False
+) -> Msg:
+    """Append blocks to the tail when it is ``reply_message``, else to a new message of this reply;
+    returns that message."""
+    tail = reply_message(context, reply_id, name, any_reply=any_reply)
+    if tail is None:
+        tail = Msg(name=name, content=[], role=Role.ASSISTANT, id=reply_id)
+        context.append(tail)
+    tail.content.extend(blocks)
+    return tail
+
+
+def remove_block(context: Sequence[Msg], block_id: str) -> Msg | None:
+    """Remove the (latest) block ``block_id``; returns the message that held it, None if none did."""
+    for msg in reversed(context):
+        for i, block in enumerate(msg.content):
+            if block.id == block_id:
+                del msg.content[i]
+                return msg
+    return None

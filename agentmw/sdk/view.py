@@ -5,7 +5,10 @@ It offers the same names as the host's Agent, so middleware code runs unchanged 
 (this middleware's own slot only), ``agent.state.context`` (readable when the hook subscribed with
 ``wants_context``; ``append`` always works), ``agent.state.append_context(name, blocks)``,
 ``agent.state.append_to_last_assistant(name, blocks)``, ``agent.state.remove_block(id)``,
-``agent.set_model(id)``, ``agent.max_iters = n``.
+``agent.set_model(id)``, ``agent.max_iters = n``. The view shows these changes at once, as the
+host will make them (as in-process), and keeps them over host state taken before the host read
+them (``HookContext.applied``); ``agent.model`` after ``set_model`` has the id alone until the
+host's next state.
 
 In-place edits of ``agent.state.context`` that the view carries to the host (checked whenever the
 SDK sends a message, so before the next ``yield``, ``next_handler`` or return):
@@ -19,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from itertools import zip_longest
 from typing import TYPE_CHECKING, Any
 
 from agentmw.codec import codec, json_to_value, value_to_json
 from agentmw.data import ContentBlock, ModelRef, Msg, Role
-from agentmw.data.state import ReplyFields, checked_max_iters
+from agentmw.data.state import ReplyFields, append_blocks, checked_max_iters, remove_block
 from agentmw.v1 import hooks_pb2
 
 from .snapshot import snapshot, unchanged
@@ -239,7 +243,7 @@ class ContextView(list):
         mutation = hooks_pb2.Mutation()
         codec.encode(msg, mutation.append_message)
         self.shown.append(codec.decode(mutation.append_message))
-        self.session.mutate(mutation)
+        self.session.view.change(mutation)
 
     def extend(self, msgs: Any) -> None:
         for msg in msgs:
@@ -269,7 +273,25 @@ class ContextView(list):
             mutation = hooks_pb2.Mutation()
             _blocks(now.content[n:], mutation.append_blocks_to_tail)
             self.session.actions.append(hooks_pb2.Action(mutate=mutation))
+            self.session.view.note_change()
             self.shown[i] = codec.decode(codec.encode(now))
+
+    def mirror(self, change: Callable[[list[Msg]], Msg | None]) -> None:
+        """Show a change this middleware just sent (append_context, ...) at once, as the host will
+        make it, by the same rule (agentmw.data.state). ``shown`` takes a copy of the message it
+        changed, so that ``sync`` sees no in-place edit to carry."""
+        if not self.visible:
+            return
+        messages = list(list.__iter__(self))  # a plain list: ContextView.append would send it again
+        msg = change(messages)
+        list.__setitem__(self, slice(None), messages)
+        if msg is not None:
+            i = next(i for i in range(len(messages) - 1, -1, -1) if messages[i] is msg)
+            copied = codec.decode(codec.encode(msg))
+            if i == len(self.shown):
+                self.shown.append(copied)
+            else:
+                self.shown[i] = copied
 
     def _require(self) -> None:
         if not self.visible:
@@ -307,20 +329,28 @@ class StateView(ReplyFields):
         self.context = ContextView(session)
 
     def _cur_iter_changed(self, value: int) -> None:
-        self._session.mutate(hooks_pb2.Mutation(set_cur_iter=value))
+        self._session.view.change(hooks_pb2.Mutation(set_cur_iter=value))
+
+    # Each change is sent, and shown at once when the context is (the host applies it to the
+    # agent's name, whatever ``name`` says: the mutation does not carry one).
 
     def append_context(self, name: str, blocks: list[ContentBlock]) -> None:
         mutation = hooks_pb2.Mutation()
         _blocks(blocks, mutation.append_blocks)
-        self._session.mutate(mutation)
+        view = self._session.view
+        view.change(mutation)
+        self.context.mirror(lambda context: append_blocks(context, self.reply_id, view.name, blocks))
 
     def append_to_last_assistant(self, name: str, blocks: list[ContentBlock]) -> None:
         mutation = hooks_pb2.Mutation()
         _blocks(blocks, mutation.append_blocks_to_tail)
-        self._session.mutate(mutation)
+        view = self._session.view
+        view.change(mutation)
+        self.context.mirror(lambda context: append_blocks(context, self.reply_id, view.name, blocks, any_reply=True))
 
     def remove_block(self, block_id: str) -> None:
-        self._session.mutate(hooks_pb2.Mutation(remove_block=block_id))
+        self._session.view.change(hooks_pb2.Mutation(remove_block=block_id))
+        self.context.mirror(lambda context: remove_block(context, block_id))
 
 
 def _blocks(blocks: list[ContentBlock], out: Any) -> None:
@@ -347,6 +377,9 @@ class AgentView:
         self._max_iters = 0
         self._model: ModelRef | None = None
         self._model_msg: Any = None  # the host's ModelRef, decoded on first use of ``model``
+        # The message that carries our latest change of the state below (0: none in flight): host
+        # state taken before the host read it is older than what the view shows (``refresh``).
+        self._pending = 0
         self.state = StateView(session, key)
         # The host's W3C trace context for this call ("traceparent", ...), empty when it does not trace.
         self.trace_context: dict[str, str] = {}
@@ -357,18 +390,31 @@ class AgentView:
 
     @max_iters.setter
     def max_iters(self, value: int) -> None:
-        self._max_iters = checked_max_iters(value)  # raises here, as in-process
-        self._session.mutate(hooks_pb2.Mutation(set_max_iters=value))
+        self.change(hooks_pb2.Mutation(set_max_iters=checked_max_iters(value)))  # raises here, as in-process
+        self._max_iters = value
 
     @property
     def model(self) -> ModelRef | None:
-        """The agent's current model (as the host last sent it)."""
+        """The agent's current model: as the host last sent it, or the one ``set_model`` chose."""
         if self._model_msg is not None:
             self._model, self._model_msg = codec.decode(self._model_msg), None
         return self._model
 
     def set_model(self, model_id: str) -> None:
-        self._session.mutate(hooks_pb2.Mutation(set_model=model_id))
+        """Use a registered model for the rest of this reply. ``model`` is it at once: its id alone
+        (the view does not know the host's models) until the host next sends its state."""
+        self.change(hooks_pb2.Mutation(set_model=model_id))
+        model = self.model
+        if model is None or model.id != model_id:
+            self._model = ModelRef(id=model_id)
+
+    def change(self, mutation: hooks_pb2.Mutation) -> None:
+        """Send a change of the agent's state (the view shows it itself)."""
+        self._session.mutate(mutation)
+        self.note_change()
+
+    def note_change(self) -> None:
+        self._pending = self._session.sent + 1  # the next message written carries it
 
     def close(self) -> None:
         """The invocation ended: the view lets go of its session (no reference cycle is left), and a
@@ -380,16 +426,19 @@ class AgentView:
         self.name, self.description = ctx.agent_name, ctx.agent_description
         if ctx.trace_context:
             self.trace_context = dict(ctx.trace_context)
-        self._max_iters = ctx.max_iters
-        if ctx.HasField("model"):
-            self._model_msg = ctx.model
         state = self.state
         state.session_id = ctx.session_id
         state.reply_context.reply_id = ctx.reply_id
-        state.reply_context.cur_iter = ctx.cur_iter
         state.reply_context.structured_output_pending = ctx.structured_output_pending
         self._session.sync_state()  # local changes first: they must not be overwritten by older host state
         state.middle_context.load(value_to_json(ctx.slot) if ctx.HasField("slot") else None, ctx.applied)
+        if ctx.applied < self._pending:  # the host took this state before reading our latest change
+            return  # what the view shows stands (the host sends its state again once it changed)
+        self._pending = 0
+        self._max_iters = ctx.max_iters
+        if ctx.HasField("model"):
+            self._model_msg = ctx.model
+        state.reply_context.cur_iter = ctx.cur_iter
         if ctx.HasField("context"):
             state.context.load(ctx.context.messages)
             state.summary = ctx.summary

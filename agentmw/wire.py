@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from agentmw.v1 import hooks_pb2
 
 from .codec import CodecError, codec
-from .data import ChatResponse, ModelRef, Msg, PermissionDecision, ToolChunk, ToolResponse
+from .data import ChatResponse, ErrorType, ModelRef, Msg, PermissionDecision, ToolChunk, ToolResponse
 from .hooks import HookSpec
 from .tools import Tool
+
+_ERROR_TYPES = codec.enums["agentmw.v1.ErrorType"]  # ErrorType <-> its proto enum number
 
 # Credits for observed items per pull, and what an eager_next start grants (hooks.proto).
 DEFAULT_CREDITS = 32
@@ -81,6 +84,30 @@ def decode_result(msg: hooks_pb2.HookResult) -> Any:
     if which == "prompt":
         return msg.prompt
     return None
+
+
+def encode_error(exc: BaseException, out: hooks_pb2.Fail) -> hooks_pb2.Fail:
+    """An exception as Fail: its class name, message, and the attributes the host acts on
+    (``retryable``, ``error_type``), each only when the exception has it."""
+    out.type, out.message = type(exc).__name__, str(exc)
+    retryable = getattr(exc, "retryable", None)
+    if retryable is not None:
+        out.retryable = bool(retryable)
+    error_type = getattr(exc, "error_type", None)
+    if error_type is not None:
+        with contextlib.suppress(ValueError):  # not an ErrorType value: as if it had none
+            out.error_type = _ERROR_TYPES.to_number[ErrorType(error_type)]
+    return out
+
+
+def decode_error_attributes(fail: hooks_pb2.Fail) -> dict[str, Any]:
+    """The attributes of the exception behind ``fail`` that it had (see ``encode_error``)."""
+    attributes: dict[str, Any] = {}
+    if fail.HasField("retryable"):
+        attributes["retryable"] = fail.retryable
+    if fail.error_type:
+        attributes["error_type"] = _ERROR_TYPES.to_py[fail.error_type]
+    return attributes
 
 
 def model_override(value: Any) -> ModelRef:

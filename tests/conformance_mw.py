@@ -10,6 +10,7 @@ from agentmw.data import (
     AssistantMsg,
     ChatResponse,
     CustomEvent,
+    ErrorType,
     HintBlock,
     ModelCallEndEvent,
     Msg,
@@ -23,6 +24,7 @@ from agentmw.data import (
     ToolResponse,
     UserMsg,
 )
+from agentmw.errors import ModelError
 from agentmw.middleware import MiddlewareBase, Mode, subscribe
 from agentmw.tools import tool
 
@@ -349,6 +351,31 @@ class Raises(MiddlewareBase):
 
     async def on_reasoning(self, agent, input_kwargs, next_handler):
         raise ValueError("budget service says no")
+        yield  # pragma: no cover
+
+
+class QuotaGuard(MiddlewareBase):
+    """on_model_call refuses with a non-retryable ModelError of its own (a spent quota), counting
+    its calls: the model's retries must not call it again."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        key = await self.get_middleware_key()
+        calls = (agent.state.middle_context.get(key) or {"calls": 0})["calls"] + 1
+        agent.state.middle_context[key] = {"calls": calls}
+        raise ModelError("quota exhausted", error_type=ErrorType.RATE_LIMIT, retryable=False)
+
+
+class NotAllowed(Exception):
+    """An exception of the middleware's own that says what kind of error it is."""
+
+    error_type = ErrorType.PERMISSION
+
+
+class RaisesTyped(MiddlewareBase):
+    """Its code raises an exception carrying an error_type: the reply's error has that type."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        raise NotAllowed("not allowed for this user")
         yield  # pragma: no cover
 
 

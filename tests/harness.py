@@ -16,6 +16,7 @@ from typing import Any
 
 from agent_host.agent import Agent
 from agent_host.models import ModelRegistry, OfflineRuleModel
+from agent_host.models.retry import RetryPolicy
 from agent_host.remote import Policy, RemoteMiddleware
 from agentmw.data import Msg, UserMsg
 from agentmw.tools import Toolkit, add_middleware_tools, tool
@@ -52,6 +53,10 @@ class Scenario:
     models: dict[str, dict[str, Any]] = field(default_factory=lambda: {"main": {}})
     fallback: dict[str, list[str]] = field(default_factory=dict)
     max_iters: int = 10
+    max_retries: int = 0  # per model, with FAST_RETRY's waits
+
+
+FAST_RETRY = RetryPolicy(initial_delay=0.01, max_delay=0.01, deadline=5)
 
 
 class Servers:
@@ -78,7 +83,12 @@ async def run(scenario: Scenario, placement: list[str], servers: Servers | None)
     registry = ModelRegistry(default="main")
     for model_id, spec in scenario.models.items():
         spec = copy.deepcopy(spec)
-        registry.add(OfflineRuleModel(id=model_id, **spec), fallback=scenario.fallback.get(model_id, []))
+        registry.add(
+            OfflineRuleModel(id=model_id, **spec),
+            fallback=scenario.fallback.get(model_id, []),
+            max_retries=scenario.max_retries,
+            retry=FAST_RETRY,
+        )
     toolkit = Toolkit([add, get_weather])
     layers: list[Any] = []
     remotes: list[RemoteMiddleware] = []

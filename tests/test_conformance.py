@@ -122,6 +122,20 @@ def _raises(events, state):
     end = events[-2]
     assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
     assert "budget service says no" in end["error"]["message"]
+    assert end["error"]["type"] == "internal"  # a ValueError carries no error_type
+
+
+def _raises_typed(events, state):
+    """The reply's error type is the one the middleware's exception carries."""
+    end = events[-2]
+    assert end["error"]["type"] == "permission" and "not allowed for this user" in end["error"]["message"]
+
+
+def _not_retryable(events, state):
+    """A non-retryable ModelError raised by on_model_call itself is not retried (max_retries 2)."""
+    assert state["middle_context"]["QuotaGuard"] == {"calls": 1}
+    end = events[-2]
+    assert end["error"]["type"] == "rate_limit" and "quota exhausted" in end["error"]["message"]
 
 
 def _two_layers(events, state):
@@ -204,6 +218,8 @@ CASES: list[tuple[Scenario, Check]] = [
     (Scenario("append_memory_message", [Layer("AppendMemory")]), _memory),
     (Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"), _deny),
     (Scenario("middleware_raises", [Layer("Raises")]), _raises),
+    (Scenario("middleware_raises_typed", [Layer("RaisesTyped")]), _raises_typed),
+    (Scenario("model_call_raises_not_retryable", [Layer("QuotaGuard")], max_retries=2), _not_retryable),
     (Scenario("eager_next", [Layer("EagerPassThrough")], message="call add a=2 b=2"), _eager),
     (
         Scenario(
@@ -246,12 +262,13 @@ async def test_same_in_process_and_remote(scenario: Scenario, check: Check, serv
 
 
 def errors_compared(events: list) -> list:
-    """Error infos reduced to the original message: a remote error adds where it came from."""
+    """Error infos reduced to their type and the original message: a remote error adds where it
+    came from to the message."""
     out = []
     for event in events:
         if event.get("error"):
             tail = event["error"]["message"].rsplit(": ", 1)[-1]
-            event = {**event, "error": tail}
+            event = {**event, "error": (event["error"]["type"], tail)}
             if event["class"] == "Msg":
                 event["content"] = tail
         out.append(event)
@@ -266,7 +283,11 @@ def states_compared(state: dict) -> dict:
         return {**block, "text": text.rsplit(": ", 1)[-1]} if text.startswith("The reply failed: ") else block
 
     context = [
-        {**m, "error": m["error"]["message"].rsplit(": ", 1)[-1], "content": [reduced(b) for b in m["content"]]}
+        {
+            **m,
+            "error": (m["error"]["type"], m["error"]["message"].rsplit(": ", 1)[-1]),
+            "content": [reduced(b) for b in m["content"]],
+        }
         if m.get("error")
         else m
         for m in state["context"]

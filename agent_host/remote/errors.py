@@ -3,6 +3,8 @@ and the protocol (HookCall) without either importing the other's module for them
 
 from __future__ import annotations
 
+from typing import Any
+
 from agentmw.data import ErrorType
 
 __all__ = [
@@ -57,10 +59,12 @@ class ProtocolError(MiddlewareFailure):
 
 
 class RemoteMiddlewareError(RuntimeError):
-    """The middleware's own code raised; propagated as an in-process middleware's exception would."""
+    """The middleware's own code raised; propagated as an in-process middleware's exception would.
+    ``retryable`` and ``error_type`` are set only when that exception had them (hooks.proto, Fail),
+    so that whoever reads them with a default (retries, a failed reply's ErrorInfo) gets what it
+    would get from the exception in-process."""
 
-    error_type = ErrorType.UPSTREAM
-
-    def __init__(self, middleware: str, hook: str, type_name: str, message: str) -> None:
+    def __init__(self, middleware: str, hook: str, type_name: str, message: str, **attributes: Any) -> None:
         super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
         self.middleware, self.hook, self.type_name = middleware, hook, type_name
+        self.__dict__.update(attributes)

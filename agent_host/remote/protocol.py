@@ -27,6 +27,7 @@ from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
     EMITTABLE,
+    decode_error_attributes,
     decode_kwargs,
     decode_result,
     encode_kwargs,
@@ -374,7 +375,9 @@ class HookCall:
                     log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, fail.traceback[:8192])
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
-                raise RemoteMiddlewareError(mw.name, spec.name, fail.type or "Exception", fail.message)
+                raise RemoteMiddlewareError(
+                    mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
+                )
 
     def _begin(self) -> hooks_pb2.HostMessage:
         """A new invocation's Begin (and its span, when the host traces); ``self.table`` is set."""

@@ -36,6 +36,7 @@ from agentmw.wire import (
     DEFAULT_CREDITS,
     decode_kwarg,
     decode_result,
+    encode_error,
     encode_kwargs,
     encode_result,
     model_override,
@@ -174,8 +175,7 @@ class HookSession:
             return
         except Exception as exc:
             fail = hooks_pb2.MiddlewareMessage()
-            fail.fail.type = type(exc).__name__
-            fail.fail.message = str(exc)
+            encode_error(exc, fail.fail)
             fail.fail.from_inner = exc is self.last_inner_error
             if not fail.fail.from_inner:
                 log.exception("%s raised in %s", type(self.mw).__name__, self.spec.name)

@@ -70,6 +70,8 @@ def decode_kwarg(spec: HookSpec, msg: hooks_pb2.Kwargs, name: str) -> Any:
 def encode_result(value: Any, out: hooks_pb2.HookResult) -> hooks_pb2.HookResult:
     if isinstance(value, PermissionDecision):
         codec.encode(value, out.permission_decision)
+    elif isinstance(value, ChatResponse):  # on_model_call returned one response, not a stream
+        codec.encode(value, out.chat_response)
     elif isinstance(value, str):
         out.prompt = value
     elif value is not None:
@@ -83,6 +85,8 @@ def decode_result(msg: hooks_pb2.HookResult) -> Any:
         return codec.decode(msg.permission_decision)
     if which == "prompt":
         return msg.prompt
+    if which == "chat_response":
+        return codec.decode(msg.chat_response)
     return None
 
 

@@ -379,6 +379,34 @@ class RaisesTyped(MiddlewareBase):
         yield  # pragma: no cover
 
 
+class ReturnsResponse(MiddlewareBase):
+    """on_model_call short-circuits with one whole ChatResponse (not a stream)."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        return ChatResponse(content=[TextBlock(text="canned reply")], is_last=True)
+
+
+class ReturnsLastChunk(MiddlewareBase):
+    """on_model_call reads the inner stream and returns its last chunk, the whole response."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        last = None
+        async for chunk in await next_handler():
+            last = chunk
+        return last
+
+
+class ModelValueSeen(MiddlewareBase):
+    """on_model_call notes what next_handler() returned (a stream, or one ChatResponse) and
+    returns it as it is."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        value = await next_handler()
+        seen = "ChatResponse" if isinstance(value, ChatResponse) else "stream"
+        agent.state.middle_context[await self.get_middleware_key()] = {"returned": seen}
+        return value
+
+
 class Sleeper(MiddlewareBase):
     """Never answers: sleeps before calling next."""
 
@@ -472,6 +500,9 @@ class DetachedWatcher(MiddlewareBase):
 
     async def on_model_call(self, agent, input_kwargs, next_handler):
         stream = await next_handler()
+        if isinstance(stream, ChatResponse):  # the inner pipeline returned one response
+            self._count(agent, "on_model_call:returned", stream)
+            return stream
 
         async def watch():
             async for chunk in stream:

@@ -131,6 +131,26 @@ def _raises_typed(events, state):
     assert end["error"]["type"] == "permission" and "not allowed for this user" in end["error"]["message"]
 
 
+def _returns_response(events, state):
+    """A ChatResponse returned by on_model_call is the call's answer: its text streams as blocks."""
+    names = kinds(events)
+    start, end = names.index("ModelCallStartEvent"), names.index("ModelCallEndEvent")
+    assert names[start + 1 : end] == ["TextBlockStartEvent", "TextBlockDeltaEvent", "TextBlockEndEvent"]
+    assert final_text(events) == "canned reply"
+
+
+def _returns_last_chunk(events, state):
+    """The inner stream's last chunk, returned: its whole text comes as one delta."""
+    assert [e["delta"] for e in events if e["class"] == "TextBlockDeltaEvent"] == ["You said: hello there"]
+    assert final_text(events) == "You said: hello there"
+
+
+def _response_through_outer(events, state):
+    """A layer over one that returns a ChatResponse gets that response from next_handler()."""
+    assert state["middle_context"]["ModelValueSeen"] == {"returned": "ChatResponse"}
+    _returns_response(events, state)
+
+
 def _not_retryable(events, state):
     """A non-retryable ModelError raised by on_model_call itself is not retried (max_retries 2)."""
     assert state["middle_context"]["QuotaGuard"] == {"calls": 1}
@@ -220,6 +240,12 @@ CASES: list[tuple[Scenario, Check]] = [
     (Scenario("middleware_raises", [Layer("Raises")]), _raises),
     (Scenario("middleware_raises_typed", [Layer("RaisesTyped")]), _raises_typed),
     (Scenario("model_call_raises_not_retryable", [Layer("QuotaGuard")], max_retries=2), _not_retryable),
+    (Scenario("model_call_returns_response", [Layer("ReturnsResponse")]), _returns_response),
+    (Scenario("model_call_returns_last_chunk", [Layer("ReturnsLastChunk")]), _returns_last_chunk),
+    (
+        Scenario("model_call_response_through_outer", [Layer("ModelValueSeen"), Layer("ReturnsResponse")]),
+        _response_through_outer,
+    ),
     (Scenario("eager_next", [Layer("EagerPassThrough")], message="call add a=2 b=2"), _eager),
     (
         Scenario(

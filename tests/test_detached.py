@@ -216,6 +216,42 @@ async def test_a_watcher_over_a_layer_that_returns_a_plain_iterator() -> None:
         proc.stop()
 
 
+async def test_a_watcher_over_a_layer_that_returns_a_response_sees_it_returned() -> None:
+    """The layer inside the watcher returns one ChatResponse, not a stream: the watcher's
+    next_handler() returns it, as in-process (not a stream of one chunk), and the reply is that
+    of the layer alone."""
+    from tests.conformance_mw import DetachedWatcher, ReturnsResponse
+
+    proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()
+    try:
+        remote = await RemoteMiddleware(proc.address).connect()
+        replies = []
+        for watcher in (DetachedWatcher(), remote):
+            toolkit = Toolkit([])
+            await add_middleware_tools(toolkit, watcher)
+            agent = Agent(model=OfflineRuleModel(), toolkit=toolkit, middlewares=[watcher, ReturnsResponse()])
+            async with asyncio.timeout(30):
+                items = [item async for item in agent.reply_stream(UserMsg("hi"))]
+                call = ToolCallBlock(
+                    id="s",
+                    name="DetachedWatcher__watch_stats",
+                    input=json.dumps({"session_id": agent.state.session_id}),
+                )
+                stats: dict[str, int] = {}
+                while not any(k.startswith("on_model_call") for k in stats):  # copies arrive after the reply
+                    stats = json.loads([r async for r in toolkit.call_tool(call)][-1].content[0].text)
+                    await asyncio.sleep(0.02)
+            replies.append(([type(i).__name__ for i in items], items[-1].text))
+            assert {k: v for k, v in stats.items() if k.startswith("on_model_call")} == {
+                "on_model_call:returned:ChatResponse": 1
+            }, watcher
+        assert replies[0][1] == "canned reply" and "TextBlockDeltaEvent" in replies[0][0]
+        assert replies[1] == replies[0]
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 async def test_a_watcher_of_every_item_gets_a_long_reply_in_full() -> None:
     """Past a batch's worth of copies an invocation sends by itself as they come (not held)."""
     proc = middleware_server("tests.conformance_mw:DetachedWatcher").start()

@@ -565,3 +565,24 @@ async def test_a_middleware_that_stops_reading_cannot_stall_a_large_write(marker
     finally:
         marker.popen.send_signal(signal.SIGCONT)
     await remote.close()
+
+
+async def test_a_fail_open_bypass_of_on_model_call_keeps_a_response_returned_inside() -> None:
+    """A fail_open on_model_call that cannot be reached is bypassed; the layer inside it returns
+    one ChatResponse, which stays the call's answer (its text streams as blocks), as with no
+    middleware above it."""
+    from tests.conformance_mw import ReturnsResponse
+
+    proc = middleware_server("tests.conformance_mw:ModelValueSeen").start()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=2)).connect()
+    proc.stop()
+    agent = Agent(model=OfflineRuleModel(), middlewares=[remote, ReturnsResponse()])
+    items = await reply(agent, "hi")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED and items[-1].text == "canned reply"
+    assert [type(i).__name__ for i in items if "TextBlock" in type(i).__name__] == [
+        "TextBlockStartEvent",
+        "TextBlockDeltaEvent",
+        "TextBlockEndEvent",
+    ]
+    assert remote.bypasses == 1
+    await remote.close()

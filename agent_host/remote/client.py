@@ -23,7 +23,7 @@ import grpc
 import jsonschema
 
 from agentmw.codec import CodecError, codec, json_to_value
-from agentmw.data import ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
+from agentmw.data import ChatResponse, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
@@ -495,7 +495,9 @@ class RemoteMiddleware:
     async def on_compress_context(self, agent: Any, input_kwargs: dict, next_handler: Any) -> None:
         await self._call(HOOKS["on_compress_context"], agent, input_kwargs, next_handler).value()
 
-    async def on_model_call(self, agent: Any, input_kwargs: dict, next_handler: Any) -> AsyncIterator[Any]:
+    async def on_model_call(
+        self, agent: Any, input_kwargs: dict, next_handler: Any
+    ) -> AsyncIterator[Any] | ChatResponse:
         return await self._call(HOOKS["on_model_call"], agent, input_kwargs, next_handler).stream()
 
     async def on_system_prompt(self, agent: Any, prompt: str) -> str:

@@ -295,8 +295,9 @@ class Watch:
             return await call.stream()
         try:
             result = await call.next_handler()
-            if isinstance(result, ChatResponse):
-                async for _ in self.flow(begin, _single(result)):
+            if isinstance(result, ChatResponse):  # a value, not an item: its copy goes in InnerDone
+                call.inner_result = result
+                async for _ in self.flow(begin, _nothing()):
                     pass
                 return result
         except Exception as exc:
@@ -397,5 +398,6 @@ class Watch:
         metrics.hook_ended(call.mw, call.spec.name, self.started, exc)
 
 
-async def _single(item: Any) -> AsyncIterator[Any]:
-    yield item
+async def _nothing() -> AsyncIterator[Any]:
+    return
+    yield

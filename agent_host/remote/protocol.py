@@ -20,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from agentmw.chain import close, prepend
 from agentmw.codec import CodecError, codec, json_to_value, value_to_json
-from agentmw.data import ChatResponse, CustomEvent, ReplyStartEvent, new_id, now
+from agentmw.data import ChatResponse, CustomEvent, PermissionDecision, ReplyStartEvent, new_id, now
 from agentmw.hooks import HookSpec, Kind
 from agentmw.subscriptions import Mode, SubscriptionTable
 from agentmw.v1 import hooks_pb2
@@ -64,7 +64,7 @@ class HookCall:
     call: Any = None
     inner: AsyncGenerator[Any, None] | None = None  # the open inner pipeline, as items
     inner_done: bool = False
-    inner_result: Any = None
+    inner_result: Any = None  # a CALL hook's inner value; on_model_call's inner ChatResponse, if one was returned
     inner_exc: BaseException | None = None
     pending: Any = None  # the intercepted item the middleware holds now (until emitted)
     seq: int = 0  # items delivered (intercepted and observed) in this invocation
@@ -72,6 +72,7 @@ class HookCall:
     generation: int = 0  # which inner pipeline (call_next count)
     credits: int = 0
     result: Any = None
+    handed_stream: bool = False  # stream() returned a stream to the caller (not a ChatResponse)
     sent_fingerprint: tuple[int, int] | None = None
     sent_slot: Any = None  # the slot as last sent (in-process layers may edit it in place)
     applied: int = 0  # this invocation's middleware messages read (HookContext.applied)
@@ -113,8 +114,9 @@ class HookCall:
             return Watch(self).items()
         return self._guarded()
 
-    async def stream(self) -> AsyncIterator[Any]:
-        """on_model_call: run until the first chunk (so call-time errors raise here), then stream."""
+    async def stream(self) -> AsyncIterator[Any] | ChatResponse:
+        """on_model_call: run until the first chunk (so call-time errors raise here), then stream;
+        or, when the hook returned one ChatResponse before any chunk went out, that response."""
         table = self.mw.tables.get(self.spec.name)
         if self._skipped(table):
             return await self.next_handler()
@@ -124,10 +126,13 @@ class HookCall:
         try:
             first = await anext(gen)
         except StopAsyncIteration:
+            if isinstance(self.result, ChatResponse):
+                return self.result
             first = None
         except BaseException:
             await gen.aclose()
             raise
+        self.handed_stream = True
         return prepend(first, gen)
 
     async def value(self) -> Any:
@@ -176,6 +181,8 @@ class HookCall:
                 tracing.hook_bypassed(self.span, exc)
                 async for item in self._bypass(exc, record=not watcher):
                     yield item
+            if self.handed_stream and isinstance(self.result, ChatResponse):
+                yield self.result  # returned after chunks went out: the caller reads a stream (hooks.proto, finish)
         finally:
             tracing.end_hook_span(self.span, sys.exc_info()[1])
             metrics.hook_ended(self.mw, self.spec.name, started, sys.exc_info()[1])
@@ -423,9 +430,9 @@ class HookCall:
             if not isinstance(value, str):
                 raise self._violation("on_system_prompt must finish with a prompt")
         elif spec.name == "on_check_permission":
-            if value is None:
+            if not isinstance(value, PermissionDecision):
                 raise self._violation("on_check_permission must finish with a permission_decision")
-        elif value is not None:
+        elif value is not None and not (spec.kind is Kind.MODEL and isinstance(value, ChatResponse)):
             raise self._violation(f"{spec.name} must finish without a result (it sent {type(value).__name__})")
         return value
 
@@ -446,7 +453,7 @@ class HookCall:
         self.pending = None
         self.held_seq = 0
         self.inner_done = False
-        self.inner_exc = None
+        self.inner_result = self.inner_exc = None
         self.generation += 1
         self.inner = self._inner_items(overrides)
 
@@ -458,12 +465,9 @@ class HookCall:
         return self._value_items(overrides)
 
     async def _value_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        kind = self.spec.kind
         value = await self.next_handler(**overrides)
-        if kind is Kind.CALL:
+        if self.spec.kind is Kind.CALL or isinstance(value, ChatResponse):  # a value, sent in InnerDone
             self.inner_result = value
-        elif isinstance(value, ChatResponse):
-            yield value
         else:
             async for item in value:
                 yield item
@@ -501,7 +505,7 @@ class HookCall:
         msg = hooks_pb2.HostMessage(invocation=self.invocation)
         done = msg.inner_done
         done.inner = self.generation
-        if self.spec.kind is Kind.CALL:
+        if self.inner_result is not None:
             encode_result(self.inner_result, done.result)
         self._context(done.context)
         return msg

@@ -160,7 +160,10 @@ class HookSession:
             elif kind is Kind.MODEL:
                 value = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
                 if isinstance(value, ChatResponse):
-                    self.emit(value)
+                    # The hook's value, not a stream (hooks.proto, finish); an observed copy the host
+                    # forwarded already is not sent again.
+                    if self.observed.get(id(value)) is not value:
+                        result = value
                 else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
                     await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
@@ -226,6 +229,8 @@ class HookSession:
         try:
             first = await inner.__anext__()  # call-time errors raise here, as in-process
         except StopAsyncIteration:
+            if isinstance(inner.result, ChatResponse):
+                return inner.result  # the inner pipeline returned one response, not a stream
             first = None
         stream = prepend(first, inner)
         self.inner_streams.append(stream)

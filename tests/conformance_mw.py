@@ -396,6 +396,12 @@ class ReturnsLastChunk(MiddlewareBase):
         return last
 
 
+class ReturnsLastChunkBypassingDeltas(ReturnsLastChunk):
+    """ReturnsLastChunk that lets the deltas pass by (remotely they go out before its answer)."""
+
+    subscriptions = {"on_model_call": subscribe(intercept=["chat_response_final"], default=Mode.BYPASS)}
+
+
 class ModelValueSeen(MiddlewareBase):
     """on_model_call notes what next_handler() returned (a stream, or one ChatResponse) and
     returns it as it is."""

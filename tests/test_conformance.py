@@ -894,6 +894,25 @@ async def test_an_inner_layer_that_returns_a_plain_async_iterator_is_closed_with
     assert [d.delta for d in plain] == ["w0", "w1"]
 
 
+async def test_a_response_returned_after_bypassed_chunks_ends_the_stream_they_started() -> None:
+    """on_model_call returns the inner stream's last chunk, having let the deltas pass by: remotely
+    those went out first, so the host had handed out a stream, and the response returned is that
+    stream's last item (hooks.proto, finish). The reply ends with the model's answer (in-process,
+    with no declaration to act on, it is the returned response alone)."""
+    scenario = Scenario(
+        "last_chunk_bypassing_deltas",
+        [Layer("ReturnsLastChunkBypassingDeltas")],
+        models={"main": {"reply_template": "a b c"}},
+    )
+    started = Servers([scenario])
+    try:
+        events, _ = await run(scenario, ["remote"], started)
+    finally:
+        started.stop()
+    assert [e["delta"] for e in events if e["class"] == "TextBlockDeltaEvent"] == ["a ", "b ", "c"]
+    assert final_text(events) == "a b c" and events[-2]["finished_reason"] == "completed"
+
+
 RUN_AHEAD = Scenario("run_ahead", [Layer("MaxItersAtStart"), Layer("AfterYieldRunsAhead")])
 
 

@@ -513,7 +513,12 @@ async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_
     assert remote_error.endswith(
         "middleware 'ActingYieldsCustom' failed in on_acting: protocol violation: on_acting cannot yield CustomEvent"
     )
-    assert states_compared(remote_state)["context"][-1]["error"] == states_compared(local_state)["context"][-1]["error"]
+    # The same stored error but for its type: a protocol violation is the upstream middleware's
+    # failure (a remote-only kind, as unreachable and timeout are), a contract broken in-process
+    # the host program's own (internal).
+    local_type, local_text = states_compared(local_state)["context"][-1]["error"]
+    remote_type, remote_text = states_compared(remote_state)["context"][-1]["error"]
+    assert (local_type, remote_type, local_text) == ("internal", "upstream", remote_text)
     assert "3" not in [e.get("delta") for e in local_events]  # the tool did not run
 
 

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from agent_host.remote import RemoteMiddleware
 from agent_host.remote.client import CHANNEL_OPTIONS
 from agentmw.chain import Chain
 from agentmw.data import (
+    CustomEvent,
     PermissionBehavior,
     PermissionDecision,
     TextBlock,
@@ -332,6 +334,35 @@ async def test_a_stopping_server_lets_the_middleware_finish_its_background_work(
         assert proc.stop() == 0  # SIGTERM, with the flush still sleeping
         assert mark.read_text() == "flushed", proc.tail()
     finally:
+        proc.stop()
+
+
+async def test_a_stopping_server_ends_the_hosts_idle_streams_at_once() -> None:
+    """After a reply the host keeps the server's hook stream open, idle, to reuse it. SIGTERM ends
+    such a stream at once (the server exits well within its 5 s grace, nothing logged as an error),
+    and the host's next reply, to the restarted server, opens a new one. Before, the stop waited the
+    whole grace period for the idle stream, then cancelled it with a traceback logged."""
+    proc = middleware_server("tests.conformance_mw:Marker").start()
+    remote = await RemoteMiddleware(proc.address).connect()
+    try:
+        agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
+
+        async def reply() -> list[Any]:
+            async with asyncio.timeout(30):
+                return [item async for item in agent.reply_stream(UserMsg("hi"))]
+
+        await reply()
+        assert any(remote.idle.values()), "the host keeps the stream to reuse it"
+        started = time.monotonic()
+        assert proc.stop() == 0
+        assert time.monotonic() - started < 4.0, "the stop waited for an idle stream (grace: 5 s)"
+        log = proc.tail(200)
+        assert "Traceback" not in log and "ERROR" not in log, log
+        proc.start()
+        items = await reply()
+        assert [i.name for i in items if isinstance(i, CustomEvent)] == ["marker"]
+    finally:
+        await remote.close()
         proc.stop()
 
 

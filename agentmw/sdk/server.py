@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,14 +101,46 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             yield codec.encode_item(item)
 
 
-def _hook_handler(middleware: MiddlewareBase, key: str, hook: str) -> grpc.RpcMethodHandler:
+class _Streams:
+    """A server's hook streams that wait for their next invocation. The host keeps idle streams
+    open to reuse them; on stop they end at once, between invocations (the host then opens new
+    ones, to the next server), instead of each holding the stop for its whole grace period and
+    then being cancelled with an error logged. A stream inside an invocation finishes it first."""
+
+    def __init__(self) -> None:
+        self.idle: set[asyncio.Task[Any]] = set()
+        self.stopping = False
+
+    def stop(self) -> None:
+        self.stopping = True
+        for task in self.idle:
+            task.cancel()
+
+
+_streams: weakref.WeakKeyDictionary[grpc.aio.Server, _Streams] = weakref.WeakKeyDictionary()
+
+
+def _hook_handler(middleware: MiddlewareBase, key: str, hook: str, streams: _Streams) -> grpc.RpcMethodHandler:
     spec = HOOKS[hook]
 
     async def run(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         # One stream carries invocations one after another, each opened by a begin.
         reader = HostReader(context)
+        task = asyncio.current_task()
+        assert task is not None
         try:
-            while (begin := await reader.next_begin()) is not None:
+            while not streams.stopping:
+                streams.idle.add(task)
+                try:
+                    begin = await reader.next_begin()
+                except asyncio.CancelledError:
+                    if streams.stopping:  # the server stops: this idle stream ends, status OK
+                        return
+                    raise
+                finally:
+                    streams.idle.discard(task)
+                if begin is None:
+                    return
                 # The host's trace goes on in the author's code.
                 with tracing.continued(begin.begin.context.trace_context):
                     await HookSession(middleware, key, spec, context, reader).run(begin)
@@ -180,6 +213,7 @@ async def start(
     security = security or ServeSecurity()
     interceptors = [_HostToken(security.token_sha256)] if security.token_sha256 else []
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    streams = _streams[server] = _Streams()
     description = await describe(middleware)
     services = []
     for hook in description.hooks:
@@ -187,7 +221,7 @@ async def start(
         service = f"agentmw.v1.{HOOKS[name].service}"
         services.append(service)
         handler = grpc.method_handlers_generic_handler(
-            service, {"Run": _hook_handler(middleware, description.key, name)}
+            service, {"Run": _hook_handler(middleware, description.key, name, streams)}
         )
         server.add_generic_rpc_handlers((handler,))
     hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(description), server)
@@ -223,12 +257,21 @@ async def serve_async(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(grace)  # in-flight hook calls get ``grace`` seconds to finish
+    await stop_server(server, grace)
     try:  # then its background work gets as long (else it would be dropped with the event loop)
         async with asyncio.timeout(grace):
             await middleware.close()
     except TimeoutError:
         log.warning("%s did not finish its background work within %gs", type(middleware).__name__, grace)
+
+
+async def stop_server(server: grpc.aio.Server, grace: float | None) -> None:
+    """Stop a server ``start`` made: idle hook streams end at once, invocations in flight get
+    ``grace`` seconds to finish (then they are cancelled)."""
+    streams = _streams.get(server)
+    if streams is not None:
+        streams.stop()
+    await server.stop(grace)
 
 
 def serve(
@@ -249,4 +292,4 @@ def serve(
         raise SystemExit(f"agentmw middleware {type(middleware).__name__}: {exc}") from None
 
 
-__all__ = ["CannotListen", "ServeSecurity", "describe", "serve", "serve_async", "start"]
+__all__ = ["CannotListen", "ServeSecurity", "describe", "serve", "serve_async", "start", "stop_server"]

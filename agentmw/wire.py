@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from agentmw.v1 import hooks_pb2
 
@@ -90,9 +90,12 @@ def decode_result(msg: hooks_pb2.HookResult) -> Any:
     return None
 
 
-def encode_error(exc: BaseException, out: hooks_pb2.Fail) -> hooks_pb2.Fail:
-    """An exception as Fail: its class name, message, and the attributes the host acts on
-    (``retryable``, ``error_type``), each only when the exception has it."""
+_Encoded = TypeVar("_Encoded", hooks_pb2.Fail, hooks_pb2.InnerError)
+
+
+def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
+    """An exception as Fail or InnerError: its class name, message, and the attributes whoever
+    catches it acts on (``retryable``, ``error_type``), each only when the exception has it."""
     out.type, out.message = type(exc).__name__, str(exc)
     retryable = getattr(exc, "retryable", None)
     if retryable is not None:
@@ -109,9 +112,15 @@ def decode_error_attributes(fail: hooks_pb2.Fail) -> dict[str, Any]:
     attributes: dict[str, Any] = {}
     if fail.HasField("retryable"):
         attributes["retryable"] = fail.retryable
-    if fail.error_type:
-        attributes["error_type"] = _ERROR_TYPES.to_py[fail.error_type]
+    error_type = error_type_of(fail)
+    if error_type is not None:
+        attributes["error_type"] = error_type
     return attributes
+
+
+def error_type_of(msg: hooks_pb2.Fail | hooks_pb2.InnerError) -> ErrorType | None:
+    """The ErrorType an encoded exception carried, None when it had none."""
+    return cast(ErrorType, _ERROR_TYPES.to_py[msg.error_type]) if msg.error_type else None
 
 
 def model_override(value: Any) -> ModelRef:

@@ -817,7 +817,12 @@ class CatchModelError(MiddlewareBase):
         try:
             return await next_handler()
         except ModelError as exc:
-            seen = {"message": str(exc), "retryable": exc.retryable, "runtime": isinstance(exc, RuntimeError)}
+            seen = {
+                "message": str(exc),
+                "retryable": exc.retryable,
+                "error_type": exc.error_type.value,
+                "runtime": isinstance(exc, RuntimeError),
+            }
             agent.state.middle_context[await self.get_middleware_key()] = seen
             return await next_handler(current_model="backup")
 

@@ -572,10 +572,12 @@ def _after_yield_sees_outer(events, state):
 
 
 def _catch_model_error(events, state):
-    """The inner pipeline's ModelError is caught by class, with its message and retryability."""
+    """The inner pipeline's ModelError is caught by class, with its message, retryability and error
+    type (remote, the type was ModelError's default, unknown, before InnerError carried it)."""
     assert state["middle_context"]["CatchModelError"] == {
         "message": "main is throttled",
         "retryable": True,
+        "error_type": "rate_limit",
         "runtime": False,
     }
     assert final_text(events).startswith("backup answered")

@@ -30,6 +30,7 @@ from agentmw.wire import (
     decode_error_attributes,
     decode_kwargs,
     decode_result,
+    encode_error,
     encode_kwargs,
     encode_result,
     model_override,
@@ -512,9 +513,8 @@ class HookCall:
 
     def _error_message(self, exc: BaseException) -> hooks_pb2.HostMessage:
         msg = hooks_pb2.HostMessage(invocation=self.invocation)
-        err = msg.inner_error
-        err.type, err.message, err.inner = type(exc).__name__, str(exc), self.generation
-        err.retryable = bool(getattr(exc, "retryable", False))
+        err = encode_error(exc, msg.inner_error)
+        err.inner = self.generation
         self._context(err.context)
         return msg
 

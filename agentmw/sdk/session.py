@@ -27,7 +27,7 @@ import grpc
 
 from agentmw.chain import prepend
 from agentmw.codec import CodecError, codec, json_to_value
-from agentmw.data import ChatResponse
+from agentmw.data import ChatResponse, ErrorType
 from agentmw.errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError
 from agentmw.hooks import HookSpec, Kind
 from agentmw.tools import ToolInputError
@@ -39,6 +39,7 @@ from agentmw.wire import (
     encode_error,
     encode_kwargs,
     encode_result,
+    error_type_of,
     model_override,
 )
 
@@ -57,9 +58,11 @@ class InnerPipelineError(Exception):
     own class when it knows the name (see ``KNOWN_ERRORS``), so ``except RuntimeError`` or ``except
     ModelError`` match as they would in-process."""
 
-    def __init__(self, type_name: str, message: str, retryable: bool) -> None:
+    def __init__(self, type_name: str, message: str, retryable: bool, error_type: ErrorType | None = None) -> None:
         super().__init__(message)
         self.type_name, self.retryable = type_name, retryable
+        if error_type is not None:  # else the class's own, if it has one (ModelError's default)
+            self.error_type = error_type
 
 
 # Exception classes raised in the author's code by name: builtins and the host's own errors.
@@ -77,7 +80,9 @@ KNOWN_ERRORS.update(
 _error_classes: dict[str, type[InnerPipelineError]] = {}
 
 
-def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineError:
+def inner_error(
+    type_name: str, message: str, retryable: bool, error_type: ErrorType | None = None
+) -> InnerPipelineError:
     """The inner pipeline's exception as the author's code would see it in-process (as near as
     the SDK can tell from its name)."""
     cls = _error_classes.get(type_name)
@@ -93,7 +98,7 @@ def inner_error(type_name: str, message: str, retryable: bool) -> InnerPipelineE
     if known is not None and issubclass(cls, known):
         with contextlib.suppress(Exception):  # the class's own attributes (ModelError.error_type, ...)
             exc.__dict__.update(vars(known(message)))
-    InnerPipelineError.__init__(exc, type_name, message, retryable)
+    InnerPipelineError.__init__(exc, type_name, message, retryable, error_type)
     return exc
 
 
@@ -559,6 +564,6 @@ class InnerStream:
                 s.ended = True
                 raise StopAsyncIteration
             if which == "inner_error":
-                s.last_inner_error = inner_error(body.type, body.message, body.retryable)
+                s.last_inner_error = inner_error(body.type, body.message, body.retryable, error_type_of(body))
                 raise s.last_inner_error
             raise RuntimeError(f"unexpected {which} from the host")

@@ -309,7 +309,10 @@ class Codec:
                 if decoder is None:
                     return getattr(msg, name)
                 out: dict[str, Any] = {}
-                decoder(msg, out)
+                try:
+                    decoder(msg, out)
+                except KeyError as exc:  # as in _decode_fields
+                    raise CodecError(f"{msg.DESCRIPTOR.name}: unknown enum number {exc.args[0]!r}") from None
                 return out.get(name)
         raise CodecError(f"{msg.DESCRIPTOR.name} has no field {name!r}")
 
@@ -352,7 +355,10 @@ class Codec:
 
     def _decode_fields(self, msg: Message) -> dict[str, Any]:
         fns = self._fns_by_class.get(type(msg)) or self._fns_of(msg)
-        return fns[2](msg)
+        try:
+            return fns[2](msg)
+        except KeyError as exc:  # the enum maps' lookup: a number this version does not know
+            raise CodecError(f"{msg.DESCRIPTOR.name}: unknown enum number {exc.args[0]!r}") from None
 
     def _fns_of(self, msg: Message) -> _Functions:
         plan = self._plans_by_class.get(type(msg)) or self._plan_of(msg)

@@ -462,6 +462,125 @@ async def test_a_tool_chunk_over_the_item_limit_is_an_error_result(evil: Any, tm
     await remote.close()
 
 
+MB5 = "x" * 5_000_000
+USER_MSG = {"id": "m", "name": "user", "role": "ROLE_USER", "content": [{"text": {"id": "b", "text": MB5}}]}
+
+
+@pytest.mark.parametrize(
+    ("hook", "message", "says"),
+    [
+        (
+            "on_model_call",
+            {"finish": {"result": {"chatResponse": {"content": [{"text": {"text": MB5}}]}}}},
+            "finished with a result of",
+        ),
+        ("on_reply", {"actions": [{"mutate": {"appendMessage": USER_MSG}}]}, "sent a change (append_message) of"),
+        ("on_reply", {"callNext": {"overrides": {"onReply": {"message": USER_MSG}}}}, "sent call_next overrides of"),
+    ],
+    ids=["finish_result", "append_message", "call_next_overrides"],
+)
+async def test_whatever_a_middleware_sends_to_be_stored_is_within_its_item_limit(
+    evil: Any, scripts: Path, hook: str, message: dict, says: str
+) -> None:
+    """Each way of getting content into the session (a returned model response, a context change, a
+    reply's inputs replaced) is held to max_item_bytes, as emitted items are: before, 5 MB went into
+    the session, after which no default client could read it (GetSession, RESOURCE_EXHAUSTED)."""
+    proc = evil("--hooks", hook)
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[message])
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    assert f"middleware 'Evil' failed in {hook}: {says}" in end.error.message, end.error.message
+    assert "(limit 2097152)" in end.error.message
+    assert all(codec.encode(m).ByteSize() < 100_000 for m in agent.state.context)  # nothing of it stored
+    await remote.close()
+
+
+async def test_a_fail_message_reaches_the_client_clipped(evil: Any, scripts: Path) -> None:
+    """A Fail's message goes into the reply's error, which a client receives: it is clipped (8192
+    characters, saying how much more there was). Before, 5 MB broke a default client's stream."""
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[{"fail": {"type": "T" * 1000, "message": MB5}}])
+    items = await reply(agent, "hi")
+    end = end_of(items)
+    assert "middleware 'Evil' raised " in end.error.message
+    assert end.error.message.endswith("... (4991808 more characters)"), end.error.message[-80:]
+    assert len(end.error.message) < 10_000
+    await remote.close()
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+@pytest.mark.parametrize(
+    ("hook", "message"),
+    [
+        ("on_model_call", {"finish": {"result": {"chatResponse": {"finishedReason": 999}}}}),
+        ("on_check_permission", {"finish": {"result": {"permissionDecision": {"behavior": 999}}}}),
+        ("on_reply", {"callNext": {"overrides": {"onReply": {"message": {"id": "m", "name": "u", "role": 999}}}}}),
+    ],
+    ids=["model_result", "permission", "overrides"],
+)
+async def test_an_enum_number_the_host_does_not_know_is_a_protocol_violation(
+    evil: Any, scripts: Path, hook: str, message: dict, fail_open: bool
+) -> None:
+    """Before, a bare KeyError ended the reply: the middleware was not named, and fail_open did not
+    bypass it."""
+    proc = evil("--hooks", hook)
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5, fail_open=fail_open)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[message])
+    items = await reply(agent, "call add a=1 b=2" if hook == "on_check_permission" else "hi")
+    end = end_of(items)
+    if fail_open:
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+        assert remote.bypasses >= 1
+    else:
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert f"middleware 'Evil' failed in {hook}: protocol violation: malformed" in end.error.message
+        assert "unknown enum number 999" in end.error.message, end.error.message
+    await remote.close()
+
+
+async def test_an_unknown_error_type_in_a_fail_is_as_if_none(evil: Any, scripts: Path) -> None:
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[{"fail": {"type": "Oops", "message": "no", "errorType": 999}}])
+    end = end_of(await reply(agent, "hi"))
+    assert end.error.type.value == "internal" and "middleware 'Evil' raised Oops in on_reply: no" in end.error.message
+    await remote.close()
+
+
+async def test_an_inner_middlewares_failure_is_not_blamed_on_the_one_around_it(evil: Any, scripts: Path) -> None:
+    """A (a sound SDK middleware) wraps B, which hangs: A's code sees B's failure as its inner
+    pipeline's and lets it through (fail from_inner). The reply's error names B, and A is not taken
+    for hung: another session's reply through A is not refused. Before, A was marked unresponsive
+    for B's hang, and every reply of every session failed with 'middleware 'A' ... not called until
+    it answers again' (fail_open: A was bypassed)."""
+    outer = middleware_server("tests.conformance_mw:Marker").start()
+    inner = evil()
+    a = await RemoteMiddleware(outer.address, name="A", policy=Policy(timeout=5)).connect()
+    b = await RemoteMiddleware(inner.address, name="B", policy=Policy(timeout=0.5, fail_open=True)).connect()
+    b_closed = await RemoteMiddleware(inner.address, name="B", policy=Policy(timeout=0.5)).connect()
+    try:
+        hung = Agent(model=OfflineRuleModel(reply_template=ANSWER), middlewares=[a, b_closed])
+        script(scripts, hung, stop_reading=True)
+        end = end_of(await reply(hung, "hi"))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "middleware 'B' failed in on_reply: no answer" in end.error.message, end.error.message
+        assert not a.unresponsive and not a.skipped()
+        other = Agent(model=OfflineRuleModel(reply_template=ANSWER), middlewares=[a, b])
+        items = await reply(other, "hi")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+        assert [i.name for i in items if isinstance(i, CustomEvent)] == ["marker"]
+    finally:
+        for remote in (a, b, b_closed):
+            await remote.close()
+        outer.stop()
+
+
 # -- 6. tool descriptors, health, restarts ----------------------------------------------------------
 
 

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentmw.remote")
 
 MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
+MAX_TYPE_NAME = 256  # characters of an exception class name a middleware reports
 NOTHING = object()  # _apply: the action emitted nothing
 _EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
 
@@ -169,6 +170,8 @@ class HookCall:
                         yield item
                 self.mw.hangs = 0  # it answered
             except MiddlewareFailure as exc:
+                if exc.middleware != self.mw.name:  # an inner middleware's, raised through this one (from_inner)
+                    raise
                 if isinstance(exc, NoAnswer):
                     self.mw.stopped_answering()
                 self.mw.failed()
@@ -380,11 +383,15 @@ class HookCall:
                 self.clean = True
                 fail = msg.fail
                 if fail.traceback:
-                    log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, fail.traceback[:8192])
+                    log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, clipped(fail.traceback))
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(
-                    mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
+                    mw.name,
+                    spec.name,
+                    clipped(fail.type or "Exception", MAX_TYPE_NAME),
+                    clipped(fail.message),  # it reaches the client in the reply's error
+                    **decode_error_attributes(fail),
                 )
 
     def _begin(self) -> hooks_pb2.HostMessage:
@@ -423,6 +430,7 @@ class HookCall:
 
     def _finish(self, finish: hooks_pb2.Finish) -> Any:
         spec = self.spec
+        self._within_item_limit(finish.result, "finished with a result")
         try:
             value = decode_result(finish.result)
         except CodecError as exc:
@@ -441,6 +449,8 @@ class HookCall:
         if self.inner is not None:  # a second call_next closes the first inner pipeline
             inner, self.inner = self.inner, None
             await close(inner)
+        if self.spec.kind is not Kind.MODEL:  # a model call's input is only sent on; other kwargs may be stored
+            self._within_item_limit(call_next.overrides, "sent call_next overrides")
         try:
             overrides = decode_kwargs(self.spec, call_next.overrides, complete=False)
         except CodecError as exc:
@@ -537,10 +547,7 @@ class HookCall:
                 raise OutputLimitExceeded(
                     self.mw.name, self.spec.name, f"emitted more than {policy.max_items} items in one call"
                 )
-            if (size := emit.item.ByteSize()) > policy.max_item_bytes:  # it would reach a client in one piece
-                raise OutputLimitExceeded(
-                    self.mw.name, self.spec.name, f"emitted an item of {size} bytes (limit {policy.max_item_bytes})"
-                )
+            self._within_item_limit(emit.item, "emitted an item")
             try:
                 item = codec.decode_item(emit.item)
             except (CodecError, KeyError, ValueError) as exc:
@@ -593,13 +600,9 @@ class HookCall:
         agent, state, key = self.agent, self.agent.state, self.mw.key
         op = mutation.WhichOneof("op")
         self.mw.check_mutation(op, self.spec.name)  # its permissions (security: client.py)
+        self._within_item_limit(mutation, "set a slot" if op == "set_slot" else f"sent a change ({op})")
         try:
             if op == "set_slot":
-                if (size := mutation.set_slot.ByteSize()) > self.mw.policy.max_item_bytes:  # state, not a store
-                    limit = self.mw.policy.max_item_bytes
-                    raise OutputLimitExceeded(
-                        self.mw.name, self.spec.name, f"set a slot of {size} bytes (limit {limit})"
-                    )
                 value = value_to_json(mutation.set_slot)
                 if value is None:
                     state.middle_context.pop(key, None)
@@ -806,12 +809,26 @@ class HookCall:
                     self.mw.name,
                     self.spec.name,
                     invocation,
-                    msg.fail.message or msg.fail.type,
+                    clipped(msg.fail.message or msg.fail.type),
                 )
             log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
 
+    def _within_item_limit(self, msg: Any, what: str) -> None:
+        """One thing the middleware sent that the host stores or shows a client in one piece (an
+        item, a result, a slot, a change of the context, stored kwargs) is at most max_item_bytes:
+        a client takes 4 MiB per message by default (host.proto ReplyEvent)."""
+        limit = self.mw.policy.max_item_bytes
+        if (size := msg.ByteSize()) > limit:
+            raise OutputLimitExceeded(self.mw.name, self.spec.name, f"{what} of {size} bytes (limit {limit})")
+
     def _violation(self, what: str) -> ProtocolError:
         return ProtocolError(self.mw.name, self.spec.name, what)
+
+
+def clipped(text: str, limit: int = 8192) -> str:
+    """A middleware's text (a message, a traceback) for a log line or an error a client sees: at
+    most ``limit`` characters, saying how much more there was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 __all__ = ["HookCall"]

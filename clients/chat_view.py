@@ -20,6 +20,7 @@ from agentmw.data import (
     DataBlockDeltaEvent,
     DataBlockEndEvent,
     DataBlockStartEvent,
+    ExceedMaxItersEvent,
     FinishedReason,
     HintBlockEvent,
     ModelCallEndEvent,
@@ -30,6 +31,7 @@ from agentmw.data import (
     ReplyStartEvent,
     RequireExternalExecutionEvent,
     RequireUserConfirmEvent,
+    TextBlock,
     TextBlockDeltaEvent,
     TextBlockEndEvent,
     ThinkingBlockDeltaEvent,
@@ -62,7 +64,7 @@ class View:
         self.audio_dir = Path(audio_dir)
         self.color = out.isatty() if color is None else color
         self.in_text = False
-        self.streamed_text = False
+        self.streamed: dict[str, str] = {}  # text block id -> its text streamed in this reply
         self.calls: dict[str, list[str]] = {}  # tool call id -> [name, input so far]
         self.results: dict[str, list[str]] = {}  # tool call id -> [name, output so far]
         self.audio: dict[str, tuple[str, list[str]]] = {}  # block id -> (media type, base64 pieces)
@@ -82,11 +84,12 @@ class View:
 
     def show(self, item: Any) -> None:
         if isinstance(item, ReplyStartEvent):
-            self.streamed_text = self.failed = False
+            self.streamed, self.failed = {}, False
         elif isinstance(item, TextBlockDeltaEvent):
             self.out.write(item.delta)
             self.out.flush()
-            self.in_text = self.streamed_text = True
+            self.in_text = True
+            self.streamed[item.block_id] = self.streamed.get(item.block_id, "") + item.delta
         elif isinstance(item, TextBlockEndEvent | ThinkingBlockEndEvent):
             if self.in_text:
                 self.out.write("\n")
@@ -134,6 +137,8 @@ class View:
                 self._line(self._dim(f"  (model {failure.get('model')} failed: {failure.get('error')})"))
         elif isinstance(item, ModelCallEndEvent) and item.finished_reason in _CUT:
             self._line(f"  ({_CUT[item.finished_reason]})")
+        elif isinstance(item, ExceedMaxItersEvent):
+            self._line("  (the agent reached its limit of reasoning-acting iterations, max_iters: the reply ends here)")
         elif isinstance(item, ReplyEndEvent):
             self.failed = item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None
             for block_id in list(self.audio):
@@ -142,12 +147,14 @@ class View:
                 self._line("  (reply interrupted)")
             elif item.finished_reason == ReplyFinishedReason.ERROR and item.error is not None:
                 self._line(f"  (reply failed: {item.error.message})")
-        elif (
-            isinstance(item, Msg)
-            and not (self.failed and item.finished_reason == ReplyFinishedReason.ERROR)
-            and (not self.streamed_text or item.finished_reason != ReplyFinishedReason.COMPLETED)
-        ):  # a failed reply's message repeats the error its end already showed
-            self._line(item.text)
+        elif isinstance(item, Msg) and not (self.failed and item.finished_reason == ReplyFinishedReason.ERROR):
+            # The final message repeats what streamed (under other block ids): only the text that
+            # did not stream is shown (the parked or max_iters notice, a non-streamed answer).
+            # A failed reply's message repeats the error its end already showed.
+            streamed = set(self.streamed.values())
+            unseen = [b.text for b in item.content if isinstance(b, TextBlock) and b.text not in streamed]
+            if "".join(unseen):
+                self._line("".join(unseen))
 
     def _audio_piece(self, block_id: str, media_type: str, data: str | None) -> None:
         if not media_type.startswith("audio/"):

@@ -24,7 +24,7 @@ from agentmw.data import ToolCallState, ToolResultState
 from clients.launch import ROOT, ServerProcess
 
 from .audio_mw import FREQUENCY, RATE, SECONDS, tone
-from .host_util import Procs, chat, get_session, processes
+from .host_util import Procs, chat, configured_host, get_session, processes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -170,6 +170,18 @@ async def test_audio_blocks_saved_as_wav(tmp_path: Path) -> None:
     samples = memoryview(frames).cast("h")
     rising = sum(1 for a, b in itertools.pairwise(samples) if a < 0 <= b)
     assert abs(rising - FREQUENCY * SECONDS) <= 1
+
+
+def test_a_reply_past_max_iters_is_shown_once_and_says_so(tmp_path: Path) -> None:
+    """max_iters 0: the forced final answer streams, and the final message repeats it with
+    finished_reason EXCEED_MAX_ITERS; it was printed twice, and the limit never mentioned."""
+    with configured_host(tmp_path, "agent: {max_iters: 0}\n") as host:
+        done = chat(host.address, "--message", "hello")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert lines(done) == [
+        "You said: hello",
+        "(the agent reached its limit of reasoning-acting iterations, max_iters: the reply ends here)",
+    ]
 
 
 def _audio_host(procs: Procs, tmp_path: Path) -> ServerProcess:

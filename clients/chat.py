@@ -241,6 +241,18 @@ def _schema(parser: argparse.ArgumentParser, text: str) -> dict[str, Any]:
     return schema
 
 
+def _audio_dir(parser: argparse.ArgumentParser, text: str) -> Path:
+    """``--audio-dir``: a directory, or one that can be made under its nearest existing parent (it
+    is made when audio first arrives, so that a chat without audio leaves nothing behind)."""
+    path = Path(text)
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)  # "." or "/" at the latest
+    if not existing.is_dir():
+        parser.error(f"--audio-dir {text}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"--audio-dir {text}: {existing} is not writable")
+    return path
+
+
 def _report(turn: Turn) -> int:
     if turn.parked:
         print(f"  (the reply is waiting; answer with: agent-chat --session {turn.session_id} --yes | --deny)")
@@ -381,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.schema is not None and args.message is None:
         parser.error("--schema goes with --message")
     schema = _schema(parser, args.schema) if args.schema is not None else None
-    view = View(audio_dir=args.audio_dir)
+    view = View(audio_dir=_audio_dir(parser, args.audio_dir))
     view.player = Player.find() if args.play else None
     if args.play and view.player is None:
         print("agent-chat: --play: no player found (aplay, paplay, ffplay); audio is only saved", file=sys.stderr)

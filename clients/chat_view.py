@@ -168,7 +168,11 @@ class View:
         if entry is None or not entry[1]:
             return
         media_type, pieces = entry
-        path = save_audio(b"".join(base64.b64decode(p) for p in pieces), media_type, self.audio_dir, block_id)
+        try:
+            path = save_audio(b"".join(base64.b64decode(p) for p in pieces), media_type, self.audio_dir, block_id)
+        except OSError as exc:  # a lost recording must not end the reply (or the chat)
+            self._line(f"  ! audio not saved to {self.audio_dir}: {exc.strerror or exc}")
+            return
         self.saved.append(path)
         self._line(f"  [audio saved to {path}]")
         if self.player is not None:

@@ -172,6 +172,27 @@ async def test_audio_blocks_saved_as_wav(tmp_path: Path) -> None:
     assert abs(rising - FREQUENCY * SECONDS) <= 1
 
 
+def test_an_unusable_audio_dir_is_refused_or_warned_not_a_crash(tmp_path: Path) -> None:
+    """A file in the --audio-dir path is refused up front (exit 2, as other bad flags); a directory
+    that cannot be made all the same (/proc/nope) costs the audio only, with one warning: the reply
+    and its session id are printed (it was a traceback mid-reply, and no session id)."""
+    (tmp_path / "afile").write_text("")
+    bad = chat("127.0.0.1:1", "--message", "hi there", "--audio-dir", str(tmp_path / "afile" / "sub"))
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert bad.stderr.splitlines()[-1] == (
+        f"agent-chat: error: --audio-dir {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} is not a directory"
+    )
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc, where no directory can be made")
+    with processes(tmp_path) as procs:
+        host = _audio_host(procs, tmp_path)
+        done = chat(host.address, "--message", "hi there", "--audio-dir", "/proc/nope")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert lines(done) == ["You said: hi there", "! audio not saved to /proc/nope: No such file or directory"]
+    assert "Traceback" not in done.stderr
+    session_of(done)
+
+
 def test_a_reply_past_max_iters_is_shown_once_and_says_so(tmp_path: Path) -> None:
     """max_iters 0: the forced final answer streams, and the final message repeats it with
     finished_reason EXCEED_MAX_ITERS; it was printed twice, and the limit never mentioned."""

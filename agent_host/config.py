@@ -299,7 +299,7 @@ def parse_middleware_arg(text: str, where: str) -> MiddlewareConfig:
     name, address = name.strip(), address.strip()
     if not address or (sep and not name):
         raise ConfigError(f"{where}: {text!r} is not NAME=HOST:PORT")
-    _check_address(address, f"{where} {text!r}")
+    check_middleware_address(address, f"{where} {text!r}")
     try:
         check_middleware_name(name)
     except ValueError as exc:
@@ -315,7 +315,9 @@ def _overlay_middleware(cfg: HostConfig, new: MiddlewareConfig) -> None:
     cfg.middleware.append(new)
 
 
-def _check_address(address: str, where: str) -> None:
+def check_middleware_address(address: str, where: str) -> None:
+    """A middleware's address as the host takes it: HOST:PORT or a gRPC target name (``dns:``,
+    ``unix:``, ...); else a ConfigError naming ``where`` (also agentmw middleware attach's check)."""
     if "://" in address or address.startswith(("ipv4:", "ipv6:", "unix:", "dns:")):
         return  # a gRPC target name; the channel validates it
     _check_listen(address, where)
@@ -580,7 +582,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
             raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(_MW_KEYS))})")
         address = _expect(entry.get("address", ""), str, f"{where}.address")
         if address:
-            _check_address(address, f"{where}.address")
+            check_middleware_address(address, f"{where}.address")
         # YAML has .nan and .inf
         timeout = _seconds(
             _expect(entry.get("timeout", DEFAULT_TIMEOUT), float, f"{where}.timeout"), f"{where}.timeout"
@@ -636,6 +638,7 @@ __all__ = [
     "MiddlewareConfig",
     "Permissions",
     "SecurityConfig",
+    "check_middleware_address",
     "load_config",
     "parse_middleware_arg",
 ]

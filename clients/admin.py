@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent_host.config import ConfigError, check_middleware_address
 from agentmw.codec import codec
 from agentmw.security import CLIENT_MAX_MESSAGE
 from agentmw.v1 import host_pb2, host_pb2_grpc
@@ -181,7 +182,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mw_commands = mw.add_subparsers(dest="action", required=True, metavar="ACTION")
     mw_commands.add_parser("list", parents=[common], help="the attached middleware, outermost first")
     attach = mw_commands.add_parser("attach", parents=[common], help="attach a middleware server by address")
-    attach.add_argument("address", help="HOST:PORT or any gRPC target")
+    attach.add_argument("address", help="HOST:PORT or a gRPC target name (dns:, unix:, ...)")
     attach.add_argument("--name", default="", help="default: the middleware's key")
     attach.add_argument("--fail-open", action="store_true", help="skip it when it fails instead of failing replies")
     attach.add_argument("--timeout", type=float, default=0.0, help="seconds per message (default: the host's)")
@@ -199,6 +200,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     delete.add_argument("session_id")
 
     args = parser.parse_args(argv)
+    if args.command == "middleware" and args.action == "attach":
+        try:  # the host would only say the address is not allowed: say what is wrong with it
+            check_middleware_address(args.address, "address")
+        except ConfigError as exc:
+            attach.error(str(exc))
     args.host = getattr(args, "host", None) or os.environ.get("AGENTMW_HOST") or DEFAULT_HOST
     args.json = getattr(args, "json", False)
     return args

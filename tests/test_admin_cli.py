@@ -130,6 +130,20 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     assert agentmw_json(host, "middleware", "list") == []
 
 
+def test_attach_checks_the_address_form_first(tmp_path: Path) -> None:
+    """An address that is not HOST:PORT (nor a gRPC target name) is a usage error said by the CLI,
+    with the host's own config check; the host only answered PERMISSION_DENIED 'not an allowed
+    address', as if the address were fine but forbidden."""
+    with processes(tmp_path) as procs:
+        host = procs.host(tmp_path / "sessions.db")
+        done = agentmw(host, "middleware", "attach", "foo")
+        assert agentmw_json(host, "middleware", "list") == []
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "agentmw middleware attach: error: address: 'foo' is not HOST:PORT (a port of 0-65535; 0: any free port)"
+    ), done.stderr
+
+
 def test_unreachable_host_is_one_line_and_exit_1(tmp_path: Path) -> None:
     done = run_cli("clients.admin", "--host", "127.0.0.1:1", "status", timeout=30)
     assert done.returncode == 1

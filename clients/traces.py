@@ -126,7 +126,8 @@ class Receiver:
 
     def __init__(self, on_span: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.collector = Collector(on_span)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        # SERVER_OPTIONS: a taken port fails to bind (no SO_REUSEPORT) instead of sharing the spans
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=transport.SERVER_OPTIONS)
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self.collector, self.server)
         self.address = ""
 

@@ -310,6 +310,16 @@ async def test_no_exporter_configured_no_spans(procs: Procs, receiver: Receiver,
     assert "no span exporter configured" in tracer.tail()
 
 
+def test_a_second_viewer_on_a_taken_port_is_refused(receiver: Receiver) -> None:
+    """Without the servers' options (SO_REUSEPORT left on) a second agentmw-traces started on the
+    first one's port, and each got some of the exports."""
+    done = run_cli("clients.traces", "--listen", receiver.address, timeout=15)
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]  # after gRPC's own log line, as for the other servers
+    assert last == f"agentmw-traces: cannot listen on {receiver.address} (address in use or not local)"
+    assert "Traceback" not in done.stderr
+
+
 @pytest.mark.parametrize("endpoint", ["notaurl:::", "http://127.0.0.1:99999", "ftp://collector:4317", "http://:4317"])
 def test_a_bad_otlp_endpoint_is_refused_at_start(endpoint: str, tmp_path: Path) -> None:
     """The exporter takes any text and then fails at each export, in the background: the tracing

@@ -5,8 +5,11 @@ middleware servers traced (also ``python -m clients.traces``).
     agentmw-traces --listen 127.0.0.1:4317 --json   # one JSON object per span, as spans arrive
 
 Point the processes at it with OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317. A trace is
-printed once no span of it arrived for ``--settle`` seconds (spans come in batches, late ones from
-detached middleware). ``Receiver`` is the same thing in-process (the demo and the tests use it).
+printed once no span of it arrived for ``--settle`` seconds (default 6: each process exports in
+batches, every 5 s by default, so one trace's batches from the host and the middleware servers
+come up to that far apart). Spans that arrive for a trace already printed are printed the same
+way, as late additions to it under their parents; at exit, whatever is still pending.
+``Receiver`` is the same thing in-process (the demo and the tests use it).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent import futures
 from typing import Any, TextIO
 
@@ -44,6 +47,9 @@ KEY_ATTRIBUTES = {
     "agentscope.agent.incoming_event_type": "incoming",
 }
 VALUE_WIDTH = 60
+# The OTel SDK exports a process's spans every 5 s by default (OTEL_BSP_SCHEDULE_DELAY), so the
+# batches of one trace from several processes can come that far apart: wait a little longer.
+DEFAULT_SETTLE = 6.0
 
 
 def _value(v: common_pb2.AnyValue) -> Any:
@@ -102,9 +108,9 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
             for span in spans:
                 self.arrived[span["trace_id"]] = time.monotonic()
             self.changed.notify_all()
-        if self.on_span is not None:
-            for span in spans:
-                self.on_span(span)
+            if self.on_span is not None:  # under the lock: exports come on several threads, lines whole
+                for span in spans:
+                    self.on_span(span)
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def wait_for(self, predicate: Callable[[list[dict[str, Any]]], bool], timeout: float) -> list[dict[str, Any]]:
@@ -155,46 +161,77 @@ def _short(value: Any) -> str:
     return text if len(text) <= VALUE_WIDTH else text[: VALUE_WIDTH - 1] + "…"
 
 
-def format_trace(spans: list[dict[str, Any]]) -> str:
-    """One trace as an indented tree: name, duration, service and key attributes per span."""
-    ids = {s["span_id"] for s in spans}
+def format_trace(spans: list[dict[str, Any]], shown: Collection[str] = ()) -> str:
+    """One trace as an indented tree: name, duration, service and key attributes per span. With
+    ``shown`` (ids of its spans printed before), only the others, as late additions: each under its
+    parent, the earlier spans on the way to them by name alone."""
+    by_id = {s["span_id"]: s for s in spans}
     children: dict[str, list[dict[str, Any]]] = {}
-    for span in spans:
-        parent = span["parent_span_id"] if span["parent_span_id"] in ids else ""
+    for span in by_id.values():
+        parent = span["parent_span_id"] if span["parent_span_id"] in by_id else ""
         children.setdefault(parent, []).append(span)
-    start = min(s["start_ns"] for s in spans)
-    end = max(s["end_ns"] for s in spans)
-    services = sorted({s["service"] for s in spans})
-    lines = [f"trace {spans[0]['trace_id']}  {len(spans)} spans, {(end - start) / 1e6:.1f} ms, {', '.join(services)}"]
+    new = [s for s in by_id.values() if s["span_id"] not in shown]
+    on_the_way: set[str] = set()  # the new spans and their ancestors: what the tree shows
+    for span in new:
+        span_id = span["span_id"]
+        while span_id in by_id and span_id not in on_the_way:
+            on_the_way.add(span_id)
+            span_id = by_id[span_id]["parent_span_id"]
+    start = min(s["start_ns"] for s in new)
+    end = max(s["end_ns"] for s in new)
+    services = ", ".join(sorted({s["service"] for s in new}))
+    trace_id = spans[0]["trace_id"]
+    if len(new) == len(by_id):
+        lines = [f"trace {trace_id}  {len(new)} spans, {(end - start) / 1e6:.1f} ms, {services}"]
+    else:
+        lines = [f"late additions to trace {trace_id}  {len(new)} spans (of {len(by_id)}), {services}"]
 
     def walk(parent: str, depth: int) -> None:
         for span in sorted(children.get(parent, []), key=lambda s: (s["start_ns"], s["end_ns"])):
-            attrs = span["attributes"]
-            shown = " ".join(f"{label}={_short(attrs[key])}" for key, label in KEY_ATTRIBUTES.items() if key in attrs)
-            error = f" ERROR {span['status_message']}" if span["status"] == "error" else ""
-            duration = (span["end_ns"] - span["start_ns"]) / 1e6
-            head = f"{'  ' * depth}{span['name']}  {duration:.1f} ms  [{span['service']}]{error}"
-            lines.append(f"{head}  {shown}".rstrip())
+            if span["span_id"] not in on_the_way:
+                continue
+            indent = "  " * depth
+            if span["span_id"] in shown:  # printed before: only where the new spans hang
+                lines.append(f"{indent}{span['name']}  [{span['service']}]  (printed before)")
+            else:
+                attrs = span["attributes"]
+                attrs_text = " ".join(
+                    f"{label}={_short(attrs[key])}" for key, label in KEY_ATTRIBUTES.items() if key in attrs
+                )
+                error = f" ERROR {span['status_message']}" if span["status"] == "error" else ""
+                duration = (span["end_ns"] - span["start_ns"]) / 1e6
+                head = f"{indent}{span['name']}  {duration:.1f} ms  [{span['service']}]{error}"
+                lines.append(f"{head}  {attrs_text}".rstrip())
             walk(span["span_id"], depth + 1)
 
     walk("", 1)
     return "\n".join(lines)
 
 
-def print_settled(collector: Collector, out: TextIO, settle: float, printed: set[str]) -> None:
-    """Print each trace no span of which arrived for ``settle`` seconds (once)."""
+def print_settled(collector: Collector, out: TextIO, settle: float, shown: dict[str, set[str]]) -> None:
+    """Print the spans not printed yet of each trace no span of which arrived for ``settle``
+    seconds: a whole trace, or late additions to one printed before. ``shown``: trace id -> the
+    ids of its spans printed (kept per span, not per trace, so that a late batch is not dropped)."""
     now = time.monotonic()
     for trace_id, spans in collector.traces().items():
-        if trace_id not in printed and now - collector.arrived.get(trace_id, now) >= settle:
-            printed.add(trace_id)
-            print(format_trace(spans), file=out, flush=True)
+        printed = shown.setdefault(trace_id, set())
+        fresh = {s["span_id"] for s in spans} - printed
+        if fresh and now - collector.arrived.get(trace_id, now) >= settle:
+            print(format_trace(spans, printed), file=out, flush=True)
+            printed |= fresh
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agentmw-traces", description=__doc__.split("\n\n")[0])
     parser.add_argument("--listen", default="127.0.0.1:4317", metavar="HOST:PORT", help="default 127.0.0.1:4317")
     parser.add_argument("--json", action="store_true", help="one JSON object per span instead of trees")
-    parser.add_argument("--settle", type=float, default=1.0, metavar="S", help="print a trace S s after its last span")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=DEFAULT_SETTLE,
+        metavar="S",
+        help=f"print a trace S s after its last span (default {DEFAULT_SETTLE:g}; later spans: as late additions)",
+    )
     args = parser.parse_args(argv)
 
     def as_json(span: dict[str, Any]) -> None:
@@ -209,12 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    printed: set[str] = set()
+    shown: dict[str, set[str]] = {}
     while not stop.wait(0.2):
         if not args.json:
-            print_settled(receiver.collector, sys.stdout, args.settle, printed)
-    if not args.json:
-        print_settled(receiver.collector, sys.stdout, 0.0, printed)
+            print_settled(receiver.collector, sys.stdout, args.settle, shown)
+    if not args.json:  # at exit, whatever is pending
+        print_settled(receiver.collector, sys.stdout, 0.0, shown)
     receiver.stop()
     return 0
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
 
 from agentmw.data import (
     ConfirmResult,
@@ -27,7 +30,7 @@ from agentmw.data import (
 from agentmw.middleware import MiddlewareBase, subscribe
 from clients.chat import HostClient, Turn, converse
 from clients.launch import ServerProcess
-from clients.traces import Receiver, format_trace
+from clients.traces import DEFAULT_SETTLE, Receiver, format_trace
 
 from .host_util import Procs, run_cli
 
@@ -308,6 +311,81 @@ async def test_no_exporter_configured_no_spans(procs: Procs, receiver: Receiver,
     assert turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.COMPLETED
     assert receiver.collector.wait_for(bool, 1.0) == []
     assert "no span exporter configured" in tracer.tail()
+
+
+def exporting(service: str, endpoint: str) -> Any:
+    """A TracerProvider of ``service`` that exports each span as it ends (as one process would)."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service}))
+    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    return provider
+
+
+def printed(viewer: ServerProcess, wanted: str = "", timeout: float = 10.0) -> list[str]:
+    """The viewer's output lines (indentation kept), once one of them starts with ``wanted``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line[4:] for line in viewer.tail(200).splitlines()]  # tail() indents by 4
+        if any(line.startswith(wanted) for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
+def test_viewer_prints_late_spans_under_their_parents_and_pending_ones_at_exit(procs: Procs) -> None:
+    """The spans of one trace come in batches from several processes, by default 5 s apart: the
+    viewer printed a trace once quiet for --settle seconds (1 by default) and dropped whatever came
+    for it later, even at exit. Now later spans are printed as late additions to that trace, each
+    under its parent; at exit, whatever is pending."""
+    assert DEFAULT_SETTLE > 5.0  # the OTel SDK's default batch delay (OTEL_BSP_SCHEDULE_DELAY)
+    argv = ["-m", "clients.traces", "--listen", "127.0.0.1:{port}", "--settle", "1"]
+    viewer = start(procs, "viewer", argv, {})
+    host = exporting("agent-host", f"http://{viewer.address}")
+    tracer = exporting("agentmw-tracing", f"http://{viewer.address}")
+    try:
+        spans = host.get_tracer("t")
+        with (
+            spans.start_as_current_span("reply assistant") as root,
+            spans.start_as_current_span("on_reply tracing") as hook,
+        ):
+            pass
+        trace_id = f"{root.get_span_context().trace_id:032x}"
+        lines = printed(viewer, f"trace {trace_id}  2 spans")
+        assert any(line.startswith(f"trace {trace_id}  2 spans") for line in lines), lines
+
+        # The tracing server's batch, after the host's was printed: placed under the host's hook span.
+        in_hook = trace.set_span_in_context(hook)
+        with tracer.get_tracer("t").start_as_current_span("invoke_agent assistant", context=in_hook) as agent:
+            pass
+        late = f"late additions to trace {trace_id}  1 spans (of 3), agentmw-tracing"
+        lines = printed(viewer, late)
+        assert late in lines, lines
+        at = lines.index(late)
+        assert lines[at + 1 : at + 3] == [
+            "  reply assistant  [agent-host]  (printed before)",
+            "    on_reply tracing  [agent-host]  (printed before)",
+        ]
+        assert re.fullmatch(r"      invoke_agent assistant  \d+\.\d ms  \[agentmw-tracing\]", lines[at + 3]), lines
+
+        # One more, and the viewer stopped at once (SIGTERM): printed at exit, not dropped.
+        with tracer.get_tracer("t").start_as_current_span("chat m", context=trace.set_span_in_context(agent)):
+            pass
+    finally:
+        host.shutdown()
+        tracer.shutdown()
+    assert viewer.stop() == 0
+    lines = printed(viewer)
+    last = f"late additions to trace {trace_id}  1 spans (of 4), agentmw-tracing"
+    assert lines[-5:-1] == [
+        last,
+        "  reply assistant  [agent-host]  (printed before)",
+        "    on_reply tracing  [agent-host]  (printed before)",
+        "      invoke_agent assistant  [agentmw-tracing]  (printed before)",
+    ], lines
+    assert re.fullmatch(r"        chat m  \d+\.\d ms  \[agentmw-tracing\]", lines[-1]), lines
 
 
 def test_a_second_viewer_on_a_taken_port_is_refused(receiver: Receiver) -> None:

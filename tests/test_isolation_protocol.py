@@ -256,15 +256,20 @@ async def test_a_timeout_that_cannot_work_is_refused(value: float, yaml_text: st
         load_config(yaml, env={})
 
 
-async def test_attach_refuses_a_nan_timeout(tmp_path: Path) -> None:
+async def test_attach_refuses_a_nan_timeout_and_a_malformed_address(tmp_path: Path) -> None:
+    """Both INVALID_ARGUMENT, saying why (a malformed address was PERMISSION_DENIED, 'not an
+    allowed address', as if the form were right and the host refused it)."""
     with processes(tmp_path) as procs:
         host = procs.host(tmp_path / "s.db")
         async with grpc.aio.insecure_channel(host.address) as channel:
-            request = host_pb2.AttachMiddlewareRequest(address="127.0.0.1:1", timeout=math.nan)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub(channel).AttachMiddleware(request, timeout=10)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "finite number of seconds above 0" in info.value.details()
+            for request, says in [
+                (host_pb2.AttachMiddlewareRequest(address="127.0.0.1:1", timeout=math.nan), "finite number of seconds"),
+                (host_pb2.AttachMiddlewareRequest(address="foo"), "address: 'foo' is not HOST:PORT"),
+            ]:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub(channel).AttachMiddleware(request, timeout=10)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                assert says in info.value.details(), info.value.details()
 
 
 # -- 3. bounded output ------------------------------------------------------------------------------

@@ -24,7 +24,14 @@ from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 from .. import metrics
-from ..config import ConfigError, HostConfig, MiddlewareConfig, check_middleware_name, check_seconds
+from ..config import (
+    ConfigError,
+    HostConfig,
+    MiddlewareConfig,
+    check_middleware_address,
+    check_middleware_name,
+    check_seconds,
+)
 from ..remote import MiddlewareFailure, Policy
 from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, abort, address_allowed
 from ..store import SessionRecord, open_store
@@ -131,6 +138,10 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
                 check_seconds(request.timeout)
             except ValueError as exc:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            check_middleware_address(request.address, "address")
+        except ConfigError as exc:  # a malformed address is not a forbidden one
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         security = self.host.config.security
         configured = {m.address: m for m in self.host.config.middleware}
         if not address_allowed(request.address, security.attach_allow, configured):

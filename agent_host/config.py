@@ -64,8 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from agentmw.configfile import read_yaml
 from agentmw.errors import ConfigError  # re-exported: the loader raises it
 from agentmw.loops import DEFAULT_LOOP, check_loop
 from agentmw.tools import TOOL_NAME
@@ -402,17 +401,7 @@ _LIMIT_KEYS = ("max_message_bytes", "sessions_per_owner", "replies_per_owner")
 
 def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     src = str(path)
-    try:
-        text = path.expanduser().read_text()
-    except OSError as exc:
-        raise ConfigError(f"{src}: cannot read the configuration file ({exc.strerror or exc})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f"{src}:{mark.line + 1}:{mark.column + 1}" if mark is not None else src
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{at}: malformed YAML: {problem}") from None
+    data = read_yaml(path)
     if data is None:
         data = {}
     if not isinstance(data, Mapping):

@@ -42,7 +42,8 @@ YAML (every key optional)::
     limits: {max_message_bytes: 4194304, sessions_per_owner: 1000, replies_per_owner: 8}
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
-AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port"),
+AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port": --middleware
+values, an ipv4:/ipv6: replica list keeping its commas; see split_middleware_list),
 AGENTMW_METRICS_PORT, AGENTMW_LEASE, AGENTMW_DRAIN_GRACE.
 AGENTMW_TLS_CERT / _KEY / _CLIENT_CA, AGENTMW_MIDDLEWARE_TLS_CA / _CERT / _KEY (file paths),
 AGENTMW_MIDDLEWARE_TOKEN (the token itself).
@@ -241,7 +242,7 @@ def load_config(
                 continue
             where = f"{kind} {name}"
             if key == "middleware":
-                items = [s for s in raw.split(",") if s.strip()] if isinstance(raw, str) else list(raw)
+                items = split_middleware_list(raw) if isinstance(raw, str) else list(raw)
                 for item in items:
                     _overlay_middleware(cfg, parse_middleware_arg(item, where))
             elif key == "metrics_port":
@@ -304,6 +305,25 @@ def parse_middleware_arg(text: str, where: str) -> MiddlewareConfig:
     except ValueError as exc:
         raise ConfigError(f"{where} {text!r}: {exc}") from None
     return MiddlewareConfig(address=address, name=name, source=where)
+
+
+def split_middleware_list(text: str) -> list[str]:
+    """AGENTMW_MIDDLEWARE's items, each a --middleware value (``NAME=ADDRESS`` or ``ADDRESS``),
+    separated by commas. A replica list has commas of its own (``ipv4:h:1,h:2``): a piece without
+    ``=`` that follows an ``ipv4:``/``ipv6:`` address is one more replica of it, not a middleware."""
+    items: list[str] = []
+    for piece in text.split(","):
+        if not piece.strip():
+            continue
+        last = items[-1].rpartition("=")[2].strip() if items else ""  # the previous item's address
+        if "=" not in piece and last.startswith(_LIST_TARGETS):
+            items[-1] += "," + piece
+        else:
+            items.append(piece)
+    return items
+
+
+_LIST_TARGETS = ("ipv4:", "ipv6:")  # gRPC target names that list several addresses
 
 
 def _overlay_middleware(cfg: HostConfig, new: MiddlewareConfig) -> None:

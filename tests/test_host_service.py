@@ -462,6 +462,19 @@ def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+def test_middleware_from_the_environment_takes_what_the_flag_takes() -> None:
+    """AGENTMW_MIDDLEWARE holds --middleware values separated by commas; a replica list
+    (``ipv4:a,b``, README) keeps its own (its second address became a middleware of its own)."""
+    values = ["127.0.0.1:50185", "clock=ipv4:127.0.0.1:50183,127.0.0.1:50184", "tts=ipv6:[::1]:50186,[::1]:50187"]
+    from_flags = load_config(env={}, flags={"middleware": values}).middleware
+    from_env = load_config(env={"AGENTMW_MIDDLEWARE": ",".join(values)}).middleware
+    assert [(m.name, m.address) for m in from_env] == [(m.name, m.address) for m in from_flags] == [
+        ("", "127.0.0.1:50185"),
+        ("clock", "ipv4:127.0.0.1:50183,127.0.0.1:50184"),
+        ("tts", "ipv6:[::1]:50186,[::1]:50187"),
+    ]
+
+
 def test_demo_completes() -> None:
     done = run_cli("clients.demo", timeout=50)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

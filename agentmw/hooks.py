@@ -9,6 +9,20 @@ from agentmw.v1 import hooks_pb2
 
 # What Describe exchanges (hooks.proto): the host refuses a middleware that speaks another version.
 PROTOCOL_VERSION = "v1"
+MAX_KEY = 256  # characters of a middleware key: a slot's name, not a document
+
+
+def check_middleware_key(key: object) -> str:
+    """``key`` if a host takes it as a middleware's Describe key (the slot it names is kept in
+    every session the middleware touches), else a ValueError: the host's check at attach, and the
+    SDK's at start (so a bad key is refused once, not at every attach)."""
+    if not isinstance(key, str):
+        raise ValueError(f"a middleware key must be a string, got {type(key).__name__} {key!r}")
+    if not key:
+        raise ValueError("empty middleware key")
+    if len(key) > MAX_KEY:
+        raise ValueError(f"a middleware key of {len(key)} characters (at most {MAX_KEY})")
+    return key
 
 
 class Kind(Enum):

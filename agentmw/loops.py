@@ -25,10 +25,18 @@ def check_loop(name: str, where: str = "loop") -> str:
     return name
 
 
+def choose_loop(name: str | None = None) -> str:
+    """The loop to run: ``name`` when given, else AGENTMW_LOOP, else DEFAULT_LOOP; a ValueError
+    names where a bad choice came from ("loop" or "AGENTMW_LOOP")."""
+    if name:
+        return check_loop(name)
+    env = os.environ.get("AGENTMW_LOOP")
+    return check_loop(env, "AGENTMW_LOOP") if env else DEFAULT_LOOP
+
+
 def loop_factory(name: str | None = None) -> Callable[[], asyncio.AbstractEventLoop]:
-    """A factory of new event loops of the chosen kind (default: AGENTMW_LOOP, else DEFAULT_LOOP)."""
-    name = check_loop(name or os.environ.get("AGENTMW_LOOP") or DEFAULT_LOOP)
-    uvloop = _uvloop() if name != "asyncio" else None
+    """A factory of new event loops of the chosen kind (``choose_loop``)."""
+    uvloop = _uvloop() if choose_loop(name) != "asyncio" else None
     return uvloop.new_event_loop if uvloop is not None else asyncio.new_event_loop
 
 
@@ -36,7 +44,12 @@ def run(main: Coroutine[Any, Any, T], loop: str | None = None) -> T:
     """``asyncio.run(main)`` on the chosen loop. The new loop is also made the thread's current
     loop, as asyncio.run does (a Runner given a loop_factory does not; grpc.aio then ran measurably
     slower per message)."""
-    with asyncio.Runner(loop_factory=loop_factory(loop)) as runner:
+    try:
+        factory = loop_factory(loop)
+    except ValueError:
+        main.close()  # never to run: no "coroutine was never awaited" warning after the error
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
         asyncio.set_event_loop(runner.get_loop())
         try:
             return runner.run(main)
@@ -57,4 +70,4 @@ def _uvloop() -> Any:
     return uvloop
 
 
-__all__ = ["DEFAULT_LOOP", "LOOPS", "check_loop", "loop_factory", "loop_name", "run"]
+__all__ = ["DEFAULT_LOOP", "LOOPS", "check_loop", "choose_loop", "loop_factory", "loop_name", "run"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -108,11 +109,17 @@ def configured_host(log_dir: Path, config: str) -> Iterator[ServerProcess]:
         yield procs.host(log_dir / "sessions.db", "--config", str(path))
 
 
-def run_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m <args>`` to completion in the repository root. On a timeout it gets SIGTERM
-    first (the demo then stops the processes it started), SIGKILL only if that does not work."""
+def run_cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m <args>`` to completion in the repository root (``env``: variables set over
+    this process's). On a timeout it gets SIGTERM first (the demo then stops the processes it
+    started), SIGKILL only if that does not work."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)

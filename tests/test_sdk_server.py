@@ -294,6 +294,43 @@ def test_an_address_it_cannot_listen_on_is_one_line() -> None:
     assert viewer.returncode == 1 and viewer.stderr.startswith("agentmw-traces: '127.0.0.1:99999' is not HOST:PORT")
 
 
+class Keyed(MiddlewareBase):
+    """Describes the key it is given (with --arg key=...)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    async def get_middleware_key(self) -> Any:
+        return self.key
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "says"),
+    [
+        (["mw_servers.budget", "--token-budget", "1"], {"AGENTMW_LOOP": "fast"}, "ReplyBudget"),
+        (["mw_servers.tracing"], {"AGENTMW_LOOP": "fast"}, "TracingMiddleware"),
+        (["agentmw.sdk", "tests.host_util:RecorderMiddleware"], {"AGENTMW_LOOP": "fast"}, "RecorderMiddleware"),
+        (["agentmw.sdk", "tests.test_sdk_server:Keyed", "--arg", "key=" + "k" * 257], {}, "Keyed"),
+        (["agentmw.sdk", "tests.test_sdk_server:Keyed", "--arg", "key=5"], {}, "Keyed"),
+    ],
+    ids=["budget_loop", "tracing_loop", "launcher_loop", "key_too_long", "key_not_a_string"],
+)
+def test_a_bad_loop_or_key_is_one_line_and_exit_2(argv: list[str], env: dict[str, str], says: str) -> None:
+    """Refused by serve() before serving, as agent-host refuses its configuration. A bad AGENTMW_LOOP
+    was a ValueError traceback not naming the variable and a never-awaited-coroutine warning; a key
+    no host takes was served, and every attach then failed (or a TypeError traceback)."""
+    done = run_cli(*argv, "--address", "127.0.0.1:0", env=env, timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    if "AGENTMW_LOOP" in env:
+        what = "AGENTMW_LOOP: 'fast' is not one of asyncio, uvloop, auto"
+    elif argv[-1] == "key=5":
+        what = "get_middleware_key(): a middleware key must be a string, got int 5"
+    else:
+        what = "get_middleware_key(): a middleware key of 257 characters (at most 256)"
+    assert line == f"agentmw middleware {says}: configuration error: {what}"
+
+
 class Flusher(MiddlewareBase):
     """Leaves work running after each reply (as a write-back does), finished by close()."""
 

@@ -24,7 +24,7 @@ import jsonschema
 
 from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ChatResponse, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
-from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec
+from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, check_middleware_key
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
 from agentmw.transport import HOST_KEEPALIVE_MS
@@ -60,7 +60,6 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 # GetSession), and a gRPC client accepts 4 MiB per message by default (host.proto).
 DEFAULT_MAX_ITEM_BYTES = 2 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
-MAX_KEY = 256  # characters of a middleware key: a slot's name, not a document
 
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
@@ -212,11 +211,10 @@ class RemoteMiddleware:
             raise await self._describe_failed(exc, request, limit) from None
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
-        if not desc.key:
-            raise ProtocolError(self.name, "Describe", "empty middleware key")
-        if len(desc.key) > MAX_KEY:  # it names a slot kept in every session it touches
-            what = f"a middleware key of {len(desc.key)} characters (at most {MAX_KEY})"
-            raise ProtocolError(self.name, "Describe", what)
+        try:
+            check_middleware_key(desc.key)
+        except ValueError as exc:
+            raise ProtocolError(self.name, "Describe", str(exc)) from None
         tables = {}
         for hook in desc.hooks:
             spec = HOOKS_BY_NUMBER.get(hook.hook)

@@ -18,10 +18,11 @@ import json
 import logging
 import os
 import signal
+import sys
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,7 +31,8 @@ from grpc_reflection.v1alpha import reflection
 from agentmw import loops, tracing
 from agentmw.codec import codec, value_to_json
 from agentmw.data import ToolCallBlock
-from agentmw.hooks import HOOKS, PROTOCOL_VERSION
+from agentmw.errors import ConfigError
+from agentmw.hooks import HOOKS, PROTOCOL_VERSION, check_middleware_key
 from agentmw.middleware import MiddlewareBase
 from agentmw.security import (
     SecurityError,
@@ -156,7 +158,11 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str, streams: _Str
 
 
 async def describe(middleware: MiddlewareBase) -> hooks_pb2.MiddlewareDescription:
-    key = await middleware.get_middleware_key()
+    """What Describe answers; a key no host would take is a ConfigError (refused at start)."""
+    try:
+        key = check_middleware_key(await middleware.get_middleware_key())
+    except ValueError as exc:
+        raise ConfigError(f"get_middleware_key(): {exc}") from None
     desc = hooks_pb2.MiddlewareDescription(key=key, protocol_version=PROTOCOL_VERSION)
     for hook in type(middleware).implemented_hooks():
         desc.hooks.append(to_proto(HOOKS[hook].number, middleware.subscription(hook)))
@@ -286,10 +292,23 @@ def serve(
     defaults to ``ServeSecurity.from_env()`` (plaintext, no token, no reflection when unset);
     ``loop``: "asyncio", "uvloop" or "auto" (default: AGENTMW_LOOP, else asyncio; agentmw/loops.py)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    prefix = f"agentmw middleware {type(middleware).__name__}"
+    try:
+        loop = loops.choose_loop(loop)
+    except ValueError as exc:
+        _configuration_error(prefix, exc)
     try:
         loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
+    except ConfigError as exc:  # what the middleware describes (its key)
+        _configuration_error(prefix, exc)
     except (CannotListen, SecurityError) as exc:  # the address, or TLS files that cannot be used
-        raise SystemExit(f"agentmw middleware {type(middleware).__name__}: {exc}") from None
+        raise SystemExit(f"{prefix}: {exc}") from None
+
+
+def _configuration_error(prefix: str, exc: Exception) -> NoReturn:
+    """One line and exit status 2, as agent-host says a configuration error."""
+    print(f"{prefix}: configuration error: {exc}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 __all__ = ["CannotListen", "ServeSecurity", "describe", "serve", "serve_async", "start", "stop_server"]

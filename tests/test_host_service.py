@@ -468,11 +468,15 @@ def test_middleware_from_the_environment_takes_what_the_flag_takes() -> None:
     values = ["127.0.0.1:50185", "clock=ipv4:127.0.0.1:50183,127.0.0.1:50184", "tts=ipv6:[::1]:50186,[::1]:50187"]
     from_flags = load_config(env={}, flags={"middleware": values}).middleware
     from_env = load_config(env={"AGENTMW_MIDDLEWARE": ",".join(values)}).middleware
-    assert [(m.name, m.address) for m in from_env] == [(m.name, m.address) for m in from_flags] == [
-        ("", "127.0.0.1:50185"),
-        ("clock", "ipv4:127.0.0.1:50183,127.0.0.1:50184"),
-        ("tts", "ipv6:[::1]:50186,[::1]:50187"),
-    ]
+    assert (
+        [(m.name, m.address) for m in from_env]
+        == [(m.name, m.address) for m in from_flags]
+        == [
+            ("", "127.0.0.1:50185"),
+            ("clock", "ipv4:127.0.0.1:50183,127.0.0.1:50184"),
+            ("tts", "ipv6:[::1]:50186,[::1]:50187"),
+        ]
+    )
 
 
 def test_demo_completes() -> None:

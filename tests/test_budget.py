@@ -370,29 +370,77 @@ async def test_count_survives_pauses_and_a_killed_budget_server(budget: float) -
 
 
 @pytest.mark.parametrize(
-    ("args", "env", "message"),
+    ("args", "env", "config", "message"),
     [
-        ([], {}, "--token-budget is required"),
-        (["--token-budget", "-5"], {}, "--token-budget must be a finite number >= 0, got '-5'"),
-        (["--token-budget", "lots"], {}, "--token-budget must be a number, got 'lots'"),
-        ([], {"AGENTMW_BUDGET_TOKEN_BUDGET": "-1"}, "--token-budget must be a finite number >= 0, got '-1'"),
+        ([], {}, "", "--token-budget is required"),
+        (["--token-budget", "-5"], {}, "", "--token-budget must be a finite number >= 0, got -5.0"),
+        (["--token-budget", "lots"], {}, "", "--token-budget must be a number, got 'lots'"),
+        ([], {"AGENTMW_BUDGET_TOKEN_BUDGET": "-1"}, "", "AGENTMW_BUDGET_TOKEN_BUDGET must be a finite number >= 0"),
+        ([], {"AGENTMW_BUDGET_TOKEN_BUDGET": "abc"}, "", "AGENTMW_BUDGET_TOKEN_BUDGET must be a number, got 'abc'"),
+        (["--token-budget", "1", "--key", ""], {}, "", "--key must be a middleware key a host takes: empty"),
+        (["--token-budget", "1"], {"AGENTMW_BUDGET_KEY": ""}, "", "AGENTMW_BUDGET_KEY must be a middleware key"),
+        (["--token-budget", "1", "--key", "k" * 300], {}, "", "--key must be a middleware key a host takes: a "),
+        ([], {}, "token_budget: 1\nkey: 5\n", "key in --config {config} must be a string, got int 5"),
+        ([], {}, "token_budget: 1\naddress: 5\n", "address in --config {config} must be HOST:PORT, got int 5"),
+        ([], {}, "token_budget: 1\nhint_message: [1, 2]\n", "hint_message in --config {config} must be a string"),
+        ([], {}, "token_budget: [1\n", "--config {config}:2:1: malformed YAML"),
+        (["--token-budget", "1", "--address", "127.0.0.1:99999"], {}, "", "--address '127.0.0.1:99999' is not HOST"),
     ],
-    ids=["missing", "negative", "non_numeric", "negative_from_env"],
+    ids=[
+        "missing",
+        "negative",
+        "non_numeric",
+        "negative_from_env",
+        "non_numeric_from_env",
+        "empty_key",
+        "empty_key_from_env",
+        "key_too_long",
+        "key_not_a_string",
+        "address_not_a_string",
+        "hint_not_a_string",
+        "malformed_config",
+        "address_out_of_range",
+    ],
 )
-def test_bad_budget_is_one_line_and_exit_2(args: list[str], env: dict[str, str], message: str) -> None:
+def test_bad_budget_is_one_line_and_exit_2(
+    args: list[str], env: dict[str, str], config: str, message: str, tmp_path: Path
+) -> None:
+    """Each setting is checked before serving, naming where it came from: a bad key, address or
+    hint was a traceback (or served, and every attach or exhausted reply failed), a bad address
+    exit status 1, a value from the environment named as its flag."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTMW_BUDGET_")}
+    path = tmp_path / "budget.yaml"
+    if config:
+        path.write_text(config)
+        args = [*args, "--config", str(path)]
+    if "address:" not in config and "--address" not in args:  # else the flag would win over the file's
+        args = ["--address", "127.0.0.1:0", *args]
     proc = subprocess.run(
-        [sys.executable, "-m", "mw_servers.budget", "--address", "127.0.0.1:0", *args],
+        [sys.executable, "-m", "mw_servers.budget", *args],
         cwd=ROOT,
         env={**clean, **env},
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.splitlines()
-    assert line.startswith(f"python -m mw_servers.budget: error: {message}")
+    assert line.startswith(f"python -m mw_servers.budget: error: {message.format(config=path)}"), line
     assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"key": 5}, "key must be a string, got int 5"),
+        ({"key": ""}, "key must be a middleware key a host takes: empty middleware key"),
+        ({"hint_message": [1, 2]}, "hint_message must be a string"),
+    ],
+)
+def test_the_class_refuses_what_the_server_refuses(setting: dict[str, Any], says: str) -> None:
+    """In-process too (a hint that is not text failed each exhausted reply with a CodecError)."""
+    with pytest.raises(ValueError, match=f"^{says}"):
+        ReplyBudget(token_budget=1, **setting)
 
 
 def test_flags_win_over_environment_over_config_file(tmp_path: Path) -> None:

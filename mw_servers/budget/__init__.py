@@ -28,6 +28,7 @@ from typing import Any
 
 from agent_host.agent import STRUCTURED_OUTPUT_TOOL
 from agentmw.data import CustomEvent, HintBlock, ModelCallEndEvent, ReplyStartEvent, ToolChoice
+from agentmw.hooks import check_middleware_key
 from agentmw.sdk import MiddlewareBase, ReasoningKwargs, ReplyKwargs, Subscription, subscribe
 
 DEFAULT_KEY = "ReplyBudget"
@@ -41,6 +42,25 @@ STRUCTURED_HINT = (
 )
 HINT_SOURCE = '{"label": "System", "sublabel": "Reply Budget"}'
 EXHAUSTED = "budget_exhausted"  # the CustomEvent's name
+
+
+NUMBERS = ("token_budget", "input_token_weight", "output_token_weight")
+
+
+def check_setting(name: str, value: Any) -> Any:
+    """``value`` if ReplyBudget takes it as its setting ``name``, else a ValueError saying what it
+    must be, without the name: the constructor names the argument, the server where it came from."""
+    if name in NUMBERS:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"must be a finite number >= 0, got {value!r}")
+    elif not isinstance(value, str):  # hint_message (sent in a HintBlock), key
+        raise ValueError(f"must be a string, got {type(value).__name__} {value!r}")
+    elif name == "key":
+        try:
+            check_middleware_key(value)  # the host's rule: refused here, not at every attach
+        except ValueError as exc:
+            raise ValueError(f"must be a middleware key a host takes: {exc}") from None
+    return value
 
 
 def _number(value: float) -> float | int:
@@ -74,11 +94,13 @@ class ReplyBudget(MiddlewareBase):
             ("token_budget", token_budget),
             ("input_token_weight", input_token_weight),
             ("output_token_weight", output_token_weight),
+            ("hint_message", hint_message),
+            ("key", key),
         ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not key:
-            raise ValueError("key must not be empty")
+            try:
+                check_setting(name, value)
+            except ValueError as exc:
+                raise ValueError(f"{name} {exc}") from None
         self.token_budget = _number(token_budget)
         self.input_token_weight = float(input_token_weight)
         self.output_token_weight = float(output_token_weight)
@@ -151,4 +173,4 @@ class ReplyBudget(MiddlewareBase):
             yield item
 
 
-__all__ = ["DEFAULT_HINT", "DEFAULT_KEY", "EXHAUSTED", "ReplyBudget"]
+__all__ = ["DEFAULT_HINT", "DEFAULT_KEY", "EXHAUSTED", "NUMBERS", "ReplyBudget", "check_setting"]

@@ -3,23 +3,22 @@
 Every setting comes from, in this order of precedence: a command-line flag, an environment
 variable ``AGENTMW_BUDGET_<SETTING>`` (e.g. ``AGENTMW_BUDGET_TOKEN_BUDGET=5000``), a YAML file
 given with ``--config`` (keys as the flags, with underscores: ``token_budget: 5000``), the default.
-Invalid settings are one line on stderr and exit status 2.
+Invalid settings are one line on stderr naming where they came from, and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-import yaml
-
+from agentmw.configfile import read_yaml
+from agentmw.errors import ConfigError
 from agentmw.sdk import serve
+from agentmw.transport import check_listen_address
 
-from . import DEFAULT_HINT, DEFAULT_KEY, ReplyBudget
+from . import DEFAULT_HINT, DEFAULT_KEY, NUMBERS, ReplyBudget, check_setting
 
 PROG = "python -m mw_servers.budget"
 ENV_PREFIX = "AGENTMW_BUDGET_"
@@ -31,7 +30,6 @@ DEFAULTS: dict[str, Any] = {
     "hint_message": DEFAULT_HINT,
     "key": DEFAULT_KEY,
 }
-NUMBERS = ("token_budget", "input_token_weight", "output_token_weight")
 
 
 class SettingError(Exception):
@@ -55,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _from_file(path: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise SettingError(f"--config {path}: {exc}".replace("\n", " ")) from None
+        data = read_yaml(path) or {}
+    except ConfigError as exc:
+        raise SettingError(f"--config {exc}") from None
     if not isinstance(data, dict):
         raise SettingError(f"--config {path}: expected a mapping of settings")
     unknown = sorted(set(data) - set(DEFAULTS))
@@ -71,29 +69,39 @@ def settings(argv: list[str] | None, environ: dict[str, str]) -> dict[str, Any]:
     args = vars(_parser().parse_args(argv))
     config = args.pop("config") or environ.get(ENV_PREFIX + "CONFIG")
     merged = dict(DEFAULTS)
+    where = {name: f"{name} (default)" for name in DEFAULTS}  # what an error names: where it came from
     if config:
-        merged.update(_from_file(config))
+        for name, value in _from_file(config).items():
+            merged[name], where[name] = value, f"{name} in --config {config}"
     for name in DEFAULTS:
         if (value := environ.get(ENV_PREFIX + name.upper())) is not None:
-            merged[name] = value
+            merged[name], where[name] = value, ENV_PREFIX + name.upper()
         if args[name] is not None:
-            merged[name] = args[name]
+            merged[name], where[name] = args[name], "--" + name.replace("_", "-")
     if merged["token_budget"] is None:
         raise SettingError(f"--token-budget is required (or {ENV_PREFIX}TOKEN_BUDGET, or token_budget in --config)")
-    for name in NUMBERS:
-        merged[name] = _number(name, merged[name])
+    for name, value in merged.items():
+        try:
+            merged[name] = _checked(name, value)
+        except ValueError as exc:
+            raise SettingError(f"{where[name]} {exc}") from None
     return merged
 
 
-def _number(name: str, value: Any) -> float:
-    flag = "--" + name.replace("_", "-")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise SettingError(f"{flag} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not math.isfinite(number) or number < 0:
-        raise SettingError(f"{flag} must be a finite number >= 0, got {value!r}")
-    return number
+def _checked(name: str, value: Any) -> Any:
+    """One setting, as given (text from a flag or variable, or YAML), checked: ReplyBudget's own
+    check, and the address serve() would refuse only at start (exit 1, not 2)."""
+    if name == "address":
+        if not isinstance(value, str):
+            raise ValueError(f"must be HOST:PORT, got {type(value).__name__} {value!r}")
+        return check_listen_address(value)
+    if name in NUMBERS:
+        try:
+            value = float(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ValueError(f"must be a number, got {value!r}") from None
+        return float(check_setting(name, value))
+    return check_setting(name, value)
 
 
 def main(argv: list[str] | None = None) -> None:

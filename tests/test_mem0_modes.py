@@ -1,14 +1,20 @@
 """What the mem0 server declares in each mode (Describe, ListTools), served by the SDK launcher
-with a stand-in memory, so it needs no mem0 venv. The memory itself is tested in test_mem0.py."""
+with a stand-in memory, and how it refuses a bad --config (before mem0 loads), so it needs no mem0
+venv. The memory itself is tested in test_mem0.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from agent_host.remote import RemoteMiddleware
 from agentmw.data import Msg, ReplyStartEvent
 from agentmw.subscriptions import Mode
-from clients.launch import middleware_server, start_all
+from clients.launch import ROOT, middleware_server, start_all
 from mw_servers.mem0 import ADD_SCHEMA, SEARCH_SCHEMA, Mem0Middleware
 
 
@@ -46,3 +52,35 @@ async def test_each_mode_declares_only_the_hooks_and_tools_it_uses() -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("agentmw: {top_k: 3\n", "{file}:2:1: malformed YAML: expected ',' or '}}'"),
+        ("agentmw: [1]\n", "{file}: agentmw: expected a mapping, got list [1]"),
+        ("agentmw: {top_k: lots}\n", "{file}: agentmw: top_k must be int, got str 'lots'"),
+        ("agentmw: {topk: 3}\n", "{file}: agentmw: unknown option 'topk' (known: mode, user_id, "),
+        ("vectorstore: {provider: qdrant}\n", "{file}: unknown section 'vectorstore' (known: vector_store, llm, "),
+        ("embedder: huggingface\n", "{file}: embedder: expected a mapping, got str 'huggingface'"),
+    ],
+    ids=[
+        "malformed",
+        "options_not_a_mapping",
+        "option_of_a_wrong_type",
+        "unknown_option",
+        "unknown_section",
+        "section",
+    ],
+)
+def test_a_bad_config_file_is_one_line_naming_file_and_key(config: str, says: str, tmp_path: Path) -> None:
+    """Checked before mem0 is imported (so with the host's python): each was a traceback, a
+    message naming neither option nor file after loading the model, or (a misspelt section)
+    ignored, the server running on the default store."""
+    file = tmp_path / "mem0.yaml"
+    file.write_text(config)
+    argv = [sys.executable, "-m", "mw_servers.mem0", "--store", str(tmp_path / "store"), "--address", "127.0.0.1:0"]
+    done = subprocess.run([*argv, "--config", str(file)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("mw_servers.mem0: configuration error: " + says.format(file=file)), line

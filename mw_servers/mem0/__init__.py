@@ -81,6 +81,35 @@ ADD_SCHEMA = {
     "required": ["thinking", "content"],
 }
 MAX_PENDING = 1024  # sessions whose background-write failure waits for their next reply
+# Mem0Middleware's options (also ``agentmw:`` in the server's --config file): name -> types taken.
+OPTIONS: dict[str, tuple[type, ...]] = {
+    "mode": (str,),
+    "user_id": (str,),
+    "agent_id": (str, type(None)),
+    "top_k": (int,),
+    "threshold": (int, float, type(None)),
+    "scope_by_agent": (bool,),
+    "await_write": (bool,),
+    "infer": (bool,),
+    "tool_prefix": (str,),
+    "workers": (int,),
+}
+
+
+def check_option(name: str, value: Any) -> Any:
+    """``value`` if Mem0Middleware takes it as its option ``name``, else a ValueError naming it:
+    the constructor's check, and the server's of its --config file before mem0 loads."""
+    kinds = OPTIONS.get(name)
+    if kinds is None:
+        raise ValueError(f"unknown option {name!r} (known: {', '.join(OPTIONS)})")
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):  # a bool is an int
+        want = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
+        raise ValueError(f"{name} must be {want}, got {type(value).__name__} {value!r}")
+    if name == "mode" and value not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {value!r}")
+    if name in ("top_k", "workers") and isinstance(value, int) and value < 1:  # (narrowed for mypy)
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
 
 
 class Mem0Middleware(MiddlewareBase):
@@ -90,8 +119,7 @@ class Mem0Middleware(MiddlewareBase):
     def __new__(cls, memory: Any = None, *, mode: str = "both", **kw: Any) -> Mem0Middleware:
         # The host asks for a hook only if the class implements it: static mode gets a subclass
         # without the prompt hook and the tools (no prompt round trips per model call).
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        check_option("mode", mode)
         return super().__new__(_mode_class(cls, mode))  # type: ignore[arg-type]  # a class is hashable; mypy checks its instances
 
     def __init__(
@@ -109,8 +137,20 @@ class Mem0Middleware(MiddlewareBase):
         tool_prefix: str = "mem0__",
         workers: int = 1,
     ) -> None:
-        if top_k < 1:
-            raise ValueError(f"top_k must be at least 1, got {top_k}")
+        options = {
+            "mode": mode,
+            "user_id": user_id,
+            "agent_id": agent_id,
+            "top_k": top_k,
+            "threshold": threshold,
+            "scope_by_agent": scope_by_agent,
+            "await_write": await_write,
+            "infer": infer,
+            "tool_prefix": tool_prefix,
+            "workers": workers,
+        }
+        for name, value in options.items():
+            check_option(name, value)
         self.memory = memory
         self.mode = mode
         self.user_id, self.agent_id = user_id, agent_id
@@ -323,4 +363,4 @@ def _mode_class(cls: type[Mem0Middleware], mode: str) -> type[Mem0Middleware]:
     return type(f"{cls.__name__}Static", (cls,), hooks)
 
 
-__all__ = ["ADD_SCHEMA", "ERROR_EVENT", "KEY", "MODES", "SEARCH_SCHEMA", "Mem0Middleware"]
+__all__ = ["ADD_SCHEMA", "ERROR_EVENT", "KEY", "MODES", "OPTIONS", "SEARCH_SCHEMA", "Mem0Middleware", "check_option"]

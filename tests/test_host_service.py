@@ -462,6 +462,19 @@ def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+def test_a_negative_max_iters_is_a_configuration_error(tmp_path: Path) -> None:
+    """agent.max_iters as ``agent.max_iters = ...`` takes it: 0 or more (-5 was accepted)."""
+    path = tmp_path / "host.yaml"
+    path.write_text("agent: {max_iters: 0}\n")
+    assert load_config(path, env={}).max_iters == 0  # the final answer at once, as AgentScope
+    path.write_text("agent: {max_iters: -5}\n")
+    bad = run_cli("agent_host", "--config", str(path), "--db", ":memory:", "--listen", "127.0.0.1:0")
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert bad.stderr.strip() == (
+        f"agent-host: configuration error: {path}: agent.max_iters: max_iters must be 0 or more, not -5"
+    )
+
+
 def test_middleware_from_the_environment_takes_what_the_flag_takes() -> None:
     """AGENTMW_MIDDLEWARE holds --middleware values separated by commas; a replica list
     (``ipv4:a,b``, README) keeps its own (its second address became a middleware of its own)."""

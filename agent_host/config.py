@@ -33,7 +33,7 @@ YAML (every key optional)::
       tls: {cert: host.pem, key: host.key, client_ca: ca.pem, require_client_cert: true}
       users:                       # authentication on: tokens (never in the file itself) or certificates
         - {name: alice, role: user, token_env: ALICE_TOKEN}       # also token_file, token_sha256
-        - {name: ops, role: admin, cert_cn: ops}                  # mTLS identity
+        - {name: ops, role: admin, cert_cn: ops}                  # mTLS identity (needs tls.client_ca)
       middleware_tls: {ca: ca.pem, cert: host-client.pem, key: host-client.key, server_name: localhost}
       middleware_token_env: AGENTMW_MIDDLEWARE_TOKEN   # presented to every middleware (or _file)
       attach_allow: ["10.0.0.*:50061"]   # AttachMiddleware targets; default: loopback + configured
@@ -271,6 +271,14 @@ def load_config(
             getattr(cfg.security, group).check(f"security.{group}")
         except SecurityError as exc:
             raise ConfigError(str(exc)) from None
+    for i, user in enumerate(cfg.security.users):
+        # Without a client CA the host asks for no certificate: a cert_cn alone never matches, and
+        # every call of the user would fail UNAUTHENTICATED.
+        if user.cert_cn and not user.token_sha256 and not cfg.security.tls.ca:
+            raise ConfigError(
+                f"{cfg.source}: security.users[{i}]: user {user.name!r} has only a cert_cn, which needs "
+                "security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) to be checked"
+            )
     for mw in cfg.middleware:
         if not mw.address:
             raise ConfigError(

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from agent_host.config import load_config
 from agent_host.security import TlsFiles, client_channel
 from agentmw.codec import codec
 from agentmw.data import Msg, ReplyEndEvent
@@ -456,3 +457,21 @@ def test_tls_files_that_cannot_be_used_are_a_configuration_error(certs: Pki, tmp
         )
     bad_ca = run_cli("agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--tls-client-ca", str(garbage))
     assert bad_ca.returncode == 2 and f"the TLS CA {garbage} cannot be used" in bad_ca.stderr, bad_ca.stderr
+
+
+def test_a_user_known_only_by_certificate_needs_a_client_ca(tmp_path: Path) -> None:
+    """Without security.tls.client_ca the host asks for no client certificate, so such a user's
+    every call failed UNAUTHENTICATED, with no word at start; a token as well is enough."""
+    path = tmp_path / "host.yaml"
+    path.write_text(
+        "security:\n  users:\n    - {name: alice, role: user, token_sha256: abc}\n"
+        "    - {name: ops, role: admin, cert_cn: ops}\n"
+    )
+    host = run_cli("agent_host", "--config", str(path), "--listen", "127.0.0.1:0", "--db", ":memory:")
+    assert host.returncode == 2, host.stdout + host.stderr
+    assert host.stderr.strip() == (
+        f"agent-host: configuration error: {path}: security.users[1]: user 'ops' has only a cert_cn, which needs "
+        "security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) to be checked"
+    )
+    path.write_text("security:\n  users:\n    - {name: ops, role: admin, cert_cn: ops, token_sha256: abc}\n")
+    assert load_config(path, env={}).security.users[0].cert_cn == "ops"

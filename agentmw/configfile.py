@@ -1,12 +1,11 @@
 """Reading a YAML configuration file: the host's ``--config`` and every built-in server's, so a
-file that cannot be read or parsed is one line naming it (and the line of the YAML error)."""
+file that cannot be read or parsed is one line naming it (and the line of the YAML error).
+PyYAML is imported when a file is read: it is the host's dependency, not the SDK's (sdk/)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from .errors import ConfigError
 
@@ -14,6 +13,8 @@ from .errors import ConfigError
 def read_yaml(path: str | Path) -> Any:
     """The file's YAML document (None when it is empty), or ConfigError: "PATH: cannot read ..."
     or "PATH:LINE:COLUMN: malformed YAML: ..."."""
+    import yaml  # only the host and the servers read YAML files: not a dependency of the SDK alone
+
     src = str(path)
     try:
         text = Path(path).expanduser().read_text()

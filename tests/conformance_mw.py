@@ -24,7 +24,7 @@ from agentmw.data import (
     ToolResponse,
     UserMsg,
 )
-from agentmw.errors import ModelError
+from agentmw.errors import ModelError, UnknownModelError
 from agentmw.middleware import MiddlewareBase, Mode, subscribe
 from agentmw.tools import tool
 
@@ -1083,6 +1083,23 @@ class SetModelThenRead(MiddlewareBase):
             yield item
 
 
+class SetModelUnknown(MiddlewareBase):
+    """Asks for a model id the host does not have, and records what its code saw."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[ReplyStartEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                try:
+                    agent.set_model("no-such-model")
+                    caught = None
+                except UnknownModelError as exc:
+                    caught = str(exc)
+                agent.state.middle_context[await self.get_middleware_key()] = {"caught": caught}
+            yield item
+
+
 class ChangeContextThenRead(MiddlewareBase):
     """In the first step: appends a hint, appends another to the tail, removes the first, reading
     ``agent.state.context`` after each."""
@@ -1104,4 +1121,4 @@ class ChangeContextThenRead(MiddlewareBase):
             yield item
 
 
-MIDDLEWARE.update({cls.__name__: cls for cls in (SetModelThenRead, ChangeContextThenRead)})
+MIDDLEWARE.update({cls.__name__: cls for cls in (SetModelThenRead, SetModelUnknown, ChangeContextThenRead)})

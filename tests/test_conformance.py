@@ -610,6 +610,16 @@ def _set_model_then_read(events, state):
     assert final_text(events) == "B: hello there"
 
 
+def _set_model_unknown(events, state):
+    """``agent.set_model`` of an id the host does not have raises UnknownModelError at the call,
+    where the code can catch it (remotely: the view did not know the ids, and the reply failed later
+    with a protocol violation)."""
+    assert state["middle_context"]["SetModelUnknown"] == {
+        "caught": "unknown model id 'no-such-model' (registered: main)"
+    }
+    assert final_text(events) == "You said: hello there"
+
+
 def _change_context_then_read(events, state):
     """The context shows the middleware's own appends and removal at once (remotely: not until the
     host sent its state again)."""
@@ -651,6 +661,7 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
         _set_model_then_read,
     ),
     (Scenario("change_context_then_read", [Layer("ChangeContextThenRead")]), _change_context_then_read),
+    (Scenario("set_model_unknown", [Layer("SetModelUnknown")]), _set_model_unknown),
     (
         Scenario("observe_last_uses_grant", [Layer("ObserveCounter")], models={"main": {"reply_template": WORDS_25}}),
         _observe_last_uses_grant,

@@ -65,6 +65,7 @@ def _settings(model_cls: type[ChatModel]) -> list[str]:
 class ModelRegistry:
     def __init__(self, default: str | None = None) -> None:
         self.entries: dict[str, ModelEntry] = {}
+        self.ids: list[str] = []  # sorted, as a middleware is told them (HookContext.model_ids)
         self.default = default
 
     def add(
@@ -76,6 +77,7 @@ class ModelRegistry:
         retry: RetryPolicy | None = None,
     ) -> ChatModel:
         self.entries[model.id] = ModelEntry(model, max_retries, list(fallback or []), retry or RetryPolicy())
+        self.ids = sorted(self.entries)
         if self.default is None:
             self.default = model.id
         return model
@@ -84,7 +86,7 @@ class ModelRegistry:
         try:
             return self.entries[model_id].model
         except KeyError:
-            raise UnknownModelError(model_id, sorted(self.entries)) from None
+            raise UnknownModelError(model_id, self.ids) from None
 
     def entry(self, model_id: str) -> ModelEntry:
         self.get(model_id)

@@ -586,6 +586,7 @@ class HookCall:
         else:
             ctx.slot.null_value = struct_pb2.NULL_VALUE
         codec.encode(agent.model.ref, ctx.model)
+        ctx.model_ids.extend(agent.models.ids)
         ctx.structured_output_pending = (
             state.reply_context.structured_schema is not None and state.reply_context.structured_output is None
         )

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from agentmw.codec import codec, json_to_value, value_to_json
 from agentmw.data import ContentBlock, ModelRef, Msg, Role
 from agentmw.data.state import ReplyFields, append_blocks, checked_max_iters, remove_block
+from agentmw.errors import UnknownModelError
 from agentmw.v1 import hooks_pb2
 
 from .snapshot import snapshot, unchanged
@@ -377,6 +378,7 @@ class AgentView:
         self._max_iters = 0
         self._model: ModelRef | None = None
         self._model_msg: Any = None  # the host's ModelRef, decoded on first use of ``model``
+        self._model_ids: tuple[str, ...] = ()  # what set_model accepts (empty: not told, not checked)
         # The message that carries our latest change of the state below (0: none in flight): host
         # state taken before the host read it is older than what the view shows (``refresh``).
         self._pending = 0
@@ -401,8 +403,11 @@ class AgentView:
         return self._model
 
     def set_model(self, model_id: str) -> None:
-        """Use a registered model for the rest of this reply. ``model`` is it at once: its id alone
-        (the view does not know the host's models) until the host next sends its state."""
+        """Use a registered model for the rest of this reply (an unknown id raises
+        UnknownModelError, as in-process). ``model`` is it at once: its id alone (the view does not
+        know the host's models' other fields) until the host next sends its state."""
+        if self._model_ids and model_id not in self._model_ids:
+            raise UnknownModelError(model_id, list(self._model_ids))
         self.change(hooks_pb2.Mutation(set_model=model_id))
         model = self.model
         if model is None or model.id != model_id:
@@ -430,6 +435,8 @@ class AgentView:
         state.session_id = ctx.session_id
         state.reply_context.reply_id = ctx.reply_id
         state.reply_context.structured_output_pending = ctx.structured_output_pending
+        if ctx.model_ids:
+            self._model_ids = tuple(ctx.model_ids)
         self._session.sync_state()  # local changes first: they must not be overwritten by older host state
         state.middle_context.load(value_to_json(ctx.slot) if ctx.HasField("slot") else None, ctx.applied)
         if ctx.applied < self._pending:  # the host took this state before reading our latest change

@@ -235,10 +235,16 @@ class Acting(AgentBase):
         return PermissionDecision(behavior=PermissionBehavior.ALLOW)
 
     def check_incoming_event(self, event: Any) -> None:
-        """Raise ReplyError unless ``event`` (a confirm or execution result) answers waiting tool calls."""
+        """Raise ReplyError unless ``event`` (a confirm or execution result) answers waiting tool calls
+        of the parked reply, each once. Call ids alone do not say which reply: a model may use an
+        id again in a later reply (after a host restart, the offline model does), and an old
+        confirmation sent again would then run the old call's input in its place."""
+        name = type(event).__name__
         awaiting = {c.id: c for c in self.awaiting_calls()}
         if not awaiting:
-            raise ReplyError(f"{type(event).__name__}: no tool call is waiting for an answer")
+            raise ReplyError(f"{name}: no tool call is waiting for an answer")
+        if event.reply_id and event.reply_id != self.state.reply_id:
+            raise ReplyError(f"{name}: reply {event.reply_id} is not the parked one ({self.state.reply_id})")
         if isinstance(event, UserConfirmResultEvent):
             ids = [r.tool_call.id for r in event.confirm_results]
             wanted = ToolCallState.ASKING
@@ -247,7 +253,10 @@ class Acting(AgentBase):
             wanted = ToolCallState.SUBMITTED
         bad = [i for i in ids if i not in awaiting or awaiting[i].state != wanted]
         if bad or not ids:
-            raise ReplyError(f"{type(event).__name__}: tool call ids {bad or ids} are not awaiting this answer")
+            raise ReplyError(f"{name}: tool call ids {bad or ids} are not awaiting this answer")
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise ReplyError(f"{name}: tool call ids {twice} are answered more than once")
 
     async def _handle_incoming_event(self, event: Any) -> AsyncIterator[Any]:
         calls = {c.id: c for c in self._unanswered_calls()}

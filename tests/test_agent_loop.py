@@ -204,6 +204,41 @@ async def test_inputs_the_parked_agent_cannot_take_are_refused_and_nothing_chang
     assert resumed[-1].text == "Done: send_email returned sent to bob: hi."
 
 
+async def test_an_answer_for_another_reply_or_twice_for_one_call_is_refused() -> None:
+    """A confirmation of an earlier reply sent again, when the parked reply's call has the same id
+    (a model may use an id again: the offline model after a host restart): refused, nothing runs.
+    Before, the old call's input replaced the new call's and ran a second time. Answering one call
+    twice in one event: refused (both answers were stored)."""
+    agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
+    first = next(
+        i
+        for i in await collect(agent, UserMsg('call send_email {"to": "bob", "body": "one"}'))
+        if isinstance(i, RequireUserConfirmEvent)
+    )
+
+    def confirm(ask: RequireUserConfirmEvent, *calls: ToolCallBlock) -> UserConfirmResultEvent:
+        results = [ConfirmResult(confirmed=True, tool_call=c) for c in calls]
+        return UserConfirmResultEvent(reply_id=ask.reply_id, confirm_results=results)
+
+    await collect(agent, confirm(first, first.tool_calls[0]))
+    agent.model.calls = 0  # as a restarted host's model: its call ids start again
+    second = next(
+        i
+        for i in await collect(agent, UserMsg('call send_email {"to": "carol", "body": "two"}'))
+        if isinstance(i, RequireUserConfirmEvent)
+    )
+    assert second.tool_calls[0].id == first.tool_calls[0].id
+    before = copy.deepcopy(agent.state)
+    with pytest.raises(InputRefused, match="is not the parked one"):
+        await collect(agent, confirm(first, first.tool_calls[0]))
+    with pytest.raises(InputRefused, match="answered more than once"):
+        await collect(agent, confirm(second, second.tool_calls[0], second.tool_calls[0]))
+    assert agent.state == before
+    resumed = await collect(agent, confirm(second, second.tool_calls[0]))
+    assert resumed[-1].text == "Done: send_email returned sent to carol: two."
+    assert [r.output[0].text for r in tool_results(agent)] == ["sent to bob: one", "sent to carol: two"]
+
+
 async def test_denied_confirmation_is_a_denied_result() -> None:
     agent = Agent(model=OfflineRuleModel(), toolkit=Toolkit([send_email]))
     items = await collect(agent, UserMsg('call send_email {"to": "bob", "body": "hi"}'))

@@ -182,6 +182,23 @@ async def test_a_session_id_that_cannot_be_one_is_refused_before_anything_change
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_an_earlier_message_sent_again_is_refused(host: ServerProcess) -> None:
+    """A retry continues only the latest message's interrupted reply. An earlier message sent again
+    (answered before the latest was sent) is ALREADY_EXISTS, and nothing is stored or run again.
+    Before, only the latest message was looked at: the earlier one was stored and answered again."""
+    first, second = UserMsg("call add a=1 b=2"), UserMsg("hello")
+    async with HostClient(host.address) as client:
+        for msg in (first, second):
+            async for _ in client.reply("earlier-again", msg):
+                pass
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in client.reply("earlier-again", first):
+                pass
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS, refused.value
+    _, state, _ = await get_session(host.address, "earlier-again")
+    assert [m.id for m in state.context if m.role.value == "user"] == [first.id, second.id]
+
+
 @pytest.mark.parametrize(
     ("role", "blocks"),
     [("system", "text"), ("user", "hint")],

@@ -297,6 +297,28 @@ async def test_interrupt_sent_to_one_host_ends_a_reply_running_on_another(
         assert not idle.interrupted, "nothing runs any more"
 
 
+async def test_an_id_no_session_can_have_is_refused_before_the_store_sees_it(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """A session id with a NUL (PostgreSQL's text cannot hold one): Reply is INVALID_ARGUMENT, and
+    Get/Delete/InterruptReply answer as for a missing session. Before, they reached the database and
+    failed with INTERNAL / UNKNOWN (CharacterNotInRepertoireError in the client's details)."""
+    _, (host,) = cluster(procs, tmp_path, dsn, 1)
+    bad = "bad\x00id"
+    async with HostClient(host.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in client.reply(bad, UserMsg("hi")):
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stub(channel).GetSession(host_pb2.GetSessionRequest(session_id=bad), timeout=10)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        deleted = await stub(channel).DeleteSession(host_pb2.DeleteSessionRequest(session_id=bad), timeout=10)
+        interrupted = await stub(channel).InterruptReply(host_pb2.InterruptReplyRequest(session_id=bad), timeout=10)
+    assert not deleted.deleted and not interrupted.interrupted
+
+
 async def health(address: str) -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)

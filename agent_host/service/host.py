@@ -247,6 +247,13 @@ class Host:
     ) -> None:
         limit = self.config.security.replies_per_owner
         try:
+            sid = run.session_id
+            if not _valid_session_id(sid):  # before any store sees it (PostgreSQL refuses a NUL)
+                what = "control characters" if len(sid) <= MAX_SESSION_ID else f"{len(sid)} characters"
+                raise ReplyRejected(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a session id is at most {MAX_SESSION_ID} printable characters (this one has {what})",
+                )
             await self._check_access(run, inputs, caller, may_create)
             # Counted from here to the end, waiting for the session included (no authentication: no limit).
             async with self.store.admit(caller.name, limit) if caller.name else contextlib.nullcontext():
@@ -286,12 +293,6 @@ class Host:
         self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, *, wait: bool = True
     ) -> None:
         sid = run.session_id
-        if not (len(sid) <= MAX_SESSION_ID and sid.isprintable()):  # it is stored, logged and listed
-            what = "control characters" if len(sid) <= MAX_SESSION_ID else f"{len(sid)} characters"
-            raise ReplyRejected(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a session id is at most {MAX_SESSION_ID} printable characters (this one has {what})",
-            )
         check_structured_schema(inputs, structured_schema)  # before waiting for the session or storing
         if self.draining:
             raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, "this host is shutting down: send the reply to another")
@@ -423,7 +424,7 @@ class Host:
     async def interrupt(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
         """Interrupt the session's running reply, here or on another host of a shared store (another
         user's session answers as one with no reply)."""
-        if not self._visible(await self.store.record(session_id), caller):
+        if not _valid_session_id(session_id) or not self._visible(await self.store.record(session_id), caller):
             return False
         local = [r for r in self._runs if r.session_id == session_id]
         for run in local:
@@ -438,7 +439,7 @@ class Host:
     async def session(
         self, session_id: str, caller: Principal = ANONYMOUS_ADMIN
     ) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
-        if not self._visible(await self.store.record(session_id), caller):
+        if not _valid_session_id(session_id) or not self._visible(await self.store.record(session_id), caller):
             return None
         loaded = await self.store.load(session_id)
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
@@ -454,7 +455,7 @@ class Host:
         return record, state, self._agent(state).awaiting_calls()
 
     async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
-        if not self._visible(await self.store.record(session_id), caller):
+        if not _valid_session_id(session_id) or not self._visible(await self.store.record(session_id), caller):
             return False
         async with self._holding(session_id):
             return await self.store.delete(session_id)
@@ -661,15 +662,22 @@ class Host:
         await self.store.aclose()
 
 
+def _valid_session_id(sid: str) -> bool:
+    """What a session may be called (it is stored, logged and listed): no id else names one, so a
+    Get/Delete/Interrupt of another answers as for a missing session."""
+    return len(sid) <= MAX_SESSION_ID and sid.isprintable()
+
+
 def _is_retry(state: AgentState, inputs: Any) -> bool:
-    """``inputs`` is the latest stored user message again (same id). Its reply was interrupted (its
-    host stopped, or the client went away): the retry continues it. Any other end is final: refused."""
+    """``inputs`` is a stored user message again (same id). The latest one, whose reply was
+    interrupted (its host stopped, or the client went away): the retry continues it. Any other end,
+    or an earlier message (answered before the latest was sent), is final: refused."""
     if not isinstance(inputs, Msg):
         return False
     latest = next((m for m in reversed(state.context) if m.role == Role.USER), None)
-    if latest is None or latest.id != inputs.id:
+    if latest is None or not any(m.id == inputs.id for m in state.context if m.role == Role.USER):
         return False
-    if state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED:
+    if latest.id != inputs.id or state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED:
         raise ReplyRejected(
             grpc.StatusCode.ALREADY_EXISTS,
             f"message {inputs.id} was already answered in session {state.session_id!r}: see GetSession",

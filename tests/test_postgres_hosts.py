@@ -297,6 +297,43 @@ async def test_interrupt_sent_to_one_host_ends_a_reply_running_on_another(
         assert not idle.interrupted, "nothing runs any more"
 
 
+async def test_the_final_msg_reaches_the_client_only_once_the_reply_is_stored(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """The store is slow to take the reply's end (its lease row locked by another transaction): the
+    client gets the reply's events, but its final Msg only once the end is stored. Before, the whole
+    reply went out first: a host killed before the write left the client holding a reply the store
+    did not have (a completed answer lost, a parked call no longer waiting)."""
+    _, (host,) = cluster(procs, tmp_path, dsn, 1, delay=0.2)  # the lock is taken before the reply ends
+    async with HostClient(host.address) as client:
+        call = client.reply("", UserMsg("hello there"))
+        items: asyncio.Queue[object] = asyncio.Queue()
+
+        async def consume() -> None:
+            async for item in call:
+                await items.put(item)
+
+        consumer = asyncio.create_task(consume())
+        lock = await asyncpg.connect(dsn)
+        try:
+            async with asyncio.timeout(20):
+                while not isinstance(item := await items.get(), ReplyEndEvent):
+                    if isinstance(item, ReplyStartEvent):
+                        held = lock.transaction()
+                        await held.start()
+                        row = "SELECT 1 FROM agentmw_leases WHERE session_id=$1 FOR UPDATE"
+                        await lock.execute(row, call.session_id)
+            with pytest.raises(TimeoutError):  # the end cannot be stored yet: no final Msg
+                await asyncio.wait_for(items.get(), 1.0)
+            await held.rollback()
+            final = await asyncio.wait_for(items.get(), 20)
+            await consumer
+        finally:
+            consumer.cancel()
+            await lock.close()
+    assert isinstance(final, Msg) and final.text == "You said: hello there"
+
+
 async def test_an_id_no_session_can_have_is_refused_before_the_store_sees_it(
     procs: Procs, tmp_path: Path, dsn: str
 ) -> None:

@@ -316,16 +316,27 @@ class Host:
                 run.agent = agent
                 if run.interrupted:  # cancelled while waiting for the session
                     agent.interrupt()
+                final: Msg | None = None  # the reply's last item: sent once the reply is stored
                 try:
                     with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
                         async for item in agent.reply_stream(inputs, structured_schema):
                             watch.last = item
-                            await run.put(item)
+                            if final is not None:
+                                await run.put(final)
+                                final = None
+                            if isinstance(item, Msg):
+                                final = item
+                            else:
+                                await run.put(item)
                 finally:
                     if run.cut_off:  # cancelled half-way: close the reply as after a host crash
                         agent.close_interrupted_reply(None, CUT_OFF)
                     # Shielded: a host shutdown that cancels this task must not lose the session.
                     await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
+                # Only now: a client that saw the final Msg can count on the session holding the
+                # reply (parked or ended), whichever host it asks next.
+                if final is not None:
+                    await run.put(final)
             finally:
                 for a in setup.middleware:
                     a.users -= 1

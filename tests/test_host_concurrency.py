@@ -24,6 +24,7 @@ from agentmw.data import (
     ReplyStartEvent,
     RequireUserConfirmEvent,
     TextBlockDeltaEvent,
+    UserInterruptEvent,
     UserMsg,
 )
 from clients.chat import HostClient
@@ -222,3 +223,10 @@ async def test_invalid_inputs_are_refused_before_anything_changes(host: ServerPr
     with pytest.raises(grpc.aio.AioRpcError) as missing:  # nothing was stored
         await get_session(host.address, session)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    # Nor kept anywhere: the session is as unknown to a resumption as to GetSession (NOT_FOUND; it
+    # was FAILED_PRECONDITION, 'has no parked reply', from a journal cached though never stored).
+    async with HostClient(host.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            async for _ in client.reply(session, UserInterruptEvent(reply_id="r")):
+                pass
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND, unknown.value

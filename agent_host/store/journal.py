@@ -67,6 +67,8 @@ class Write:
 class RowBackend(Protocol):
     async def _apply(self, write: Write) -> None: ...
 
+    def _remember(self, journal: RowJournal) -> None: ...
+
     def _forget(self, journal: RowJournal) -> None: ...
 
 
@@ -138,6 +140,7 @@ class RowJournal:
                 raise
             self.rows, self.meta_digest = rows, meta_digest or self.meta_digest
             self.status, self.in_flight = status, in_flight
+            self.store._remember(self)  # a new session's journal is kept once it is stored
 
     def diff(self, status: ReplyStatus, in_flight: list[str]) -> tuple[Write, list[Row], bytes | None]:
         """What to write (encoded here, on the event loop, so it is one consistent snapshot)."""
@@ -190,9 +193,9 @@ class CachedJournals:
         raise NotImplementedError
 
     def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:
-        journal = RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
-        self._remember(journal)
-        return journal
+        # Cached at its first write: a new session whose first message is refused leaves nothing
+        # behind (else it answered as an existing session until evicted).
+        return RowJournal(self, AgentState(session_id=session_id), fence=fence, owner=owner)
 
     def _remember(self, journal: RowJournal) -> None:
         self._cache[journal.state.session_id] = journal

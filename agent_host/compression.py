@@ -61,7 +61,4 @@ class Compression(AgentBase):
                 f"({len(old)} earlier messages were truncated.)"
             )
         self.state.summary = summary
-        self.state.context = context[split:]
-        live = {b.id for m in self.state.context for b in m.content}  # forget owners of summarized blocks
-        self.state.block_owners = {k: v for k, v in self.state.block_owners.items() if k in live}
-        self.state.version += 1
+        self.state.drop_messages(split)  # bumps the version

@@ -118,6 +118,16 @@ class AgentState(ReplyFields):
         self.version += 1
         return True
 
+    def drop_messages(self, n: int) -> None:
+        """Remove the oldest ``n`` messages, as compression does (``check_drop``: ValueError), and
+        forget the owners of their blocks. The one way compression and a remote middleware (the
+        drop_messages mutation) shorten the context."""
+        check_drop(n, len(self.context))
+        self.context = self.context[n:]
+        live = {b.id for m in self.context for b in m.content}
+        self.block_owners = {k: v for k, v in self.block_owners.items() if k in live}
+        self.version += 1
+
 
 # The changes of a context that the host's state and a remote middleware's view of it (which
 # shows its own changes at once, as in-process) both make: one rule for both.
@@ -143,6 +153,15 @@ def append_blocks(
         context.append(tail)
     tail.content.extend(blocks)
     return tail
+
+
+def check_drop(n: int, length: int) -> None:
+    """Dropping the oldest ``n`` of ``length`` messages keeps the newest one (compression never
+    drops this reply's message) and drops at least one."""
+    if n < 1:
+        raise ValueError(f"cannot drop {n} messages")
+    if n >= length:
+        raise ValueError(f"cannot drop the oldest {n} of {length} messages: the newest message stays")
 
 
 def remove_block(context: Sequence[Msg], block_id: str) -> Msg | None:

@@ -113,7 +113,7 @@ class Permissions:
 
     hooks: frozenset[str] | None = None  # hooks it may serve; None = every hook
     context: bool = True  # receive agent.state.context (wants_context)
-    mutate_context: bool = True  # append / remove messages and blocks, set cur_iter / max_iters
+    mutate_context: bool = True  # append / remove messages and blocks, set summary / cur_iter / max_iters
     set_model: bool = True
     tools: bool = True  # contribute tools (ToolSource)
 

@@ -4,7 +4,8 @@ a server in another language would be). ``python -m tests.raw_mw MODE --address 
 Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before call_next),
 bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
 unknown_model (asks for a model id the host does not have), negative_iter (sets the ReAct iteration
-to -1), early_eof (ends the stream at once),
+to -1), summary (sets the compression summary), drop_all (drops the only message of the context,
+the user's), early_eof (ends the stream at once),
 steal_id (appends a block under the id of the user's own text block), unserved (declares
 on_reasoning in Describe without serving it), forward_twice (forwards the item it holds twice),
 reply_result (finishes on_reply with a result), seqs (observes every item but the final Msg, and
@@ -75,6 +76,16 @@ def on_reply(mode: str):
         elif mode == "negative_iter":
             msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
             msg.actions.add().mutate.set_cur_iter = -1
+            await context.write(out(msg))
+        elif mode == "summary":
+            msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
+            msg.actions.add().mutate.set_summary = "all of it"
+            await context.write(out(msg))
+        elif mode == "drop_all":
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            await context.read()  # ReplyStartEvent: the user message is in the context now
+            msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
+            msg.actions.add().mutate.drop_messages = 1
             await context.write(out(msg))
         elif mode == "steal_id":  # claim the id of the user's text block, to remove it later
             begin = hooks_pb2.HostMessage.FromString(first)

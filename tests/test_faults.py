@@ -252,6 +252,7 @@ LIES = {
     "foreign_block": "not a block this middleware added",
     "unknown_model": "unknown model id 'no-such-model'",
     "negative_iter": "set_cur_iter below 0",
+    "drop_all": "invalid drop_messages: cannot drop the oldest 1 of 1 messages: the newest message stays",
     "early_eof": "the stream ended before finish",
     "steal_id": "is already in the context",
     "forward_twice": "forward_seq 1 names no held intercepted item (seq 1 was emitted already)",

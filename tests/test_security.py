@@ -375,6 +375,32 @@ security:
         assert json.loads(session.middle_context_json)["context_reader"]["messages_seen"] >= 1
 
 
+@pytest.mark.parametrize(("mode", "op"), [("summary", "set_summary"), ("drop_all", "drop_messages")])
+async def test_compressing_the_context_needs_mutate_context(mode: str, op: str) -> None:
+    """Setting the summary and dropping old messages change the context as compression does: a
+    middleware configured with mutate_context: false may not."""
+    from agent_host.agent import Agent
+    from agent_host.config import Permissions
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote import Policy, RemoteMiddleware
+    from agent_host.remote.client import Access
+
+    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
+    remote = RemoteMiddleware(
+        proc.address, policy=Policy(timeout=5), access=Access(permissions=Permissions(mutate_context=False))
+    )
+    try:
+        agent = Agent(model=OfflineRuleModel(), middlewares=[await remote.connect()])
+        items = [item async for item in agent.reply_stream(UserMsg("hi"))]
+        end = next(i for i in items if isinstance(i, ReplyEndEvent))
+        assert end.finished_reason.value == "error" and end.error is not None
+        assert f"{op} is not allowed by its configuration (mutate_context: false)" in end.error.message
+        assert agent.state.summary == ""
+    finally:
+        await remote.close()
+        proc.stop()
+
+
 @pytest.fixture
 def silent_port() -> Iterator[int]:
     """An open TCP port that accepts connections and never speaks (not a gRPC server)."""

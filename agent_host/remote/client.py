@@ -109,6 +109,8 @@ MUTATION_PERMISSION = {
     "remove_block": "mutate_context",
     "set_cur_iter": "mutate_context",
     "set_max_iters": "mutate_context",
+    "set_summary": "mutate_context",
+    "drop_messages": "mutate_context",
     "set_model": "set_model",
 }
 

@@ -636,6 +636,11 @@ class HookCall:
                 state.cur_iter = mutation.set_cur_iter
             elif op == "set_max_iters":
                 agent.max_iters = mutation.set_max_iters  # checked as in-process (ValueError below)
+            elif op == "set_summary":
+                state.summary = mutation.set_summary
+                state.version += 1
+            elif op == "drop_messages":
+                state.drop_messages(mutation.drop_messages)  # as compression does (ValueError below)
             else:
                 raise self._violation("an empty mutation")
         except (CodecError, KeyError, TypeError, ValueError) as exc:

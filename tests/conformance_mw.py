@@ -1122,3 +1122,45 @@ class ChangeContextThenRead(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (SetModelThenRead, SetModelUnknown, ChangeContextThenRead)})
+
+
+class CompressOldest(MiddlewareBase):
+    """Compresses the context itself (the core's compression is not called): the messages before the
+    newest two go into the summary and are dropped, by ``del`` in an even step and by assigning
+    the newest ones in an odd one; reads the view after each. Notes every model input."""
+
+    subscriptions = {"on_compress_context": subscribe(wants_context=True)}
+
+    async def on_compress_context(self, agent, input_kwargs, next_handler):
+        state = agent.state
+        n = len(state.context) - 2
+        if n <= 0:
+            return
+        said = " / ".join(m.text for m in state.context[:n] if m.text)
+        state.summary = f"{state.summary} / {said}" if state.summary else said
+        if state.cur_iter % 2 == 0:
+            del state.context[:n]
+        else:
+            state.context = state.context[n:]
+        slot = state.middle_context.setdefault("CompressOldest", {})
+        slot.setdefault("seen", []).append([len(state.context), state.summary])
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        slot = agent.state.middle_context.setdefault("CompressOldest", {})
+        slot.setdefault("inputs", []).append([f"{m.role}: {m.text}" for m in input_kwargs["messages"]])
+        return await next_handler()
+
+
+class CompressIntoMessage(MiddlewareBase):
+    """Replaces the oldest message by a message of its own: in-process a plain list assignment;
+    remotely not a drop of the oldest messages, so refused."""
+
+    subscriptions = {"on_compress_context": subscribe(wants_context=True)}
+
+    async def on_compress_context(self, agent, input_kwargs, next_handler):
+        context = agent.state.context
+        if len(context) > 1:
+            agent.state.context = [UserMsg(f"earlier: {context[0].text}"), *context[1:]]
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (CompressOldest, CompressIntoMessage)})

@@ -50,6 +50,7 @@ class Scenario:
     id: str
     layers: list[Layer]
     message: str = "hello there"
+    earlier: list[str] = field(default_factory=list)  # user messages of whole replies before ``message``
     models: dict[str, dict[str, Any]] = field(default_factory=lambda: {"main": {}})
     fallback: dict[str, list[str]] = field(default_factory=dict)
     max_iters: int = 10
@@ -111,6 +112,9 @@ async def run(scenario: Scenario, placement: list[str], servers: Servers | None)
         max_iters=scenario.max_iters,
     )
     try:
+        for text in scenario.earlier:
+            async for _ in agent.reply_stream(UserMsg(text)):
+                pass
         events = [item async for item in agent.reply_stream(UserMsg(scenario.message))]
     finally:
         for remote in remotes:

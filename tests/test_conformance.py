@@ -627,6 +627,29 @@ def _change_context_then_read(events, state):
     assert [b["hint"] for b in state["context"][1]["content"] if b["class"] == "HintBlock"] == ["two"]
 
 
+SUMMARY = "first question / You said: first question / second question / You said: second question"
+
+
+def _compress_oldest(events, state):
+    """on_compress_context sets the summary and drops the oldest messages (``del context[:n]``,
+    then ``context = context[n:]``), seeing both at once; the model gets the summary and the newest
+    messages (remotely: the summary was dropped and both edits raised)."""
+    assert state["summary"] == SUMMARY
+    assert [[b["class"] for b in m["content"]] for m in state["context"]] == [
+        ["TextBlock"],
+        ["ToolCallBlock", "ToolResultBlock", "TextBlock"],
+    ]
+    slot = state["middle_context"]["CompressOldest"]
+    assert slot["seen"] == [[2, "first question"], [2, SUMMARY.rsplit(" / ", 1)[0]], [2, SUMMARY]]
+    assert slot["inputs"][-1] == [
+        "system: You are a test agent.",
+        f"user: {SUMMARY}",
+        "user: call add a=1 b=2",
+        "assistant: ",
+    ]
+    assert final_text(events) == "Done: add returned 3."
+
+
 SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
     (Scenario("in_place_append_message", [Layer("InPlaceAppendMessage")]), _in_place_append_message),
@@ -663,6 +686,15 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
     (Scenario("change_context_then_read", [Layer("ChangeContextThenRead")]), _change_context_then_read),
     (Scenario("set_model_unknown", [Layer("SetModelUnknown")]), _set_model_unknown),
     (
+        Scenario(
+            "compress_summary_and_drop",
+            [Layer("CompressOldest")],
+            message="call add a=1 b=2",
+            earlier=["first question", "second question"],
+        ),
+        _compress_oldest,
+    ),
+    (
         Scenario("observe_last_uses_grant", [Layer("ObserveCounter")], models={"main": {"reply_template": WORDS_25}}),
         _observe_last_uses_grant,
     ),
@@ -680,6 +712,7 @@ SLOT_AFTER_YIELD = Scenario(
     [Layer("SlotAfterYield"), Layer("ReadsOuterSlot")],
     models={"main": {"reply_template": "one two three four"}},
 )
+COMPRESS_INTO_MESSAGE = Scenario("compress_into_message", [Layer("CompressIntoMessage")], message="call add a=1 b=2")
 SHARED_SLOT = Scenario(
     "shared_slot", [Layer("SharedCounter"), Layer("SharedCounter")], models={"main": {"reply_template": WORDS_25}}
 )
@@ -693,6 +726,7 @@ def sdk_fidelity_servers():
             SHARED_SLOT,
             ONLY_WHEN_TATTLETALE,
             Scenario("edit", [Layer("InPlaceUserEdit")]),
+            COMPRESS_INTO_MESSAGE,
             EDIT_MODEL_MESSAGE,
             COPIED_KWARGS_EDIT,
             IN_PLACE_TOOL_INPUT,
@@ -812,6 +846,21 @@ async def test_an_in_place_edit_a_remote_view_cannot_carry_fails_loudly(sdk_fide
     assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
     assert "ContextEditError" in end["error"]["message"]
     assert "agent.state.context[0] was edited in place" in end["error"]["message"]
+
+
+async def test_a_context_replaced_by_other_than_its_newest_messages_fails_loudly(
+    sdk_fidelity_servers: Servers,
+) -> None:
+    """A compression that puts a message of its own in place of the oldest one works in-process;
+    remotely only dropping the oldest messages is carried, so it is refused with an error that
+    says what the view supports (before: an SDK-internal AttributeError)."""
+    events, state = await run(COMPRESS_INTO_MESSAGE, ["local"], None)
+    assert state["context"][0]["content"][0]["text"] == "earlier: call add a=1 b=2"
+    events, _ = await run(COMPRESS_INTO_MESSAGE, ["remote"], sdk_fidelity_servers)
+    end = events[-2]
+    assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
+    assert "ContextEditError" in end["error"]["message"]
+    assert "agent.state.context replaced by messages that are not its newest ones" in end["error"]["message"]
 
 
 async def test_a_hook_declared_but_not_served_fails_at_attach() -> None:

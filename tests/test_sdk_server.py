@@ -21,6 +21,7 @@ from agent_host.models import OfflineRuleModel
 from agent_host.remote import RemoteMiddleware
 from agent_host.remote.client import CHANNEL_OPTIONS
 from agentmw.chain import Chain
+from agentmw.codec import codec
 from agentmw.data import (
     CustomEvent,
     PermissionBehavior,
@@ -33,7 +34,7 @@ from agentmw.data import (
 from agentmw.middleware import MiddlewareBase
 from agentmw.sdk.server import start
 from agentmw.sdk.session import HookSession
-from agentmw.sdk.view import AgentView
+from agentmw.sdk.view import AgentView, ContextEditError
 from agentmw.subscriptions import Mode, subscribe
 from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
@@ -437,3 +438,38 @@ def test_the_view_keeps_its_own_change_over_host_state_taken_before_the_host_rea
     session.sent = 1
     view.refresh(_host_state("backup", 3, applied=1))  # the host's state once it applied them
     assert (view.model.id, view.model.provider, view.max_iters) == ("backup", "offline", 3)
+
+
+def test_the_view_drops_the_oldest_messages_and_refuses_other_removals() -> None:
+    """``summary = text``, ``del context[:n]`` and ``context = context[n:]`` are sent and shown at
+    once; a removal that is not of the oldest messages, or of every message, raises in the
+    middleware's code and sends nothing."""
+    session: Any = _StubSession()
+    view = AgentView(session, "Key")
+    session.view = view
+    view.refresh(_host_state("main", 10, applied=0))
+    with pytest.raises(RuntimeError, match="wants_context"):  # sent with the context only
+        _ = view.state.summary
+    ctx = _host_state("main", 10, applied=0)
+    for text in ("one", "two", "three", "four"):
+        codec.encode(UserMsg(text), ctx.context.messages.add())
+    ctx.summary = "earlier"
+    view.refresh(ctx)
+    state = view.state
+    assert state.summary == "earlier"
+    state.summary = "one, two"
+    del state.context[:1]
+    state.context = state.context[1:]
+    assert state.summary == "one, two" and [m.text for m in state.context] == ["three", "four"]
+    sent = [(m.WhichOneof("op"), getattr(m, m.WhichOneof("op"))) for m in session.mutations]
+    assert sent == [("set_summary", "one, two"), ("drop_messages", 1), ("drop_messages", 1)]
+    for edit, says in [
+        (lambda: state.context.__delitem__(1), "is not a drop of the oldest messages"),
+        (lambda: setattr(state, "context", state.context[:1]), "not its newest ones"),
+        (lambda: setattr(state, "context", [UserMsg("new"), state.context[1]]), "not its newest ones"),
+        (lambda: setattr(state, "context", []), "the newest message stays"),
+        (lambda: state.context.__delitem__(slice(None)), "the newest message stays"),
+    ]:
+        with pytest.raises(ContextEditError, match=says):
+            edit()
+    assert len(session.mutations) == 3 and [m.text for m in state.context] == ["three", "four"]

@@ -2,20 +2,22 @@
 
 It offers the same names as the host's Agent, so middleware code runs unchanged in either place:
 ``agent.name``, ``agent.state.session_id / reply_id / cur_iter``, ``agent.state.middle_context``
-(this middleware's own slot only), ``agent.state.context`` (readable when the hook subscribed with
-``wants_context``; ``append`` always works), ``agent.state.append_context(name, blocks)``,
-``agent.state.append_to_last_assistant(name, blocks)``, ``agent.state.remove_block(id)``,
-``agent.set_model(id)``, ``agent.max_iters = n``. The view shows these changes at once, as the
-host will make them (as in-process), and keeps them over host state taken before the host read
-them (``HookContext.applied``); ``agent.model`` after ``set_model`` has the id alone until the
-host's next state.
+(this middleware's own slot only), ``agent.state.context`` and ``agent.state.summary`` (readable
+when the hook subscribed with ``wants_context``; ``append`` and ``summary = text`` always work),
+``agent.state.append_context(name, blocks)``, ``agent.state.append_to_last_assistant(name,
+blocks)``, ``agent.state.remove_block(id)``, ``agent.set_model(id)``, ``agent.max_iters = n``. The
+view shows these changes at once, as the host will make them (as in-process), and keeps them over
+host state taken before the host read them (``HookContext.applied``); ``agent.model`` after
+``set_model`` has the id alone until the host's next state.
 
-In-place edits of ``agent.state.context`` that the view carries to the host (checked whenever the
-SDK sends a message, so before the next ``yield``, ``next_handler`` or return):
-``context.append(msg)`` / ``extend`` (append_message), and blocks appended to the content of the
-last message when it is an assistant message by this agent (append_blocks_to_tail, as AgentScope's
-budget middleware does). Any other edit (changing, removing or inserting messages or blocks)
-raises ``ContextEditError`` in the middleware's code: use the methods above instead.
+Edits of ``agent.state.context`` that the view carries to the host: ``context.append(msg)`` /
+``extend`` (append_message), blocks appended in place to the content of the last message when it
+is an assistant message by this agent (append_blocks_to_tail, as AgentScope's budget middleware
+does; checked whenever the SDK sends a message, so before the next ``yield``, ``next_handler`` or
+return), and, as compression does, dropping the oldest messages: ``del context[:n]`` or
+``agent.state.context = context[n:]`` (drop_messages; the newest message always stays). Any other
+edit (changing, removing or inserting messages or blocks, another replacement) raises
+``ContextEditError`` in the middleware's code: use the methods above instead.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentmw.codec import codec, json_to_value, value_to_json
 from agentmw.data import ContentBlock, ModelRef, Msg, Role
-from agentmw.data.state import ReplyFields, append_blocks, checked_max_iters, remove_block
+from agentmw.data.state import ReplyFields, append_blocks, check_drop, checked_max_iters, remove_block
 from agentmw.errors import UnknownModelError
 from agentmw.v1 import hooks_pb2
 
@@ -215,8 +217,9 @@ class ContextEditError(RuntimeError):
 
 
 SUPPORTED_EDITS = (
-    "a remote middleware carries only context.append(msg) / extend(msgs) and blocks appended to the "
-    "last message when it is this agent's assistant message; use agent.state.append_context, "
+    "a remote middleware carries only context.append(msg) / extend(msgs), blocks appended to the "
+    "last message when it is this agent's assistant message, and dropping the oldest messages "
+    "(del context[:n], context = context[n:]); use agent.state.append_context, "
     "append_to_last_assistant or remove_block for other changes"
 )
 
@@ -277,6 +280,45 @@ class ContextView(list):
             self.session.view.note_change()
             self.shown[i] = codec.decode(codec.encode(now))
 
+    def drop(self, n: int) -> None:
+        """Remove the oldest ``n`` messages (``drop_messages``, by the host's rule: check_drop), shown
+        at once; 0 changes nothing."""
+        self._require()
+        if n == 0:
+            return
+        try:
+            check_drop(n, list.__len__(self))
+        except ValueError as exc:
+            raise ContextEditError(f"agent.state.context: {exc}; {SUPPORTED_EDITS}") from None
+        self.session.view.change(hooks_pb2.Mutation(drop_messages=n))  # carries earlier edits first
+        list.__delitem__(self, slice(0, n))
+        del self.shown[:n]
+
+    def replace(self, messages: Any) -> None:
+        """``agent.state.context = messages``: carried when they are its newest messages (a suffix,
+        as compression keeps), dropping the others; any other replacement raises ContextEditError."""
+        self._require()
+        messages = list(messages)
+        n = list.__len__(self) - len(messages)
+        if n < 0 or list.__getitem__(self, slice(n, None)) != messages:
+            raise ContextEditError(
+                f"agent.state.context replaced by messages that are not its newest ones: {SUPPORTED_EDITS}"
+            )
+        self.drop(n)
+
+    def __delitem__(self, index: Any) -> None:
+        """``del context[:n]`` (or ``del context[0]``) drops the oldest messages; any other deletion
+        raises ContextEditError."""
+        self._require()
+        span = range(list.__len__(self))[index]  # IndexError as a list gives
+        if isinstance(span, int):
+            span = range(span, span + 1)
+        if span and (min(span), max(span)) != (0, len(span) - 1):
+            raise ContextEditError(
+                f"del agent.state.context[{index!r}] is not a drop of the oldest messages: {SUPPORTED_EDITS}"
+            )
+        self.drop(len(span))
+
     def mirror(self, change: Callable[[list[Msg]], Msg | None]) -> None:
         """Show a change this middleware just sent (append_context, ...) at once, as the host will
         make it, by the same rule (agentmw.data.state). ``shown`` takes a copy of the message it
@@ -324,13 +366,39 @@ class StateView(ReplyFields):
     def __init__(self, session: HookSession, key: str) -> None:
         self._session = session
         self.session_id = ""
-        self.summary = ""
+        self._summary = ""
         self.reply_context = ReplyContextView()
         self.middle_context = SlotDict(key)
-        self.context = ContextView(session)
+        self._context = ContextView(session)
 
     def _cur_iter_changed(self, value: int) -> None:
         self._session.view.change(hooks_pb2.Mutation(set_cur_iter=value))
+
+    @property
+    def context(self) -> ContextView:
+        return self._context
+
+    @context.setter
+    def context(self, messages: list[Msg]) -> None:
+        if messages is not self._context:
+            self._context.replace(messages)
+
+    @property
+    def summary(self) -> str:
+        """The compression summary: the host sends it with the context (``wants_context``)."""
+        self._context._require()
+        return self._summary
+
+    @summary.setter
+    def summary(self, text: str) -> None:
+        self._session.view.change(hooks_pb2.Mutation(set_summary=text))
+        self._summary = text
+
+    def load(self, ctx: hooks_pb2.HookContext) -> None:
+        """Take the host's context and summary, when it sent them."""
+        if ctx.HasField("context"):
+            self._context.load(ctx.context.messages)
+            self._summary = ctx.summary
 
     # Each change is sent, and shown at once when the context is (the host applies it to the
     # agent's name, whatever ``name`` says: the mutation does not carry one).
@@ -446,9 +514,7 @@ class AgentView:
         if ctx.HasField("model"):
             self._model_msg = ctx.model
         state.reply_context.cur_iter = ctx.cur_iter
-        if ctx.HasField("context"):
-            state.context.load(ctx.context.messages)
-            state.summary = ctx.summary
+        state.load(ctx)
 
 
 __all__ = ["AgentView", "ContextEditError", "KwargsDict", "json_to_value"]

@@ -401,6 +401,58 @@ async def test_compressing_the_context_needs_mutate_context(mode: str, op: str) 
         proc.stop()
 
 
+OVERRIDES = {
+    "current_model": ("on_model_call", {"onModelCall": {"currentModel": {"id": "other"}}}, "set_model"),
+    "inputs": (
+        "on_reply",
+        {"onReply": {"message": {"id": "m", "name": "user", "role": "ROLE_USER"}}},
+        "mutate_context",
+    ),
+    "context_config": (
+        "on_compress_context",
+        {"onCompressContext": {"contextConfig": {"triggerRatio": 0}}},
+        "mutate_context",
+    ),
+}
+
+
+@pytest.mark.parametrize("kwarg", sorted(OVERRIDES))
+async def test_an_override_in_call_next_needs_the_permission_its_change_needs(tmp_path: Path, kwarg: str) -> None:
+    """Choosing the model, the reply's stored messages or how the context is compressed through a
+    call_next override changes what set_model / append_message / drop_messages change: a middleware
+    without that permission may not. Before, only the mutations were checked: an override chose
+    another model, stored forged messages, or compressed the whole context away."""
+    from agent_host.agent import Agent
+    from agent_host.config import Permissions
+    from agent_host.models import ModelRegistry, OfflineRuleModel
+    from agent_host.remote import Policy, RemoteMiddleware
+    from agent_host.remote.client import Access
+
+    hook, overrides, needed = OVERRIDES[kwarg]
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    argv = ["-m", "tests.evil_mw", "--scripts", str(scripts), "--hooks", hook, "--address", "127.0.0.1:0"]
+    proc = ServerProcess(argv).start()
+    denied = Permissions(set_model=False, mutate_context=False)
+    remote = RemoteMiddleware(proc.address, policy=Policy(timeout=5), access=Access(permissions=denied))
+    try:
+        models = ModelRegistry(default="main")
+        models.add(OfflineRuleModel(id="main"))
+        models.add(OfflineRuleModel(id="other", reply_template="OTHER: {text}"))
+        agent = Agent(model="main", models=models, middlewares=[await remote.connect()])
+        (scripts / f"{agent.state.session_id}.json").write_text(
+            json.dumps({"messages": [{"callNext": {"overrides": overrides}}]})
+        )
+        items = [item async for item in agent.reply_stream(UserMsg("hi"))]
+        end = next(i for i in items if isinstance(i, ReplyEndEvent))
+        assert end.finished_reason.value == "error" and end.error is not None
+        assert f"overriding {kwarg} is not allowed by its configuration ({needed}: false)" in end.error.message
+        assert not any("OTHER" in getattr(i, "delta", "") for i in items)
+    finally:
+        await remote.close()
+        proc.stop()
+
+
 @pytest.fixture
 def silent_port() -> Iterator[int]:
     """An open TCP port that accepts connections and never speaks (not a gRPC server)."""

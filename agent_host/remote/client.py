@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -112,6 +112,14 @@ MUTATION_PERMISSION = {
     "set_summary": "mutate_context",
     "drop_messages": "mutate_context",
     "set_model": "set_model",
+}
+# Kwargs whose override in call_next changes what the mutations above change: the model a reply
+# uses, the messages a reply stores, how the context is compressed (security.md).
+OVERRIDE_PERMISSION = {
+    "current_model": "set_model",
+    "inputs": "mutate_context",
+    "context_config": "mutate_context",
+    "instructions": "mutate_context",
 }
 
 
@@ -293,9 +301,16 @@ class RemoteMiddleware:
 
     def check_mutation(self, op: str, hook: str) -> None:
         """Raise ProtocolError when the permissions do not allow this Mutation op (protocol.py)."""
-        needed = MUTATION_PERMISSION.get(op)
+        self._check_permission(MUTATION_PERMISSION.get(op), op, hook)
+
+    def check_overrides(self, names: Iterable[str], hook: str) -> None:
+        """The same for the kwargs a call_next overrides (or clears)."""
+        for name in names:
+            self._check_permission(OVERRIDE_PERMISSION.get(name), f"overriding {name}", hook)
+
+    def _check_permission(self, needed: str | None, what: str, hook: str) -> None:
         if needed is not None and not getattr(self.access.permissions, needed):
-            raise ProtocolError(self.name, hook, f"{op} is not allowed by its configuration ({needed}: false)")
+            raise ProtocolError(self.name, hook, f"{what} is not allowed by its configuration ({needed}: false)")
 
     async def _serves(self, hook: str, limit: float) -> bool:
         """Probe a declared hook at attach: open its stream and half-close it at once. A server

@@ -459,6 +459,7 @@ class HookCall:
             if name not in self.spec.params:
                 raise self._violation(f"call_next clears unknown kwarg {name!r}")
             overrides[name] = None
+        self.mw.check_overrides(overrides, self.spec.name)  # its permissions (security: client.py)
         if "current_model" in overrides and overrides["current_model"] is not None:
             overrides["current_model"] = model_override(overrides["current_model"])
         self.pending = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import hmac
 import ipaddress
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,10 +126,28 @@ def address_allowed(address: str, allow: Sequence[str] | None, configured: Itera
     ``allow`` None (the default) admits loopback addresses only."""
     if address in set(configured):
         return True
+    hosts = _hosts(address)
     if allow is None:
-        hosts = _hosts(address)
         return bool(hosts) and all(is_loopback(h) for h, _ in hosts)
-    return any(fnmatch.fnmatchcase(address, pattern) for pattern in allow)
+    if not hosts:  # unix:, dns://authority/...: only a pattern naming it exactly
+        return address in allow
+    return all(any(_pair_matches(host, port, pattern) for pattern in allow) for host, port in hosts)
+
+
+def _pair_matches(host: str, port: str, pattern: str) -> bool:
+    """``host:port`` against ``pattern``: ``*`` and ``?`` stand within one label of the host
+    (between dots or colons) and within the port, so "10.0.0.*:50061" admits 10.0.0.7 and not a
+    name such as 10.0.0.1.example.org (which fnmatch on the whole text admitted)."""
+    want_host, _, want_port = pattern.rpartition(":")
+    if not fnmatch.fnmatchcase(port, want_port):
+        return False
+    got, want = _LABELS.split(host), _LABELS.split(want_host.strip("[]").lower())
+    return len(got) == len(want) and all(
+        g == w if i % 2 else fnmatch.fnmatchcase(g, w) for i, (g, w) in enumerate(zip(got, want, strict=True))
+    )
+
+
+_LABELS = re.compile(r"([.:])")  # a host's labels, with the separators kept (odd indexes)
 
 
 __all__ = [

@@ -453,6 +453,27 @@ async def test_an_override_in_call_next_needs_the_permission_its_change_needs(tm
         proc.stop()
 
 
+@pytest.mark.parametrize(
+    ("target", "allowed"),
+    [
+        ("10.0.0.7:50061", True),
+        ("ipv4:10.0.0.1:50061,10.0.0.2:50061", True),
+        ("dns:///10.0.0.3:50061", True),
+        ("10.0.0.1.localhost:50061", False),  # a name, not an address of 10.0.0.*: resolves anywhere
+        ("10.0.0.1.attacker.example:50061", False),
+        ("ipv4:10.0.0.1:50061,127.0.0.1:50061", False),  # every replica must be allowed
+        ("dns://8.8.8.8/10.0.0.3:50061", False),  # another resolver: not named in the list
+        ("10.0.0.7:50062", False),
+    ],
+)
+def test_attach_allow_patterns_match_addresses_label_by_label(target: str, allowed: bool) -> None:
+    """'10.0.0.*:50061' admits the addresses 10.0.0.N, not every target whose text starts so:
+    fnmatch over the whole target let '10.0.0.1.localhost:50061' (127.0.0.1) be attached."""
+    from agent_host.security import address_allowed
+
+    assert address_allowed(target, ["10.0.0.*:50061"]) is allowed
+
+
 @pytest.fixture
 def silent_port() -> Iterator[int]:
     """An open TCP port that accepts connections and never speaks (not a gRPC server)."""

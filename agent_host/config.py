@@ -141,7 +141,8 @@ class SecurityConfig:
     require_client_cert: bool = True  # with tls.ca: mutual TLS
     users: list[User] = field(default_factory=list)  # none = no authentication
     middleware_tls: TlsFiles = field(default_factory=TlsFiles)  # the host as a middleware client
-    middleware_token: str = ""  # the secret presented to middleware servers (never logged or stored)
+    # The secret presented to middleware servers: never logged, stored or in a repr.
+    middleware_token: str = field(default="", repr=False)
     attach_allow: list[str] | None = None  # None = loopback and configured addresses
     attach_permissions: Permissions = field(default_factory=Permissions)
     reflection: bool = False
@@ -272,12 +273,14 @@ def load_config(
         except SecurityError as exc:
             raise ConfigError(str(exc)) from None
     for i, user in enumerate(cfg.security.users):
-        # Without a client CA the host asks for no certificate: a cert_cn alone never matches, and
-        # every call of the user would fail UNAUTHENTICATED.
-        if user.cert_cn and not user.token_sha256 and not cfg.security.tls.ca:
+        # Without a client CA, or with require_client_cert: false, the host asks for no certificate
+        # (gRPC Python cannot ask without requiring): a cert_cn alone never matches, and every call
+        # of the user would fail UNAUTHENTICATED.
+        if user.cert_cn and not user.token_sha256 and not (cfg.security.tls.ca and cfg.security.require_client_cert):
             raise ConfigError(
                 f"{cfg.source}: security.users[{i}]: user {user.name!r} has only a cert_cn, which needs "
-                "security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) to be checked"
+                "security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) with "
+                "require_client_cert: true to be checked"
             )
     for mw in cfg.middleware:
         if not mw.address:

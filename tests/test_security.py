@@ -474,6 +474,21 @@ def test_attach_allow_patterns_match_addresses_label_by_label(target: str, allow
     assert address_allowed(target, ["10.0.0.*:50061"]) is allowed
 
 
+def test_secrets_stay_out_of_messages_and_reprs() -> None:
+    """A PostgreSQL password given as a DSN parameter was printed whole in the host's error when the
+    store could not be opened (only user:password@ was masked); the middleware token was in
+    repr(SecurityConfig)."""
+    from agent_host.config import SecurityConfig
+    from agent_host.store.postgres import redact
+
+    dsn = "postgresql://agent@127.0.0.1:1/agentmw?sslmode=disable&password=Hunter2&sslpassword=Other3"
+    assert redact(dsn) == "postgresql://agent@127.0.0.1:1/agentmw?sslmode=disable&password=***&sslpassword=***"
+    assert redact("postgresql://agent:Hunter2@h/db") == "postgresql://agent:***@h/db"
+    assert "Hunter2" not in repr(SecurityConfig(middleware_token="Hunter2"))
+    host = run_cli("agent_host", "--listen", "127.0.0.1:0", "--db", dsn)
+    assert host.returncode != 0 and "Hunter2" not in host.stderr + host.stdout, host.stderr
+
+
 @pytest.fixture
 def silent_port() -> Iterator[int]:
     """An open TCP port that accepts connections and never speaks (not a gRPC server)."""
@@ -558,19 +573,24 @@ def test_tls_files_that_cannot_be_used_are_a_configuration_error(certs: Pki, tmp
     assert bad_ca.returncode == 2 and f"the TLS CA {garbage} cannot be used" in bad_ca.stderr, bad_ca.stderr
 
 
-def test_a_user_known_only_by_certificate_needs_a_client_ca(tmp_path: Path) -> None:
-    """Without security.tls.client_ca the host asks for no client certificate, so such a user's
-    every call failed UNAUTHENTICATED, with no word at start; a token as well is enough."""
+def test_a_user_known_only_by_certificate_needs_a_client_ca(certs: Pki, tmp_path: Path) -> None:
+    """Without security.tls.client_ca, or with require_client_cert: false, the host asks for no
+    client certificate, so such a user's every call failed UNAUTHENTICATED, with no word at start
+    (the second case was docs/security.md's own example); a token as well is enough."""
     path = tmp_path / "host.yaml"
-    path.write_text(
-        "security:\n  users:\n    - {name: alice, role: user, token_sha256: abc}\n"
-        "    - {name: ops, role: admin, cert_cn: ops}\n"
+    users = (
+        "  users:\n    - {name: alice, role: user, token_sha256: abc}\n    - {name: ops, role: admin, cert_cn: ops}\n"
     )
-    host = run_cli("agent_host", "--config", str(path), "--listen", "127.0.0.1:0", "--db", ":memory:")
-    assert host.returncode == 2, host.stdout + host.stderr
-    assert host.stderr.strip() == (
-        f"agent-host: configuration error: {path}: security.users[1]: user 'ops' has only a cert_cn, which needs "
-        "security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) to be checked"
-    )
+    files = f"cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}"
+    tls = f"  tls: {{{files}, require_client_cert: false}}\n"
+    for security in (users, tls + users):
+        path.write_text("security:\n" + security)
+        host = run_cli("agent_host", "--config", str(path), "--listen", "127.0.0.1:0", "--db", ":memory:")
+        assert host.returncode == 2, host.stdout + host.stderr
+        assert host.stderr.strip() == (
+            f"agent-host: configuration error: {path}: security.users[1]: user 'ops' has only a cert_cn, which "
+            "needs security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) with require_client_cert: "
+            "true to be checked"
+        )
     path.write_text("security:\n  users:\n    - {name: ops, role: admin, cert_cn: ops, token_sha256: abc}\n")
     assert load_config(path, env={}).security.users[0].cert_cn == "ops"

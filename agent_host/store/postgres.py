@@ -152,13 +152,20 @@ def is_dsn(db: str) -> bool:
     return db.startswith(("postgresql://", "postgres://"))
 
 
+_SECRET_PARAMS = {"password", "sslpassword", "passfile"}  # libpq parameters whose value is a secret
+
+
 def redact(dsn: str) -> str:
-    """The DSN without its password, for messages."""
+    """The DSN without its password (in the authority or a query parameter), for messages."""
     parts = urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = netloc.replace(f":{parts.password}@", ":***@")
+    query = "&".join(
+        f"{name}=***" if name.lower() in _SECRET_PARAMS else f"{name}={value}" if sep else name
+        for name, sep, value in (item.partition("=") for item in parts.query.split("&") if item)
+    )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 class PostgresStore(CachedJournals):

@@ -178,7 +178,9 @@ def test_ids_are_32_hex_digits_and_unique_across_refills_and_threads() -> None:
     assert len({i[:8] for i in ids}) > len(ids) // 2  # random, not a counter
 
 
-def test_timestamps_are_what_datetime_now_isoformat_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_timestamps_are_what_datetime_now_astimezone_isoformat_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local time with its UTC offset: a reader in another time zone (a tracing server) reads the
+    same instant; without the offset it read the host's local time as its own (9 h off in Tokyo)."""
     import time
     from datetime import datetime
 
@@ -187,8 +189,9 @@ def test_timestamps_are_what_datetime_now_isoformat_gives(monkeypatch: pytest.Mo
     # exact seconds, rounding to 1 µs, rounding up into the next second, the clock going back
     for t in (1_764_547_200.0, 1_764_547_200.25, 1_764_547_200.000001, 1_764_547_201.9999997, 1_764_547_199.5):
         monkeypatch.setattr(time, "time", lambda t=t: t)
-        assert _common.now() == datetime.fromtimestamp(t).isoformat(), t
+        assert _common.now() == datetime.fromtimestamp(t).astimezone().isoformat(), t
     monkeypatch.undo()
-    before = datetime.now()
+    before = datetime.now().astimezone()
     stamp = datetime.fromisoformat(d.TextBlock(text="x").created_at)
-    assert before <= stamp <= datetime.now()
+    assert stamp.utcoffset() is not None
+    assert before <= stamp <= datetime.now().astimezone()

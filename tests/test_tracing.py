@@ -241,6 +241,54 @@ def named_for(spans: list[Span], reply_id: str) -> list[Span]:
     )
 
 
+async def test_span_times_hold_when_the_tracing_server_is_in_another_time_zone(
+    procs: Procs, receiver: Receiver
+) -> None:
+    """The tracing server times its spans by the items' created_at; here it runs nine hours ahead
+    of the host (TZ=JST-9, a POSIX zone: no tz database needed). Every span of the reply still lies
+    within the host's reply span. Before, created_at had no UTC offset and the server read the
+    host's local time as its own: every span started 9 h before the reply."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    tracer = start(
+        procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], {**env, "TZ": "JST-9"}
+    )
+    argv = [
+        "-m",
+        "agent_host",
+        "--listen",
+        "127.0.0.1:0",
+        "--db",
+        ":memory:",
+        "--middleware",
+        f"tracing={tracer.address}",
+    ]
+    host = start(procs, "host", argv, {**env, "TZ": "UTC0"})
+    turn = await talk(host.address, "", "What's the weather in Paris?")
+    spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1})
+    (root,) = named(spans, "reply ")
+    for span in spans:
+        assert root["start_ns"] <= span["start_ns"] <= span["end_ns"] <= root["end_ns"], format_trace(spans)
+
+
+async def test_a_call_cut_at_the_token_limit_is_traced_as_length(procs: Procs, receiver: Receiver) -> None:
+    """The model's answer is cut at its token limit (finish reason length): the chat span says
+    "length", the GenAI convention's value, in finish_reasons and its output message. It said
+    "unknown": only AgentScope's stop and interrupted were mapped."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    config = procs.log_dir / "cut.yaml"
+    config.write_text(
+        "models:\n  default: cut\n  models:\n"
+        '    cut: {provider: offline, script: [{text: "a cut answer", finish: length}]}\n'
+    )
+    tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
+    argv = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--config", str(config)]
+    host = start(procs, "host", [*argv, "--middleware", f"tracing={tracer.address}"], env)
+    turn = await talk(host.address, "", "hi")
+    (chat,) = named(trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 1}), "chat ")
+    assert json.loads(chat["attributes"]["gen_ai.response.finish_reasons"]) == ["length"]
+    assert json.loads(chat["attributes"]["gen_ai.output.messages"])[0]["finish_reason"] == "length"
+
+
 async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, receiver: Receiver) -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
     host, tracer = system(procs, env)

@@ -4,7 +4,8 @@ It is the embedded default of the demo and the tests. Per call it takes, in orde
 
 0. a summary, when the agent asks to compress its context;
 1. the next scripted turn, if a script is set (``{"text", "thinking", "tool_calls": [{"name",
-   "input"}], "error": {"type", "message", "retryable"}, "delay"}``);
+   "input"}], "error": {"type", "message", "retryable"}, "delay", "finish"}``; ``finish``: the
+   call's FinishedReason, e.g. "length" for an answer cut at the token limit);
 2. tool calls by rule, while the user's turn has no tool results yet: the user names a known tool
    ("call get_weather city=Paris", "use add {"a": 1, "b": 2}"), or tool rules of ``rules`` match
    (``{"pattern", "tool", "input"}``, one call per matching rule whose tool is offered); a tool
@@ -41,6 +42,7 @@ from agentmw.data import (
     ChatResponse,
     ChatUsage,
     ErrorType,
+    FinishedReason,
     HintBlock,
     Msg,
     Role,
@@ -212,7 +214,9 @@ class OfflineRuleModel(ChatModel):
                 name = call["name"] if j == 0 else ""
                 yield ChatResponse(content=[ToolCallBlock(id=call_id, name=name, input=part)], is_last=False)
             words += 1
-        yield ChatResponse(content=[], is_last=False, usage=ChatUsage(input_tokens=input_tokens, output_tokens=words))
+        usage = ChatUsage(input_tokens=input_tokens, output_tokens=words)
+        finish = {"finished_reason": FinishedReason(turn["finish"])} if turn.get("finish") else {}
+        yield ChatResponse(content=[], is_last=False, usage=usage, **finish)
 
 
 def _rule(index: int, rule: dict[str, Any]) -> dict[str, Any]:

@@ -35,25 +35,27 @@ def _random_id() -> str:
         return next(source)
 
 
-# (end of the current second, its start, its isoformat + "."), replaced as one object so that a
-# thread never pairs one second's prefix with another second's fraction.
-_second: tuple[float, int, str] = (0.0, 0, "")
+# (end of the current second, its start, its isoformat + ".", its UTC offset), replaced as one
+# object so that a thread never pairs one second's prefix with another second's fraction.
+_second: tuple[float, int, str, str] = (0.0, 0, "", "")
 
 
 def _local_isoformat() -> str:
-    """``datetime.now().isoformat()`` (local time, microseconds), formatting the date and time of
-    day once per second instead of once per call."""
+    """``datetime.now().astimezone().isoformat()``: local time with microseconds and its UTC offset
+    (a reader in another time zone, e.g. a tracing server, reads the same instant), formatting the
+    date, time of day and offset once per second instead of once per call."""
     global _second
     t = time.time()
-    end, start, prefix = _second
+    end, start, prefix, offset = _second
     if t >= end or t < start:  # a new second (or the clock went back)
         start = int(t)
-        prefix = datetime.fromtimestamp(start).isoformat() + "."
-        _second = (start + 1.0, start, prefix)
+        moment = datetime.fromtimestamp(start).astimezone()
+        prefix, offset = moment.replace(tzinfo=None).isoformat() + ".", moment.isoformat()[19:]
+        _second = (start + 1.0, start, prefix, offset)
     micros = round((t - start) * 1e6)  # half to even, as datetime rounds
     if micros >= 1_000_000:  # rounds up into the next second: rare, done the slow way
-        return datetime.fromtimestamp(t).isoformat()
-    return prefix + str(micros + 1_000_000)[1:] if micros else prefix[:-1]
+        return datetime.fromtimestamp(t).astimezone().isoformat()
+    return (prefix + str(micros + 1_000_000)[1:] if micros else prefix[:-1]) + offset
 
 
 _id_factory: Callable[[], str] = _random_id

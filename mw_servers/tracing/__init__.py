@@ -226,8 +226,7 @@ class TracingMiddleware(MiddlewareBase):
         start = end - int(seconds * 1e9) if end is not None else None
         span = _tracer().start_span(f"chat {model_name}", context=parent, attributes=attrs, start_time=start)
         if final is not None:
-            finish = {FinishedReason.COMPLETED: "stop", FinishedReason.INTERRUPTED: "interrupted"}
-            reason = finish.get(final.finished_reason, "unknown")
+            reason = _FINISH_REASONS.get(final.finished_reason, "unknown")
             span.set_attribute("gen_ai.response.id", final.id)
             span.set_attribute("gen_ai.response.finish_reasons", _dumps([reason]))
             usage = final.usage
@@ -381,6 +380,17 @@ def _end(span: Any, error: BaseException | None, end: int | None) -> None:
         span.set_status(Status(StatusCode.OK))
     start = getattr(span, "start_time", None)
     span.end(end_time=max(end, start) if end is not None and start is not None else end)
+
+
+# gen_ai.response.finish_reasons: AgentScope's "stop" / "interrupted", and for the reasons this
+# host adds (a cut or failed call) the GenAI semantic convention's own values.
+_FINISH_REASONS = {
+    FinishedReason.COMPLETED: "stop",
+    FinishedReason.INTERRUPTED: "interrupted",
+    FinishedReason.LENGTH: "length",
+    FinishedReason.CONTENT_FILTER: "content_filter",
+    FinishedReason.ERROR: "error",
+}
 
 
 def _ns(timestamp: str | None) -> int | None:

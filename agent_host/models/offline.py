@@ -215,8 +215,8 @@ class OfflineRuleModel(ChatModel):
                 yield ChatResponse(content=[ToolCallBlock(id=call_id, name=name, input=part)], is_last=False)
             words += 1
         usage = ChatUsage(input_tokens=input_tokens, output_tokens=words)
-        finish = {"finished_reason": FinishedReason(turn["finish"])} if turn.get("finish") else {}
-        yield ChatResponse(content=[], is_last=False, usage=usage, **finish)
+        finish = FinishedReason(turn.get("finish") or FinishedReason.COMPLETED)
+        yield ChatResponse(content=[], is_last=False, usage=usage, finished_reason=finish)
 
 
 def _rule(index: int, rule: dict[str, Any]) -> dict[str, Any]:

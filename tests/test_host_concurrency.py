@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+from agentmw.codec import codec
 from agentmw.data import (
     Msg,
     ReplyEndEvent,
@@ -27,6 +28,7 @@ from agentmw.data import (
     UserInterruptEvent,
     UserMsg,
 )
+from agentmw.v1 import host_pb2, host_pb2_grpc
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
@@ -230,3 +232,79 @@ async def test_invalid_inputs_are_refused_before_anything_changes(host: ServerPr
             async for _ in client.reply(session, UserInterruptEvent(reply_id="r")):
                 pass
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND, unknown.value
+
+
+BIG_ANSWER = " ".join(f"w{i}".ljust(400, "x") for i in range(20_000))  # far more than the client buffers
+
+
+async def test_a_reply_cut_off_while_its_client_does_not_read_ends_for_good(tmp_path: Any) -> None:
+    """A client starts a long reply and stops reading; it is interrupted, and cut off after the
+    grace period. The reply is over: the session is no longer replying, and the client, reading
+    at last, gets ABORTED saying the client did not read. Before, the reply's task waited for the
+    client to take its last items for good: the session stayed 'replying' and InterruptReply said
+    it interrupted something, a host stop waited its whole drain grace, and the error blamed a
+    middleware."""
+    config = f'models:\n  default: big\n  models:\n    big: {{provider: offline, reply_template: "{BIG_ANSWER}"}}\n'
+    with configured_host(tmp_path, config) as host:
+        channel = grpc.aio.insecure_channel(host.address)
+        stub = host_pb2_grpc.AgentHostStub(channel)
+        start = host_pb2.StartReply(session_id="stalled")
+        codec.encode(UserMsg("hi"), start.message)
+        requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
+        requests.put_nowait(host_pb2.ReplyRequest(start=start))
+
+        async def send() -> Any:
+            while (request := await requests.get()) is not None:
+                yield request
+
+        async def replying() -> bool:
+            try:
+                return (await stub.GetSession(host_pb2.GetSessionRequest(session_id="stalled"))).replying
+            except grpc.aio.AioRpcError as exc:  # not stored yet
+                assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
+                return False
+
+        call = stub.Reply(send())
+        try:
+            async with asyncio.timeout(10):  # under way (its items pile up unread)
+                while not await replying():
+                    await asyncio.sleep(0.05)
+            interrupted = await stub.InterruptReply(host_pb2.InterruptReplyRequest(session_id="stalled"))
+            assert interrupted.interrupted
+            async with asyncio.timeout(20):  # the grace period (5 s), then the cut-off
+                while await replying():
+                    await asyncio.sleep(0.2)
+            again = await stub.InterruptReply(host_pb2.InterruptReplyRequest(session_id="stalled"))
+            assert not again.interrupted, "nothing runs any more"
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async with asyncio.timeout(20):
+                    async for _ in call:
+                        pass
+            assert ended.value.code() == grpc.StatusCode.ABORTED
+            assert "(the client did not read its events)" in (ended.value.details() or "")
+        finally:
+            requests.put_nowait(None)
+            call.cancel()
+            await channel.close()
+
+
+async def test_a_reply_call_that_never_starts_is_ended(host: ServerProcess) -> None:
+    """A Reply call must send its StartReply at once: one that sends nothing is ended (INVALID_ARGUMENT)
+    after 5 s. Before, it was kept for good, with its memory: thousands of them grew the host."""
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
+
+        async def send() -> Any:
+            while (request := await requests.get()) is not None:
+                yield request
+
+        call = host_pb2_grpc.AgentHostStub(channel).Reply(send())
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async with asyncio.timeout(20):
+                    async for _ in call:
+                        pass
+        finally:
+            requests.put_nowait(None)
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "no `start` within 5s of the call" in (ended.value.details() or "")

@@ -137,6 +137,39 @@ limits: {replies_per_owner: 1}
         await bob.close()
 
 
+async def test_sessions_per_owner_holds_for_first_replies_sent_at_once(procs: Procs, tmp_path: Path) -> None:
+    """limits.sessions_per_owner: 2, and a user sends 10 new-session replies at once: 2 run, 8 are
+    refused (RESOURCE_EXHAUSTED). Before, each was counted against the stored sessions only, and a
+    new session is stored at its first write: 8 went through."""
+    config = """
+models:
+  default: slow
+  models:
+    slow: {provider: offline, delay: 0.02, reply_template: "one two three"}
+security:
+  users:
+    - {name: alice, role: user, token_env: ALICE_TOKEN}
+limits: {sessions_per_owner: 2, replies_per_owner: 100}
+"""
+    host = procs.host(tmp_path, config, {"ALICE_TOKEN": TOKENS["alice"]})
+    alice = client_channel(host.address, token=TOKENS["alice"])
+    try:
+
+        async def one(i: int) -> str:
+            try:
+                await reply(alice, f"hello {i}")
+                return "ok"
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(10)))
+        assert sorted(outcomes) == ["RESOURCE_EXHAUSTED"] * 8 + ["ok"] * 2, outcomes
+        owned = await call(alice, "ListSessions", host_pb2.ListSessionsRequest())
+        assert len(owned.sessions) == 2
+    finally:
+        await alice.close()
+
+
 async def test_mtls_host_refuses_plaintext_and_foreign_certificates(certs: Pki, procs: Procs, tmp_path: Path) -> None:
     host = procs.host(
         tmp_path,

@@ -148,6 +148,7 @@ class ReplyRun:
         self.consumer_gone = False
         self.task: asyncio.Task[None] | None = None
         self.cut_off = False  # the reply did not wind down within INTERRUPT_GRACE and was cancelled
+        self.ended = False  # its stream's end is queued (end_now)
         self._grace: asyncio.TimerHandle | None = None
 
     def interrupt(self, grace: float = INTERRUPT_GRACE) -> None:
@@ -182,6 +183,16 @@ class ReplyRun:
         if not self.consumer_gone:
             await self.queue.put(item)
 
+    def end_now(self, final: ReplyRejected) -> None:
+        """End the stream with ``final`` without waiting for the client: one that stopped reading
+        (the queue full) loses the items it did not take (the session keeps the reply), and the
+        reply's task ends instead of waiting for it for good."""
+        while self.queue.qsize() > QUEUE_SIZE - 2:  # room for final and the end
+            self.queue.get_nowait()
+        self.queue.put_nowait(final)
+        self.queue.put_nowait(_END)
+        self.ended = True
+
     async def batches(self) -> AsyncIterator[list[Any]]:
         """Items as they come, each batch all that is ready at once; raises ReplyRejected."""
         while True:
@@ -209,6 +220,9 @@ class Host:
         self._setup_lock = asyncio.Lock()
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._runs: set[ReplyRun] = set()
+        # Per owner, the new sessions whose first reply runs and which the store may not hold yet:
+        # counted with the stored ones, so that concurrent first replies cannot pass the limit.
+        self._creating: dict[str, set[str]] = {}
         self.draining = False  # shutting down: new replies are refused (UNAVAILABLE)
         self.pending: dict[str, Pending] = {}  # middleware not reached yet (attach_when_it_answers)
 
@@ -276,18 +290,20 @@ class Host:
             task = asyncio.current_task()
             assert task is not None
             task.uncancel()
-            await run.put(
+            why = "the client did not read its events" if run.queue.full() else "a middleware kept it going"
+            run.end_now(
                 ReplyRejected(
                     grpc.StatusCode.ABORTED,
-                    f"the reply was interrupted but did not end within {INTERRUPT_GRACE}s (a middleware kept it "
-                    "going), so it was cut off; the session keeps what was done, open tool calls closed",
+                    f"the reply was interrupted but did not end within {INTERRUPT_GRACE}s ({why}), so it was "
+                    "cut off; the session keeps what was done, open tool calls closed",
                 )
             )
         except Exception:  # a host bug: say so on the stream rather than hang the client
             log.exception("reply of session %s failed", run.session_id)
             await run.put(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
         finally:
-            await run.put(_END)
+            if not run.ended:  # a cut-off reply's stream has ended already (end_now)
+                await run.put(_END)
 
     async def _reply(
         self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, *, wait: bool = True
@@ -354,11 +370,16 @@ class Host:
         if not caller.name:  # no authentication: one anonymous owner, no per-owner limits
             return
         limits = self.config.security
-        if record is None and len(await self.store.list(0, caller.name)) >= limits.sessions_per_owner:
-            raise ReplyRejected(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"at most {limits.sessions_per_owner} sessions per user: delete some first",
-            )
+        if record is None:
+            stored = {r.session_id for r in await self.store.list(0, caller.name)}
+            creating = self._creating.setdefault(caller.name, set())
+            if len(stored | creating | {run.session_id}) > limits.sessions_per_owner:  # no await since list
+                raise ReplyRejected(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"at most {limits.sessions_per_owner} sessions per user: delete some first",
+                )
+            creating.add(run.session_id)
+            run.task.add_done_callback(lambda _t: creating.discard(run.session_id))
 
     @staticmethod
     def _visible(record: SessionRecord | None, caller: Principal) -> bool:

@@ -55,13 +55,19 @@ CALLER: contextvars.ContextVar[Principal] = contextvars.ContextVar("caller", def
 CONNECT_TIMEOUT = Policy.connect_timeout  # an attach failure is answered no sooner than this
 ATTACH_FAILED = "no usable middleware server answered there (the host's log says why)"
 
+START_WAIT = 5.0  # seconds a Reply call may take to send its StartReply (a client sends it at once)
+
 
 class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
     def __init__(self, host: Host) -> None:
         self.host = host
 
     async def Reply(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        first = await anext(aiter(request_iterator), None)
+        try:  # a call that never starts would hold its stream (and memory) for good
+            async with asyncio.timeout(START_WAIT):
+                first = await anext(aiter(request_iterator), None)
+        except TimeoutError:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"no `start` within {START_WAIT:g}s of the call")
         if first is None or first.WhichOneof("request") != "start":
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first ReplyRequest must be `start`")
         try:

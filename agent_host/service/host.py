@@ -379,6 +379,7 @@ class Host:
                     f"at most {limits.sessions_per_owner} sessions per user: delete some first",
                 )
             creating.add(run.session_id)
+            assert run.task is not None  # this is its task (start_reply)
             run.task.add_done_callback(lambda _t: creating.discard(run.session_id))
 
     @staticmethod

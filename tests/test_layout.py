@@ -96,3 +96,22 @@ def test_no_import_cycles() -> None:
     graph = {name: _imports(name, path, is_package, modules) for name, (path, is_package) in modules.items()}
     assert "agent_host.remote.protocol" in graph["agent_host.remote.client"]  # the walk sees imports
     assert _cycles(graph) == []
+
+
+def test_the_mem0_backend_loads_alone() -> None:
+    """bench/agentscope_four.py loads mw_servers/mem0/backend.py by itself in AgentScope's own
+    environment, where agentmw is not installed: the module imports the standard library only
+    (here: a Python without site-packages). An import of agentmw in it broke that bench row."""
+    import subprocess
+    import sys
+
+    path = ROOT / "mw_servers" / "mem0" / "backend.py"
+    code = (
+        "import importlib.util, pathlib, sys; "
+        f"spec = importlib.util.spec_from_file_location('backend', {str(path)!r}); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(module.default_config(pathlib.Path('/nonexistent'))['vector_store']['provider'])"
+    )
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "qdrant"

@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from agentmw.configfile import read_yaml
 from agentmw.sdk import serve
 from agentmw.transport import check_listen_address
 
-from . import MODES, Mem0Middleware
+from . import MODES, Mem0Middleware, check_option
 from .backend import build_memory, load_config, prepare_environment
 
 log = logging.getLogger("agentmw.mem0")
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--store {str(args.store)!r} cannot be a directory: {exc.strerror}")
     prepare_environment(store)  # before mem0 is imported
     try:
-        config, options = load_config(args.config, store)
+        data = read_yaml(args.config) if args.config is not None else None  # names the file (and line)
+        config, options = load_config(data, store, str(args.config), check_option)
     except (OSError, ValueError) as exc:
         print(f"mw_servers.mem0: configuration error: {exc}", file=sys.stderr)
         return 2

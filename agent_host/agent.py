@@ -46,6 +46,7 @@ from agentmw.data import (
     new_id,
 )
 from agentmw.data.state import AgentState, checked_max_iters
+from agentmw.errors import clipped
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 
@@ -149,7 +150,7 @@ class Agent(Reasoning, Acting, Compression):
         self.models.get(self.default_model_id)
         self.toolkit = toolkit or Toolkit()
         self.state = state or AgentState()
-        self.default_max_iters = max_iters
+        self.default_max_iters = checked_max_iters(max_iters)
         self.context_config = context_config or ContextConfig()
         # The current time told to the model before reasoning (None: off); docs/behaviour.md#runtime-state
         self.runtime_state = runtime_state
@@ -283,7 +284,9 @@ class Agent(Reasoning, Acting, Compression):
         """The end of a failed reply, well formed whatever the client saw so far (a ReplyStartEvent
         if it saw none, its open blocks closed, one ReplyEndEvent(ERROR), the error Msg); the error
         is stored in the reply's message when the reply had begun (its user message is stored)."""
-        error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=f"{type(exc).__name__}: {exc}")
+        # Clipped: the message may quote what a middleware or a model sent, and it is stored and sent.
+        message = clipped(f"{type(exc).__name__}: {exc}")
+        error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=message)
         state = self.state
         grammar.retract()  # the held end / final Msg are dropped: the clean-up continues the stream
         began = grammar.parked or state.reply_id != grammar.previous_reply_id

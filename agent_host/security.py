@@ -102,8 +102,8 @@ def _hosts(address: str) -> list[tuple[str, str]]:
         if target.startswith(prefix):
             target = target[len(prefix) :]
             break
-    if "://" in target or target.startswith("unix:"):
-        return []  # never loopback by our rules: only an explicit allow-list entry admits it
+    if target.startswith("//") or "://" in target or target.startswith("unix:"):
+        return []  # dns://resolver/..., unix:: never loopback by our rules, only listed exactly
     out = []
     for part in target.split(","):
         host, _, port = part.strip().rpartition(":")
@@ -122,8 +122,8 @@ def is_loopback(host: str) -> bool:
 
 def address_allowed(address: str, allow: Sequence[str] | None, configured: Iterable[str] = ()) -> bool:
     """Whether AttachMiddleware may connect to ``address``: it is one of the ``configured``
-    middleware addresses, or matches an ``allow`` pattern (fnmatch, e.g. "10.0.0.*:50061");
-    ``allow`` None (the default) admits loopback addresses only."""
+    middleware addresses, or each of its addresses matches an ``allow`` pattern ("10.0.0.*:50061",
+    see _pair_matches); ``allow`` None (the default) admits loopback addresses only."""
     if address in set(configured):
         return True
     hosts = _hosts(address)

@@ -6,6 +6,17 @@ from __future__ import annotations
 
 from .data import ChatResponse, ErrorType
 
+MAX_TEXT = 8192  # characters kept of a text another process sent (an error message, a traceback)
+
+
+def clipped(text: str, limit: int = MAX_TEXT, *, tail: bool = False) -> str:
+    """``text`` at most ``limit`` characters (its end with ``tail``: a traceback's last frames),
+    saying how much more there was: what another process says reaches logs and clients bounded."""
+    if len(text) <= limit:
+        return text
+    more = f"({len(text) - limit} more characters)"
+    return f"... {more} {text[-limit:]}" if tail else f"{text[:limit]}... {more}"
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names what and where."""
@@ -49,4 +60,4 @@ class ReplyGrammarError(RuntimeError):
     error_type = ErrorType.INTERNAL
 
 
-__all__ = ["ConfigError", "ModelError", "ReplyGrammarError", "UnknownModelError"]
+__all__ = ["MAX_TEXT", "ConfigError", "ModelError", "ReplyGrammarError", "UnknownModelError", "clipped"]

@@ -273,13 +273,15 @@ def test_serving_a_wrong_target_is_one_line(target: str, says: str) -> None:
 
 
 def test_an_address_it_cannot_listen_on_is_one_line() -> None:
-    """A port gRPC would wrap (99999 listened on 34463) and a port in use: exit 1, one line (the
-    middleware servers, and the trace viewer)."""
+    """A port gRPC would wrap (99999 listened on 34463): a configuration error, exit 2, before
+    anything starts, in every SDK server (the tracing server and the launcher only said it once
+    gRPC refused, exit 1; budget and mem0 checked it themselves). A port in use: exit 1. One line
+    each (the middleware servers, and the trace viewer)."""
     target = "tests.host_util:RecorderMiddleware"
     wrapped = run_cli("agentmw.sdk", target, "--address", "127.0.0.1:99999", timeout=30)
-    assert wrapped.returncode == 1, wrapped.stdout + wrapped.stderr
+    assert wrapped.returncode == 2, wrapped.stdout + wrapped.stderr
     assert wrapped.stderr.strip().splitlines()[-1] == (
-        "agentmw middleware RecorderMiddleware: '127.0.0.1:99999' is not HOST:PORT "
+        "agentmw middleware RecorderMiddleware: configuration error: address '127.0.0.1:99999' is not HOST:PORT "
         "(a port of 0-65535; 0: any free port)"
     )
     with socket.socket() as taken:

@@ -497,14 +497,18 @@ async def test_an_override_in_call_next_needs_the_permission_its_change_needs(tm
         ("ipv4:10.0.0.1:50061,127.0.0.1:50061", False),  # every replica must be allowed
         ("dns://8.8.8.8/10.0.0.3:50061", False),  # another resolver: not named in the list
         ("10.0.0.7:50062", False),
+        ("dns://8.8.8.8/mw.internal:50061", True),  # listed exactly below
+        ("unix:/run/mw.sock", True),
     ],
 )
 def test_attach_allow_patterns_match_addresses_label_by_label(target: str, allowed: bool) -> None:
     """'10.0.0.*:50061' admits the addresses 10.0.0.N, not every target whose text starts so:
-    fnmatch over the whole target let '10.0.0.1.localhost:50061' (127.0.0.1) be attached."""
+    fnmatch over the whole target let '10.0.0.1.localhost:50061' (127.0.0.1) be attached. A
+    resolver or unix: target only when listed exactly."""
     from agent_host.security import address_allowed
 
-    assert address_allowed(target, ["10.0.0.*:50061"]) is allowed
+    allow = ["10.0.0.*:50061", "dns://8.8.8.8/mw.internal:50061", "unix:/run/mw.sock"]
+    assert address_allowed(target, allow) is allowed
 
 
 def test_secrets_stay_out_of_messages_and_reprs() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentmw.data import ErrorType
+from agentmw.errors import clipped
 
 __all__ = [
     "MiddlewareFailure",
@@ -25,6 +26,7 @@ class MiddlewareFailure(RuntimeError):
     error_type = ErrorType.UPSTREAM
 
     def __init__(self, middleware: str, hook: str, what: str) -> None:
+        what = clipped(what)  # it may quote what the middleware sent, and it reaches the client
         super().__init__(f"middleware {middleware!r} failed in {hook}: {what}")
         self.middleware, self.hook, self.what = middleware, hook, what
 

@@ -21,6 +21,7 @@ from google.protobuf import struct_pb2
 from agentmw.chain import close, prepend
 from agentmw.codec import CodecError, codec, json_to_value, value_to_json
 from agentmw.data import ChatResponse, CustomEvent, PermissionDecision, ReplyStartEvent, new_id, now
+from agentmw.errors import clipped
 from agentmw.hooks import HookSpec, Kind
 from agentmw.subscriptions import Mode, SubscriptionTable
 from agentmw.v1 import hooks_pb2
@@ -383,7 +384,7 @@ class HookCall:
                 self.clean = True
                 fail = msg.fail
                 if fail.traceback:
-                    log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, clipped(fail.traceback))
+                    log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, clipped(fail.traceback, tail=True))
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(
@@ -830,12 +831,6 @@ class HookCall:
 
     def _violation(self, what: str) -> ProtocolError:
         return ProtocolError(self.mw.name, self.spec.name, what)
-
-
-def clipped(text: str, limit: int = 8192) -> str:
-    """A middleware's text (a message, a traceback) for a log line or an error a client sees: at
-    most ``limit`` characters, saying how much more there was."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 __all__ = ["HookCall"]

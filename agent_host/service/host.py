@@ -185,8 +185,8 @@ class ReplyRun:
 
     def end_now(self, final: ReplyRejected) -> None:
         """End the stream with ``final`` without waiting for the client: one that stopped reading
-        (the queue full) loses the items it did not take (the session keeps the reply), and the
-        reply's task ends instead of waiting for it for good."""
+        (the queue full) loses the items it did not take (the session keeps what was stored), and
+        the reply's task ends instead of waiting for it for good."""
         while self.queue.qsize() > QUEUE_SIZE - 2:  # room for final and the end
             self.queue.get_nowait()
         self.queue.put_nowait(final)
@@ -272,18 +272,19 @@ class Host:
             # Counted from here to the end, waiting for the session included (no authentication: no limit).
             async with self.store.admit(caller.name, limit) if caller.name else contextlib.nullcontext():
                 await self._reply(run, inputs, structured_schema, wait=not refuse_if_busy)
+        # A failure ends the stream at once (end_now), never waiting for a client that stopped reading.
         except ReplyRejected as exc:
-            await run.put(exc)
+            run.end_now(exc)
         except TooManyRepliesError:
             where = " on all hosts together" if self.store.shared else ""
-            await run.put(
+            run.end_now(
                 ReplyRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limit} replies at once per user{where}")
             )
         except SessionBusyError as exc:  # refuse_if_busy
-            await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc} (refused, as refuse_if_busy asks)"))
+            run.end_now(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc} (refused, as refuse_if_busy asks)"))
         except LeaseLostError as exc:  # paused or cut off past the lease: another host has the session
             log.warning("%s: the reply stops here, nothing more of it is stored", exc)
-            await run.put(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
+            run.end_now(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
         except asyncio.CancelledError:
             if not run.cut_off:  # the host is shutting down
                 raise
@@ -300,9 +301,9 @@ class Host:
             )
         except Exception:  # a host bug: say so on the stream rather than hang the client
             log.exception("reply of session %s failed", run.session_id)
-            await run.put(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
+            run.end_now(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))
         finally:
-            if not run.ended:  # a cut-off reply's stream has ended already (end_now)
+            if not run.ended:  # a reply that ran to its end: every item reaches a slow client
                 await run.put(_END)
 
     async def _reply(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import signal
 import sqlite3
@@ -152,14 +153,13 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         configured = {m.address: m for m in self.host.config.middleware}
         if not address_allowed(request.address, security.attach_allow, configured):
             await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"{request.address} is not an allowed address")
-        known = configured.get(request.address)  # a configured address keeps its key and permissions
-        mc = MiddlewareConfig(
-            address=request.address,
+        known = configured.get(request.address)  # a configured address keeps its key, permissions and limits
+        base = known or MiddlewareConfig(address=request.address, permissions=security.attach_permissions)
+        mc = dataclasses.replace(
+            base,
             name=request.name,
             fail_open=request.fail_open,
-            timeout=request.timeout or 10.0,
-            key=known.key if known else "",
-            permissions=known.permissions if known else security.attach_permissions,
+            timeout=request.timeout or base.timeout,
             source="AttachMiddleware",
         )
         position = request.position if request.HasField("position") else None

@@ -45,7 +45,7 @@ from agentmw.security import (
 )
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit
-from agentmw.transport import SERVER_OPTIONS, CannotListen, listen
+from agentmw.transport import SERVER_OPTIONS, CannotListen, check_listen_address, listen
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -297,6 +297,10 @@ def serve(
         loop = loops.choose_loop(loop)
     except ValueError as exc:
         _configuration_error(prefix, exc)
+    try:  # before anything starts: gRPC would take a port above 65535 modulo 65536
+        check_listen_address(address)
+    except ValueError as exc:
+        _configuration_error(prefix, ValueError(f"address {exc}"))
     try:
         loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
     except ConfigError as exc:  # what the middleware describes (its key)

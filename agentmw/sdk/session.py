@@ -28,7 +28,7 @@ import grpc
 from agentmw.chain import prepend
 from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ChatResponse, ErrorType
-from agentmw.errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError
+from agentmw.errors import MAX_TEXT, ConfigError, ModelError, ReplyGrammarError, UnknownModelError
 from agentmw.hooks import HookSpec, Kind
 from agentmw.tools import ToolInputError
 from agentmw.v1 import hooks_pb2
@@ -49,7 +49,7 @@ from .view import EDITABLE, AgentView, KwargsDict
 log = logging.getLogger("agentmw.sdk")
 
 WINDOW = DEFAULT_CREDITS  # credits granted per pull for observed items
-TRACEBACK_LIMIT = 8192  # bytes of a traceback sent in Fail (its tail: where it was raised)
+TRACEBACK_LIMIT = MAX_TEXT  # bytes of a traceback sent in Fail (its tail: where it was raised)
 
 
 class InnerPipelineError(Exception):

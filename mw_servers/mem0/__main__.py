@@ -48,16 +48,23 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         parser.error(f"--store {str(args.store)!r} cannot be a directory: {exc.strerror}")
     prepare_environment(store)  # before mem0 is imported
-    try:
+    flags = {"mode": args.mode, "top_k": args.top_k, "user_id": args.user_id, "agent_id": args.agent_id}
+    if args.write:
+        flags["await_write"] = args.write == "await"
+    flags = {k: v for k, v in flags.items() if v is not None}
+    try:  # every option checked before mem0 loads: flags first, then the file's
+        for name, value in flags.items():
+            try:
+                check_option(name, value)
+            except ValueError as exc:
+                flag = "--write" if name == "await_write" else "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}: {exc}") from None
         data = read_yaml(args.config) if args.config is not None else None  # names the file (and line)
         config, options = load_config(data, store, str(args.config), check_option)
     except (OSError, ValueError) as exc:
         print(f"mw_servers.mem0: configuration error: {exc}", file=sys.stderr)
         return 2
-    flags = {"mode": args.mode, "top_k": args.top_k, "user_id": args.user_id, "agent_id": args.agent_id}
-    if args.write:
-        flags["await_write"] = args.write == "await"
-    options.update({k: v for k, v in flags.items() if v is not None})
+    options.update(flags)
     started = time.monotonic()
     try:
         memory = build_memory(config)

@@ -2,7 +2,7 @@
 a server in another language would be). ``python -m tests.raw_mw MODE --address 127.0.0.1:0``.
 
 Modes: garbage (bytes that are no MiddlewareMessage), pull_first (pull before call_next),
-bad_forward (forwards an item it never received), foreign_block (removes a block it did not add),
+bad_forward (forwards an item it never received), foreign_block (removes the user's text block, which it did not add),
 unknown_model (asks for a model id the host does not have), negative_iter (sets the ReAct iteration
 to -1), summary (sets the compression summary), drop_all (drops the only message of the context,
 the user's), early_eof (ends the stream at once),
@@ -65,9 +65,13 @@ def on_reply(mode: str):
             msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
             msg.actions.add().emit.forward_seq = 99
             await context.write(out(msg))
-        elif mode == "foreign_block":
-            msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
-            msg.actions.add().mutate.remove_block = "not-mine"
+        elif mode == "foreign_block":  # remove the user's own text block (in the context once the reply starts)
+            begin = hooks_pb2.HostMessage.FromString(first)
+            users = begin.begin.input_kwargs.on_reply.message.content[0].text.id
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            await context.read()  # ReplyStartEvent
+            msg = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull())
+            msg.actions.add().mutate.remove_block = users
             await context.write(out(msg))
         elif mode == "unknown_model":
             msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())

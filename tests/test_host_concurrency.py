@@ -308,3 +308,54 @@ async def test_a_reply_call_that_never_starts_is_ended(host: ServerProcess) -> N
             requests.put_nowait(None)
     assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "no `start` within 5s of the call" in (ended.value.details() or "")
+
+
+async def test_a_stream_ended_at_once_still_delivers_every_queued_item_in_order() -> None:
+    """A cut-off (or failed) reply ends its stream without waiting for the client (ReplyRun.end_now),
+    also when the queue to the client is full: the client then gets every queued item, in order,
+    then the error. Before, end_now made room by dropping the oldest queued items: a client that was
+    reading, slower than a middleware flooding the reply, saw a gap. The cause it names: a client
+    counts as not reading only when the queue is full and it took nothing for a while."""
+    from agent_host.service.host import QUEUE_SIZE, ReplyRejected, ReplyRun
+
+    run = ReplyRun("s")
+    for n in range(QUEUE_SIZE):
+        await run.put(n)
+    assert not run.stalled()  # full, but the client read just now (when the run began)
+    run.last_read -= 5
+    assert run.stalled()
+    run.end_now(ReplyRejected(grpc.StatusCode.ABORTED, "cut off"))
+    got: list[int] = []
+    with pytest.raises(ReplyRejected, match="cut off"):
+        async for batch in run.batches():
+            got += batch
+    assert got == list(range(QUEUE_SIZE))
+
+
+async def test_an_interrupt_naming_an_earlier_reply_is_refused(host: ServerProcess) -> None:
+    """A UserInterruptEvent names the parked reply it ends, as the other resumption events do: one
+    naming an earlier reply is FAILED_PRECONDITION and the parked reply stays parked. Before, it
+    ended whatever reply was parked then."""
+    session = "stale-interrupt"
+
+    async def park(text: str) -> str:
+        async with HostClient(host.address) as client:
+            items = [item async for item in client.reply(session, UserMsg(text))]
+        return next(i for i in items if isinstance(i, RequireUserConfirmEvent)).reply_id
+
+    first = await park('call send_email {"to": "bob@example.com", "body": "one"}')
+    async with HostClient(host.address) as client:  # the first is ended: interrupted
+        async for _ in client.reply(session, UserInterruptEvent(reply_id=first)):
+            pass
+    second = await park('call send_email {"to": "bob@example.com", "body": "two"}')
+    async with HostClient(host.address) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in client.reply(session, UserInterruptEvent(reply_id=first)):
+                pass
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value
+    assert "is not the parked one" in (refused.value.details() or "")
+    info, _, _ = await get_session(host.address, session)
+    assert info.summary.parked and info.pending_tool_calls
+    async with HostClient(host.address) as client:
+        items = [item async for item in client.reply(session, UserInterruptEvent(reply_id=second))]
+    assert next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason == ReplyFinishedReason.INTERRUPTED

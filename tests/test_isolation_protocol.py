@@ -587,6 +587,25 @@ async def test_an_inner_middlewares_failure_is_not_blamed_on_the_one_around_it(e
         outer.stop()
 
 
+async def test_removing_a_block_that_compression_dropped_is_no_violation(evil: Any, scripts: Path) -> None:
+    """A middleware adds a block; later the oldest messages are dropped, that block with them (and
+    its owner record); then the middleware removes it. Nothing to remove: as in-process
+    (state.remove_block finds nothing), not a protocol violation blaming the middleware, which
+    failed the reply before."""
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    add = {"mutate": {"appendBlocks": {"blocks": [{"text": {"id": "b1", "text": "mine"}}]}}}
+    script(scripts, agent, at_done=[{"actions": [add]}])
+    assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
+    drop_then_remove = [{"mutate": {"dropMessages": 2}}, {"mutate": {"removeBlock": "b1"}}]
+    script(scripts, agent, at_done=[{"actions": drop_then_remove}])
+    end = end_of(await reply(agent, "second"))
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+    assert [m.text for m in agent.state.context if m.role.value == "user"] == ["second"]
+    await remote.close()
+
+
 # -- 6. tool descriptors, health, restarts ----------------------------------------------------------
 
 

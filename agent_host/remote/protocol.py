@@ -626,10 +626,12 @@ class HookCall:
                     state.append_to_last_assistant(agent.name, blocks)
             elif op == "remove_block":
                 block_id = mutation.remove_block
-                if state.block_owners.get(block_id) != key:
+                if state.block_owners.get(block_id) == key:
+                    state.remove_block(block_id)
+                    del state.block_owners[block_id]
+                elif any(b.id == block_id for m in state.context for b in m.content):
                     raise self._violation(f"remove_block {block_id!r}: not a block this middleware added")
-                state.remove_block(block_id)
-                del state.block_owners[block_id]
+                # else gone (compression dropped it, with its owner): nothing to remove, as in-process
             elif op == "set_model":
                 agent.set_model(mutation.set_model)
             elif op == "set_cur_iter":

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -148,7 +149,9 @@ class ReplyRun:
         self.consumer_gone = False
         self.task: asyncio.Task[None] | None = None
         self.cut_off = False  # the reply did not wind down within INTERRUPT_GRACE and was cancelled
-        self.ended = False  # its stream's end is queued (end_now)
+        self.ended = False  # its stream's end is decided (end_now)
+        self.final: ReplyRejected | None = None  # an end decided while the queue was full
+        self.last_read = time.monotonic()  # when the client last took items
         self._grace: asyncio.TimerHandle | None = None
 
     def interrupt(self, grace: float = INTERRUPT_GRACE) -> None:
@@ -184,14 +187,18 @@ class ReplyRun:
             await self.queue.put(item)
 
     def end_now(self, final: ReplyRejected) -> None:
-        """End the stream with ``final`` without waiting for the client: one that stopped reading
-        (the queue full) loses the items it did not take (the session keeps what was stored), and
-        the reply's task ends instead of waiting for it for good."""
-        while self.queue.qsize() > QUEUE_SIZE - 2:  # room for final and the end
-            self.queue.get_nowait()
-        self.queue.put_nowait(final)
-        self.queue.put_nowait(_END)
+        """End the stream with ``final`` without waiting for the client: the reply's task ends at
+        once; a client still reading gets every queued item, then ``final`` (batches)."""
         self.ended = True
+        if self.queue.qsize() <= QUEUE_SIZE - 2:
+            self.queue.put_nowait(final)
+            self.queue.put_nowait(_END)
+        else:  # full: batches() raises it once the client has taken what is queued
+            self.final = final
+
+    def stalled(self) -> bool:
+        """The client has not taken items for a while though some wait for it."""
+        return self.queue.full() and time.monotonic() - self.last_read > 1.0
 
     async def batches(self) -> AsyncIterator[list[Any]]:
         """Items as they come, each batch all that is ready at once; raises ReplyRejected."""
@@ -199,6 +206,9 @@ class ReplyRun:
             batch = [await self.queue.get()]
             while len(batch) < BATCH and not self.queue.empty():
                 batch.append(self.queue.get_nowait())
+            self.last_read = time.monotonic()
+            if self.final is not None and self.queue.empty():  # end_now found the queue full
+                batch += [self.final]
             end = next((i for i, x in enumerate(batch) if x is _END or isinstance(x, ReplyRejected)), None)
             if end is None:
                 yield batch
@@ -291,7 +301,7 @@ class Host:
             task = asyncio.current_task()
             assert task is not None
             task.uncancel()
-            why = "the client did not read its events" if run.queue.full() else "a middleware kept it going"
+            why = "the client did not read its events" if run.stalled() else "a middleware kept it going"
             run.end_now(
                 ReplyRejected(
                     grpc.StatusCode.ABORTED,
@@ -439,6 +449,12 @@ class Host:
         if isinstance(inputs, UserInterruptEvent):
             if not agent.awaiting_calls():  # in-process it yields nothing; a client is told
                 raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} has no parked reply")
+            if inputs.reply_id and inputs.reply_id != agent.state.reply_id:  # as for the other resumptions
+                raise ReplyRejected(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"session {sid!r}: UserInterruptEvent: reply {inputs.reply_id} is not the parked one "
+                    f"({agent.state.reply_id})",
+                )
             return
         try:
             agent.check_inputs(inputs)

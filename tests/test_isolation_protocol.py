@@ -36,9 +36,10 @@ from agentmw.data import (
 from agentmw.data.blocks import block_text
 from agentmw.tools import Toolkit, add_middleware_tools, tool
 from agentmw.v1 import host_pb2
+from clients.chat import HostClient
 from clients.launch import ServerProcess, middleware_server
 
-from .host_util import processes, stub
+from .host_util import get_session, processes, stub
 from .test_faults import ANSWER, end_of, make_agent, reply
 
 TIMEOUT = 1.0
@@ -604,6 +605,33 @@ async def test_removing_a_block_that_compression_dropped_is_no_violation(evil: A
     assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
     assert [m.text for m in agent.state.context if m.role.value == "user"] == ["second"]
     await remote.close()
+
+
+async def test_a_retry_of_a_message_compression_dropped_is_refused(evil: Any, scripts: Path, tmp_path: Path) -> None:
+    """Two turns; the second one's middleware drops the oldest two messages (as compression does),
+    the first user message among them. The client then sends that first message again: it was
+    answered, so ALREADY_EXISTS (and the session keeps its one answer), as for any answered message.
+    Before, its id was no longer in the context: it was stored and answered again (its tools run
+    again)."""
+    proc = evil()
+    with processes(tmp_path) as procs:
+        host = procs.host(tmp_path / "s.db", "--middleware", f"evil={proc.address}")
+        first, second = UserMsg("first question"), UserMsg("second question")
+        async with HostClient(host.address) as client:
+            async for _ in client.reply("dropped", first):
+                pass
+            (scripts / "dropped.json").write_text(
+                json.dumps({"at_done": [{"actions": [{"mutate": {"dropMessages": 2}}]}]})
+            )
+            async for _ in client.reply("dropped", second):
+                pass
+            (scripts / "dropped.json").unlink()
+            with pytest.raises(grpc.aio.AioRpcError) as again:
+                async for _ in client.reply("dropped", first):
+                    pass
+        assert again.value.code() == grpc.StatusCode.ALREADY_EXISTS, again.value
+        _, state, _ = await get_session(host.address, "dropped")
+    assert [m.text for m in state.context if m.role.value == "user"] == ["second question"]
 
 
 # -- 6. tool descriptors, health, restarts ----------------------------------------------------------

@@ -725,7 +725,13 @@ def _is_retry(state: AgentState, inputs: Any) -> bool:
     if not isinstance(inputs, Msg):
         return False
     latest = next((m for m in reversed(state.context) if m.role == Role.USER), None)
-    if latest is None or not any(m.id == inputs.id for m in state.context if m.role == Role.USER):
+    answered = any(m.id == inputs.id for m in state.context if m.role == Role.USER)
+    if not answered and inputs.id in state.dropped_user_ids:  # answered, then compressed away
+        raise ReplyRejected(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"message {inputs.id} was already answered in session {state.session_id!r} (since compressed)",
+        )
+    if latest is None or not answered:
         return False
     if latest.id != inputs.id or state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED:
         raise ReplyRejected(

@@ -72,6 +72,9 @@ class ReplyFields:
         raise NotImplementedError
 
 
+MAX_DROPPED_IDS = 1024  # dropped user messages remembered per session (a retry of an older one is implausible)
+
+
 @dataclass(slots=True, kw_only=True)
 class AgentState(ReplyFields):
     session_id: str = field(default_factory=new_id)
@@ -84,6 +87,8 @@ class AgentState(ReplyFields):
     block_owners: dict[str, str] = field(default_factory=dict)
     # Bumped on every change a middleware could observe; remote layers resend their view when it moves.
     version: int = 0
+    # Ids of user messages dropped by compression (the latest MAX_DROPPED_IDS): they were answered.
+    dropped_user_ids: list[str] = field(default_factory=list)
 
     def _cur_iter_changed(self, value: int) -> None:
         self.version += 1
@@ -123,6 +128,8 @@ class AgentState(ReplyFields):
         forget the owners of their blocks. The one way compression and a remote middleware (the
         drop_messages mutation) shorten the context."""
         check_drop(n, len(self.context))
+        dropped = [m.id for m in self.context[:n] if m.role == Role.USER]
+        self.dropped_user_ids = (self.dropped_user_ids + dropped)[-MAX_DROPPED_IDS:]
         self.context = self.context[n:]
         live = {b.id for m in self.context for b in m.content}
         self.block_owners = {k: v for k, v in self.block_owners.items() if k in live}

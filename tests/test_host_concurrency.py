@@ -269,6 +269,7 @@ async def test_a_reply_cut_off_while_its_client_does_not_read_ends_for_good(tmp_
             async with asyncio.timeout(10):  # under way (its items pile up unread)
                 while not await replying():
                     await asyncio.sleep(0.05)
+            await asyncio.sleep(2)  # its queue to the client fills up (a busy machine: slowly), so it waits on it
             interrupted = await stub.InterruptReply(host_pb2.InterruptReplyRequest(session_id="stalled"))
             assert interrupted.interrupted
             async with asyncio.timeout(20):  # the grace period (5 s), then the cut-off

@@ -393,6 +393,11 @@ class Host:
             assert run.task is not None  # this is its task (start_reply)
             run.task.add_done_callback(lambda _t: creating.discard(run.session_id))
 
+    async def _may_see(self, session_id: str, caller: Principal) -> bool:
+        """Whether ``caller`` may see a session of this id (another user's answers as a missing one,
+        and so does an id no session can have, before the store sees it)."""
+        return _valid_session_id(session_id) and self._visible(await self.store.record(session_id), caller)
+
     @staticmethod
     def _visible(record: SessionRecord | None, caller: Principal) -> bool:
         return record is None or caller.admin or record.owner == caller.name
@@ -474,7 +479,7 @@ class Host:
     async def interrupt(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
         """Interrupt the session's running reply, here or on another host of a shared store (another
         user's session answers as one with no reply)."""
-        if not _valid_session_id(session_id) or not self._visible(await self.store.record(session_id), caller):
+        if not await self._may_see(session_id, caller):
             return False
         local = [r for r in self._runs if r.session_id == session_id]
         for run in local:
@@ -489,7 +494,7 @@ class Host:
     async def session(
         self, session_id: str, caller: Principal = ANONYMOUS_ADMIN
     ) -> tuple[SessionRecord, AgentState, list[ToolCallBlock]] | None:
-        if not _valid_session_id(session_id) or not self._visible(await self.store.record(session_id), caller):
+        if not await self._may_see(session_id, caller):
             return None
         loaded = await self.store.load(session_id)
         if loaded is not None and loaded[1] == ReplyStatus.OPEN and not self.replying(session_id):
@@ -505,7 +510,7 @@ class Host:
         return record, state, self._agent(state).awaiting_calls()
 
     async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
-        if not _valid_session_id(session_id) or not self._visible(await self.store.record(session_id), caller):
+        if not await self._may_see(session_id, caller):
             return False
         async with self._holding(session_id):
             return await self.store.delete(session_id)

@@ -29,6 +29,7 @@ from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
 from agentmw.transport import HOST_KEEPALIVE_MS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
+from agentmw.wire import EMITTABLE
 
 from ..config import Permissions, check_seconds
 from ..security import TlsFiles, bearer_metadata, channel
@@ -644,7 +645,7 @@ class RemoteTool(Tool):
                     item = codec.decode_item(msg)
                 except (CodecError, KeyError, ValueError) as exc:
                     raise ProtocolError(mw.name, "CallTool", f"malformed item: {exc}") from None
-                if not isinstance(item, (ToolChunk, ToolResponse)):
+                if type(item) not in EMITTABLE["on_acting"]:  # what a tool yields is what on_acting may
                     what = type(item).__name__
                     raise ProtocolError(mw.name, "CallTool", f"a tool streams chunks, then a response; not {what}")
                 yield item

@@ -634,6 +634,23 @@ async def test_a_retry_of_a_message_compression_dropped_is_refused(evil: Any, sc
     assert [m.text for m in state.context if m.role.value == "user"] == ["second question"]
 
 
+async def test_a_pass_through_that_finishes_with_none_passes_an_inner_response_on(evil: Any) -> None:
+    """A middleware written from the protos as a pass-through on_model_call (it forwards every item,
+    then finishes with no result) over a layer that returns one whole ChatResponse: since that
+    response travels in InnerDone.result, not as an item, finish{} passes it on (the inner
+    pipeline's output), and the client gets its text. Before, the reply failed: 'returned an
+    empty streaming response', blaming the model."""
+    from .conformance_mw import ReturnsResponse
+
+    proc = evil("--hooks", "on_model_call")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = Agent(model=OfflineRuleModel(), middlewares=[remote, ReturnsResponse()])
+    items = await reply(agent, "hi")
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+    assert "".join(i.delta for i in items if type(i).__name__ == "TextBlockDeltaEvent") == "canned reply"
+    await remote.close()
+
+
 # -- 6. tool descriptors, health, restarts ----------------------------------------------------------
 
 

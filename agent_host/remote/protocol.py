@@ -119,7 +119,8 @@ class HookCall:
 
     async def stream(self) -> AsyncIterator[Any] | ChatResponse:
         """on_model_call: run until the first chunk (so call-time errors raise here), then stream;
-        or, when the hook returned one ChatResponse before any chunk went out, that response."""
+        or, when the hook (or, finishing with none, its inner pipeline) returned one ChatResponse
+        before any chunk went out, that response."""
         table = self.mw.tables.get(self.spec.name)
         if self._skipped(table):
             return await self.next_handler()
@@ -129,8 +130,12 @@ class HookCall:
         try:
             first = await anext(gen)
         except StopAsyncIteration:
-            if isinstance(self.result, ChatResponse):
-                return self.result
+            # It returned one response (its finish's result); or it finished with none over an inner
+            # pipeline that returned one: that one passes through, as finish{} after forwarding items
+            # means "the inner pipeline's output" (a pass-through written before chat_response).
+            returned = self.result if isinstance(self.result, ChatResponse) else self.inner_result
+            if isinstance(returned, ChatResponse):
+                return returned
             first = None
         except BaseException:
             await gen.aclose()

@@ -15,24 +15,26 @@ from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 
 
 async def stream_time(words: int) -> float:
-    """Seconds to stream and accumulate an echo of ``words`` words (the best of a few runs)."""
+    """This thread's CPU seconds to stream and accumulate an echo of ``words`` words (the best of a
+    few runs; CPU time, not wall time: the machine runs the other tests meanwhile)."""
     model = OfflineRuleModel(reply_template="{text}")
     text = ("w" * 39 + " ") * words  # long words: the quadratic copy shows at few chunks
     best = float("inf")
-    for _ in range(3):
-        started = time.perf_counter()
+    for _ in range(5):
+        started = time.thread_time()
         async for chunk in await model([UserMsg(text)]):
             if chunk.is_last:
                 assert len(chunk.content[0].text) == len(text)
-        best = min(best, time.perf_counter() - started)
+        best = min(best, time.thread_time() - started)
     return best
 
 
 async def test_streaming_a_long_answer_is_linear() -> None:
-    """8x the chunks take about 8x the time (quadratic accumulation took 64x)."""
+    """8x the chunks take about 8x the time (quadratic accumulation took 64x; the line is 24x, far
+    from both, since caches and allocation make a large run somewhat dearer per chunk)."""
     n = 5_000
     small, large = await stream_time(n), await stream_time(8 * n)
-    assert large / small < 16, f"{n} words: {small:.3f}s, {8 * n}: {large:.3f}s"
+    assert large / small < 24, f"{n} words: {small:.3f}s, {8 * n}: {large:.3f}s of CPU"
 
 
 async def test_a_large_message_does_not_stall_the_event_loop() -> None:

@@ -243,8 +243,7 @@ class Acting(AgentBase):
         awaiting = {c.id: c for c in self.awaiting_calls()}
         if not awaiting:
             raise ReplyError(f"{name}: no tool call is waiting for an answer")
-        if event.reply_id and event.reply_id != self.state.reply_id:
-            raise ReplyError(f"{name}: reply {event.reply_id} is not the parked one ({self.state.reply_id})")
+        self.check_reply_id(event)
         if isinstance(event, UserConfirmResultEvent):
             ids = [r.tool_call.id for r in event.confirm_results]
             wanted = ToolCallState.ASKING
@@ -257,6 +256,13 @@ class Acting(AgentBase):
         twice = sorted({i for i in ids if ids.count(i) > 1})
         if twice:
             raise ReplyError(f"{name}: tool call ids {twice} are answered more than once")
+
+    def check_reply_id(self, event: Any) -> None:
+        """Raise ReplyError when a resumption event (a confirmation, an execution result, an
+        interrupt) names another reply than the parked one (an unset reply_id names none)."""
+        if event.reply_id and event.reply_id != self.state.reply_id:
+            parked = self.state.reply_id
+            raise ReplyError(f"{type(event).__name__}: reply {event.reply_id} is not the parked one ({parked})")
 
     async def _handle_incoming_event(self, event: Any) -> AsyncIterator[Any]:
         calls = {c.id: c for c in self._unanswered_calls()}

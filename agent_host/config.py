@@ -77,6 +77,13 @@ from .security import ROLES, SecurityError, TlsFiles, User, read_secret, token_d
 DEFAULT_LISTEN = "127.0.0.1:50070"
 DEFAULT_DB = "agentmw.db"
 DEFAULT_TIMEOUT = 10.0
+# Per-call output limits of a middleware (agent_host.remote.Policy): generous for a legit one (a TTS
+# middleware streaming minutes of audio emits some 10k chunks and tens of MB), small enough to stop a
+# runaway one in seconds; and one item (or tool chunk, slot value) in one piece, which reaches a
+# client in one ReplyEvent (or a GetSession): a gRPC client accepts 4 MiB per message by default.
+DEFAULT_MAX_ITEMS = 100_000
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_ITEM_BYTES = 2 * 1024 * 1024
 DEFAULT_LEASE = 10.0
 DEFAULT_DRAIN_GRACE = 30.0
 
@@ -126,9 +133,9 @@ class MiddlewareConfig:
     permissions: Permissions = field(default_factory=Permissions)
     fail_open: bool = False
     timeout: float = DEFAULT_TIMEOUT
-    max_items: int = 100_000  # per hook call (agent_host.remote.Policy)
-    max_bytes: int = 64 * 1024 * 1024
-    max_item_bytes: int = 2 * 1024 * 1024  # one item, tool chunk or slot value
+    max_items: int = DEFAULT_MAX_ITEMS  # per hook call (agent_host.remote.Policy)
+    max_bytes: int = DEFAULT_MAX_BYTES
+    max_item_bytes: int = DEFAULT_MAX_ITEM_BYTES  # one item, tool chunk or slot value
     source: str = ""  # where it was configured, for error messages
 
 

@@ -311,8 +311,8 @@ class Codec:
                 out: dict[str, Any] = {}
                 try:
                     decoder(msg, out)
-                except KeyError as exc:  # as in _decode_fields
-                    raise CodecError(f"{msg.DESCRIPTOR.name}: unknown enum number {exc.args[0]!r}") from None
+                except KeyError as exc:
+                    raise _unknown_enum(msg, exc) from None
                 return out.get(name)
         raise CodecError(f"{msg.DESCRIPTOR.name} has no field {name!r}")
 
@@ -357,8 +357,8 @@ class Codec:
         fns = self._fns_by_class.get(type(msg)) or self._fns_of(msg)
         try:
             return fns[2](msg)
-        except KeyError as exc:  # the enum maps' lookup: a number this version does not know
-            raise CodecError(f"{msg.DESCRIPTOR.name}: unknown enum number {exc.args[0]!r}") from None
+        except KeyError as exc:
+            raise _unknown_enum(msg, exc) from None
 
     def _fns_of(self, msg: Message) -> _Functions:
         plan = self._plans_by_class.get(type(msg)) or self._plan_of(msg)
@@ -566,6 +566,11 @@ class Codec:
                 lambda seq: [self.decode_record(m) for m in seq],
             )
         return (lambda out, name, value: self.encode_record(value, getattr(out, name))), self.decode_record
+
+
+def _unknown_enum(msg: Message, exc: KeyError) -> CodecError:
+    """A decoder's KeyError: the enum maps' lookup of a number this version does not know."""
+    return CodecError(f"{msg.DESCRIPTOR.name}: unknown enum number {exc.args[0]!r}")
 
 
 def _identity(value: Any) -> Any:

@@ -31,7 +31,14 @@ from agentmw.transport import HOST_KEEPALIVE_MS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 from agentmw.wire import EMITTABLE
 
-from ..config import Permissions, check_seconds
+from ..config import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_ITEM_BYTES,
+    DEFAULT_MAX_ITEMS,
+    DEFAULT_TIMEOUT,
+    Permissions,
+    check_seconds,
+)
 from ..security import TlsFiles, bearer_metadata, channel
 from .errors import MiddlewareFailure, NoAnswer, OutputLimitExceeded, ProtocolError, Unreachable
 from .protocol import HookCall
@@ -53,13 +60,6 @@ CHANNEL_OPTIONS = [
 
 _steps = random.Random()  # its own generator: invocation ids touch no global random state
 
-# Per-call output limits: generous for a legit middleware (a TTS one streaming minutes of audio
-# emits some 10k chunks and tens of MB), small enough to stop a runaway one in seconds.
-DEFAULT_MAX_ITEMS = 100_000
-DEFAULT_MAX_BYTES = 64 * 1024 * 1024
-# One item (or tool chunk, or slot value) in one piece: it reaches a client in one ReplyEvent (or a
-# GetSession), and a gRPC client accepts 4 MiB per message by default (host.proto).
-DEFAULT_MAX_ITEM_BYTES = 2 * 1024 * 1024
 MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 
 
@@ -76,7 +76,7 @@ class Policy:
     ``max_item_bytes``: the largest one item it emits, tool chunk it sends or slot value it sets."""
 
     fail_open: bool = False
-    timeout: float = 10.0
+    timeout: float = DEFAULT_TIMEOUT
     connect_timeout: float = 5.0
     max_items: int = DEFAULT_MAX_ITEMS
     max_bytes: int = DEFAULT_MAX_BYTES

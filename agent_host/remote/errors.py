@@ -8,6 +8,8 @@ from typing import Any
 from agentmw.data import ErrorType
 from agentmw.errors import clipped
 
+MAX_TYPE_NAME = 256  # characters of an exception class name a middleware reports
+
 __all__ = [
     "MiddlewareFailure",
     "NoAnswer",
@@ -67,6 +69,8 @@ class RemoteMiddlewareError(RuntimeError):
     would get from the exception in-process."""
 
     def __init__(self, middleware: str, hook: str, type_name: str, message: str, **attributes: Any) -> None:
+        # Clipped, as a failure's text is: the middleware chose them, and they reach the client.
+        type_name, message = clipped(type_name, MAX_TYPE_NAME), clipped(message)
         super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
         self.middleware, self.hook, self.type_name = middleware, hook, type_name
         self.__dict__.update(attributes)

@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentmw.remote")
 
 MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
-MAX_TYPE_NAME = 256  # characters of an exception class name a middleware reports
 NOTHING = object()  # _apply: the action emitted nothing
 _EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
 
@@ -95,6 +94,7 @@ class HookCall:
     unlabelled: int = 0  # messages without an invocation id dropped on a reused stream
     emitted: int = 0  # new items the middleware emitted, against policy.max_items
     received_bytes: int = 0  # bytes of its messages, against policy.max_bytes
+    read_bytes: int = sys.maxsize  # bytes of the last message read (no part of it is larger)
     flusher: asyncio.Task[None] | None = None  # the task writing the observed copies queued (copies)
     copy_error: Exception | None = None  # how that task failed (raised at the next write or read)
 
@@ -393,11 +393,7 @@ class HookCall:
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
                 raise RemoteMiddlewareError(
-                    mw.name,
-                    spec.name,
-                    clipped(fail.type or "Exception", MAX_TYPE_NAME),
-                    clipped(fail.message),  # it reaches the client in the reply's error
-                    **decode_error_attributes(fail),
+                    mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
                 )
 
     def _begin(self) -> hooks_pb2.HostMessage:
@@ -593,7 +589,8 @@ class HookCall:
         else:
             ctx.slot.null_value = struct_pb2.NULL_VALUE
         codec.encode(agent.model.ref, ctx.model)
-        ctx.model_ids.extend(agent.models.ids)
+        if force:  # a begin's context: they change only with the host's configuration, not per item
+            ctx.model_ids.extend(agent.models.ids)
         ctx.structured_output_pending = (
             state.reply_context.structured_schema is not None and state.reply_context.structured_output is None
         )
@@ -798,7 +795,8 @@ class HookCall:
                 raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish")
             if msg is None:  # grpc.aio hands over None when the bytes do not parse
                 raise ProtocolError(self.mw.name, self.spec.name, "malformed message (not a MiddlewareMessage)")
-            self.received_bytes += msg.ByteSize()
+            self.read_bytes = msg.ByteSize()
+            self.received_bytes += self.read_bytes
             if self.received_bytes > self.mw.policy.max_bytes:
                 raise OutputLimitExceeded(
                     self.mw.name, self.spec.name, f"sent more than {self.mw.policy.max_bytes} bytes in one call"
@@ -833,7 +831,9 @@ class HookCall:
         item, a result, a slot, a change of the context, stored kwargs) is at most max_item_bytes:
         a client takes 4 MiB per message by default (host.proto ReplyEvent)."""
         limit = self.mw.policy.max_item_bytes
-        if (size := msg.ByteSize()) > limit:
+        # Each part sized only when the message it came in (sized as read) may hold one too large:
+        # an emitting middleware's items would otherwise be serialized twice.
+        if self.read_bytes > limit and (size := msg.ByteSize()) > limit:
             raise OutputLimitExceeded(self.mw.name, self.spec.name, f"{what} of {size} bytes (limit {limit})")
 
     def _violation(self, what: str) -> ProtocolError:

@@ -50,6 +50,7 @@ from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools
 
 from .. import metrics, tracing
 from ..agent import CUT_OFF, Agent, InputRefused
+from ..agent_base import ReplyError
 from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
@@ -454,12 +455,10 @@ class Host:
         if isinstance(inputs, UserInterruptEvent):
             if not agent.awaiting_calls():  # in-process it yields nothing; a client is told
                 raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r} has no parked reply")
-            if inputs.reply_id and inputs.reply_id != agent.state.reply_id:  # as for the other resumptions
-                raise ReplyRejected(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"session {sid!r}: UserInterruptEvent: reply {inputs.reply_id} is not the parked one "
-                    f"({agent.state.reply_id})",
-                )
+            try:
+                agent.check_reply_id(inputs)  # as for the other resumption events
+            except ReplyError as exc:
+                raise ReplyRejected(grpc.StatusCode.FAILED_PRECONDITION, f"session {sid!r}: {exc}") from None
             return
         try:
             agent.check_inputs(inputs)
@@ -729,21 +728,16 @@ def _is_retry(state: AgentState, inputs: Any) -> bool:
     or an earlier message (answered before the latest was sent), is final: refused."""
     if not isinstance(inputs, Msg):
         return False
-    latest = next((m for m in reversed(state.context) if m.role == Role.USER), None)
-    answered = any(m.id == inputs.id for m in state.context if m.role == Role.USER)
-    if not answered and inputs.id in state.dropped_user_ids:  # answered, then compressed away
+    ids = [m.id for m in state.context if m.role == Role.USER]
+    if inputs.id in ids[-1:] and state.context[-1].finished_reason == ReplyFinishedReason.INTERRUPTED:
+        return True
+    if inputs.id in ids or inputs.id in state.dropped_user_ids:  # answered (then maybe compressed away)
+        where = ": see GetSession" if inputs.id in ids else " (since compressed)"
         raise ReplyRejected(
             grpc.StatusCode.ALREADY_EXISTS,
-            f"message {inputs.id} was already answered in session {state.session_id!r} (since compressed)",
+            f"message {inputs.id} was already answered in session {state.session_id!r}{where}",
         )
-    if latest is None or not answered:
-        return False
-    if latest.id != inputs.id or state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED:
-        raise ReplyRejected(
-            grpc.StatusCode.ALREADY_EXISTS,
-            f"message {inputs.id} was already answered in session {state.session_id!r}: see GetSession",
-        )
-    return True
+    return False
 
 
 def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:

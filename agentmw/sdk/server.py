@@ -300,7 +300,7 @@ def serve(
     try:  # before anything starts: gRPC would take a port above 65535 modulo 65536
         check_listen_address(address)
     except ValueError as exc:
-        _configuration_error(prefix, ValueError(f"address {exc}"))
+        _configuration_error(prefix, f"address {exc}")
     try:
         loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
     except ConfigError as exc:  # what the middleware describes (its key)
@@ -309,9 +309,9 @@ def serve(
         raise SystemExit(f"{prefix}: {exc}") from None
 
 
-def _configuration_error(prefix: str, exc: Exception) -> NoReturn:
+def _configuration_error(prefix: str, what: object) -> NoReturn:
     """One line and exit status 2, as agent-host says a configuration error."""
-    print(f"{prefix}: configuration error: {exc}", file=sys.stderr)
+    print(f"{prefix}: configuration error: {what}", file=sys.stderr)
     raise SystemExit(2)
 
 

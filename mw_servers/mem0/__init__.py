@@ -137,20 +137,9 @@ class Mem0Middleware(MiddlewareBase):
         tool_prefix: str = "mem0__",
         workers: int = 1,
     ) -> None:
-        options = {
-            "mode": mode,
-            "user_id": user_id,
-            "agent_id": agent_id,
-            "top_k": top_k,
-            "threshold": threshold,
-            "scope_by_agent": scope_by_agent,
-            "await_write": await_write,
-            "infer": infer,
-            "tool_prefix": tool_prefix,
-            "workers": workers,
-        }
-        for name, value in options.items():
-            check_option(name, value)
+        arguments = locals()  # the options are this signature's keyword arguments
+        for name in OPTIONS:
+            check_option(name, arguments[name])
         self.memory = memory
         self.mode = mode
         self.user_id, self.agent_id = user_id, agent_id

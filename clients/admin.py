@@ -9,7 +9,8 @@
     agentmw sessions delete ID
 
 ``--host ADDRESS`` (default: $AGENTMW_HOST, else 127.0.0.1:50070, the host's default listen) and
-``--json`` (machine-readable output) go before or after the command. Exit status: 0 done; 1 the
+``--json`` (machine-readable output) go before or after the command; so do agent-chat's TLS flags
+and ``--token-file`` (or $AGENTMW_TOKEN) for a secured host (docs/security.md). Exit status: 0 done; 1 the
 host is unreachable, NOT_SERVING (status), or refused the request; 2 usage.
 """
 
@@ -28,8 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.config import ConfigError, check_middleware_address
 from agentmw.codec import codec
-from agentmw.security import CLIENT_MAX_MESSAGE
+from agentmw.security import CLIENT_MAX_MESSAGE, SecurityError, TlsFiles, bearer_metadata
 from agentmw.v1 import host_pb2, host_pb2_grpc
+from clients.host_client import add_security_arguments, credentials
 
 DEFAULT_HOST = "127.0.0.1:50070"
 TIMEOUT = 10.0
@@ -38,13 +40,19 @@ TIMEOUT = 10.0
 class Admin:
     """One host connection; each method is one command and returns what it prints (text or JSON data)."""
 
-    def __init__(self, address: str, timeout: float = TIMEOUT) -> None:
+    def __init__(self, address: str, tls: TlsFiles | None = None, token: str = "", timeout: float = TIMEOUT) -> None:
         self.address = address
         self.timeout = timeout
         # GetSession carries a whole session: as large as the host's other clients accept
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE)])
-        self.stub = host_pb2_grpc.AgentHostStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
+        options = [("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE)]
+        if tls is not None and tls.enabled:  # a blocking channel: agentmw.security.channel() is asyncio's
+            credentials = tls.channel_credentials()
+            self.channel = grpc.secure_channel(address, credentials, options=[*options, *tls.channel_options()])
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+        metadata = bearer_metadata(token)  # on every call
+        self.stub = _Calls(host_pb2_grpc.AgentHostStub(self.channel), metadata)
+        self.health = _Calls(health_pb2_grpc.HealthStub(self.channel), metadata)
 
     def close(self) -> None:
         self.channel.close()
@@ -90,6 +98,17 @@ class Admin:
     def delete(self, session_id: str) -> dict[str, Any]:
         found = self.stub.DeleteSession(host_pb2.DeleteSessionRequest(session_id=session_id), timeout=self.timeout)
         return {"session_id": session_id, "deleted": found.deleted}
+
+
+class _Calls:
+    """A stub whose every call carries ``metadata`` (the token)."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        call = getattr(self._stub, method)
+        return lambda request, **kw: call(request, metadata=self._metadata, **kw)
 
 
 def _dict(message: Any) -> dict[str, Any]:
@@ -174,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"the host's address (default $AGENTMW_HOST, else {DEFAULT_HOST})",
     )
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    add_security_arguments(common)
     parser = argparse.ArgumentParser(prog="agentmw", description="Operate a running agentmw host.", parents=[common])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("status", parents=[common], help="host health and attached middleware")
@@ -223,7 +243,11 @@ def _connected(channel: grpc.Channel) -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = f"{args.command} {args.action}" if getattr(args, "action", None) else args.command
-    admin = Admin(args.host)
+    try:
+        admin = Admin(args.host, *credentials(args))
+    except SecurityError as exc:
+        print(f"agentmw: {exc}", file=sys.stderr)
+        return 2
     run: dict[str, Callable[[], Any]] = {
         "status": admin.status,
         "middleware list": admin.middleware_list,

@@ -35,7 +35,7 @@ from typing import Any
 
 import grpc
 
-from agent_host.security import SecurityError, TlsFiles, read_secret
+from agent_host.security import SecurityError
 from agentmw.codec import codec
 from agentmw.data import (
     ReplyFinishedReason,
@@ -55,7 +55,9 @@ from clients.host_client import (
     HostClient,
     ReplyCall,
     Turn,
+    add_security_arguments,
     converse,
+    credentials,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -181,7 +183,7 @@ async def _turn(
         on_external = _auto_external(args.external_result)
     loop.add_signal_handler(signal.SIGINT, on_sigint)
     try:
-        async with HostClient(args.host, *_credentials(args)) as client:
+        async with HostClient(args.host, *credentials(args)) as client:
             return await converse(
                 client,
                 session_id,
@@ -202,16 +204,9 @@ class UnknownSession(Exception):
     pass
 
 
-def _credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
-    """TLS files and the token (from AGENTMW_TOKEN or --token-file: never a command-line argument)."""
-    tls = TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca, server_name=args.tls_server_name)
-    token = read_secret(file=args.token_file, where="--token-file") if args.token_file else ""
-    return tls, token or os.environ.get("AGENTMW_TOKEN", "")
-
-
 async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
     """What a session is parked on, as ``converse`` resume arguments ({} when it is not)."""
-    async with HostClient(args.host, *_credentials(args)) as client:
+    async with HostClient(args.host, *credentials(args)) as client:
         try:
             session = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session_id), timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -382,13 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--external-result", help="non-interactive: the result to give client-side tools")
     parser.add_argument("--audio-dir", default="agent-audio", help="where audio is saved (default ./agent-audio)")
     parser.add_argument("--play", action="store_true", help="play saved audio (with aplay, paplay or ffplay)")
-    security = parser.add_argument_group("security (see docs/security.md)")
-    env = os.environ.get
-    security.add_argument("--tls-ca", default=env("AGENTMW_TLS_CA", ""), help="connect over TLS, trusting this CA")
-    security.add_argument("--tls-cert", default=env("AGENTMW_TLS_CLIENT_CERT", ""), help="client certificate (mTLS)")
-    security.add_argument("--tls-key", default=env("AGENTMW_TLS_CLIENT_KEY", ""), help="its private key")
-    security.add_argument("--tls-server-name", default="", help="the name the host's certificate carries")
-    security.add_argument("--token-file", help="a file holding the bearer token (else env AGENTMW_TOKEN)")
+    add_security_arguments(parser)
     args = parser.parse_args(argv)
     if args.schema is not None and args.message is None:
         parser.error("--schema goes with --message")

@@ -4,12 +4,14 @@ Used by agent-chat (clients/chat.py) and clients.demo."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_host.security import TlsFiles, client_channel
+from agent_host.security import TlsFiles, client_channel, read_secret
 from agentmw.codec import codec
 from agentmw.data import (
     ExternalExecutionResultEvent,
@@ -27,6 +29,38 @@ from agentmw.data.events import ConfirmResult
 from agentmw.v1 import host_pb2, host_pb2_grpc
 
 DEFAULT_HOST = "127.0.0.1:50070"
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a client reaches a secured host (docs/security.md): agent-chat's and agentmw's flags.
+    Their defaults are applied by ``credentials`` (argparse.SUPPRESS here), so that a parser
+    shared by subcommands, as agentmw's, takes them before or after the command."""
+    group = parser.add_argument_group("security (see docs/security.md)")
+    hidden = argparse.SUPPRESS
+    group.add_argument("--tls-ca", default=hidden, help="connect over TLS, trusting this CA (env AGENTMW_TLS_CA)")
+    group.add_argument("--tls-cert", default=hidden, help="client certificate, mTLS (env AGENTMW_TLS_CLIENT_CERT)")
+    group.add_argument("--tls-key", default=hidden, help="its private key (env AGENTMW_TLS_CLIENT_KEY)")
+    group.add_argument("--tls-server-name", default=hidden, help="the name the host's certificate carries")
+    group.add_argument("--token-file", default=hidden, help="a file holding the bearer token (else env AGENTMW_TOKEN)")
+
+
+def credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
+    """The TLS files and the token of ``add_security_arguments``' flags (the token from
+    AGENTMW_TOKEN or --token-file: never a command-line argument, which others can read in ps).
+    Raises SecurityError for a token file that cannot be read."""
+
+    def flag(name: str, env: str = "") -> str:
+        return getattr(args, name, "") or (os.environ.get(env, "") if env else "")
+
+    tls = TlsFiles(
+        cert=flag("tls_cert", "AGENTMW_TLS_CLIENT_CERT"),
+        key=flag("tls_key", "AGENTMW_TLS_CLIENT_KEY"),
+        ca=flag("tls_ca", "AGENTMW_TLS_CA"),
+        server_name=flag("tls_server_name"),
+    )
+    token_file = flag("token_file")
+    token = read_secret(file=token_file, where="--token-file") if token_file else ""
+    return tls, token or os.environ.get("AGENTMW_TOKEN", "")
 
 
 class HostClient:

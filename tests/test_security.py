@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,6 +247,47 @@ security:
     (tmp_path / "bad.yaml").write_text(host_side)
     out = run_cli("agent_host", "--config", str(tmp_path / "bad.yaml"), "--listen", "127.0.0.1:0", "--db", ":memory:")
     assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr, out.stderr
+
+
+def test_the_agentmw_cli_reaches_a_secured_host(certs: Pki, procs: Procs, tmp_path: Path) -> None:
+    """agentmw takes agent-chat's TLS flags and token (--token-file or AGENTMW_TOKEN), before or
+    after the command; without them a secured host is out of its reach. Before, it had neither and
+    could only operate a plaintext host without users."""
+    host = procs.host(
+        tmp_path,
+        f"""
+security:
+  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}
+  users:
+    - {{name: ops, role: admin, cert_cn: ops}}
+    - {{name: alice, role: user, token_env: ALICE_TOKEN}}
+""",
+        {"ALICE_TOKEN": TOKENS["alice"]},
+    )
+    ops, nobody = certs.clients["ops"], certs.clients["host"]  # "host" names no user: a token must
+    mtls = ["--tls-ca", certs.ca, "--tls-cert", ops.cert, "--tls-key", ops.key]
+    tls = ["--tls-ca", certs.ca, "--tls-cert", nobody.cert, "--tls-key", nobody.key]
+    token_file = tmp_path / "alice.token"
+    token_file.write_text(TOKENS["alice"] + "\n")
+
+    def agentmw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return run_cli("clients.admin", "--host", host.address, *args, env={"AGENTMW_TOKEN": "", **(env or {})})
+
+    status = agentmw(*mtls, "status")  # the admin, by her certificate
+    assert status.returncode == 0 and "SERVING" in status.stdout, status.stderr
+    listed = agentmw("middleware", "list", *mtls)  # the flags after the command
+    assert listed.returncode == 0 and "no middleware attached" in listed.stdout, listed.stderr
+    mine = agentmw("sessions", "list", *tls, "--token-file", str(token_file))
+    assert mine.returncode == 0 and "(no sessions)" in mine.stdout, mine.stderr
+    by_env = agentmw(*tls, "middleware", "list", env={"AGENTMW_TOKEN": TOKENS["alice"]})
+    assert by_env.returncode == 1 and "PERMISSION_DENIED" in by_env.stderr, by_env.stderr  # alice is no admin
+    anonymous = agentmw(*tls, "sessions", "list")
+    assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr, anonymous.stderr
+    plaintext = agentmw("status")
+    assert plaintext.returncode == 1 and "cannot reach the host" in plaintext.stderr, plaintext.stderr
+    missing = agentmw("--tls-ca", str(tmp_path / "nope.pem"), "status")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert missing.stderr.startswith("agentmw: ") and "nope.pem" in missing.stderr
 
 
 async def test_users_own_their_sessions_and_admins_attach(procs: Procs, tmp_path: Path) -> None:

@@ -107,12 +107,12 @@ def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
     return out
 
 
-def decode_error_attributes(fail: hooks_pb2.Fail) -> dict[str, Any]:
-    """The attributes of the exception behind ``fail`` that it had (see ``encode_error``)."""
+def decode_error_attributes(error: hooks_pb2.Fail | hooks_pb2.InnerError) -> dict[str, Any]:
+    """The attributes of the exception behind ``error`` that it had (see ``encode_error``)."""
     attributes: dict[str, Any] = {}
-    if fail.HasField("retryable"):
-        attributes["retryable"] = fail.retryable
-    error_type = error_type_of(fail)
+    if error.HasField("retryable"):
+        attributes["retryable"] = error.retryable
+    error_type = error_type_of(error)
     if error_type is not None:
         attributes["error_type"] = error_type
     return attributes

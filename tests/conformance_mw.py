@@ -827,6 +827,26 @@ class CatchModelError(MiddlewareBase):
             return await next_handler(current_model="backup")
 
 
+class BreaksModelCall(MiddlewareBase):
+    """on_model_call raises a RuntimeError of its own (an exception with no ``retryable``)."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        raise RuntimeError("inner broke")
+
+
+class CatchInnerRuntimeError(MiddlewareBase):
+    """Catches the inner pipeline's RuntimeError and notes which attributes it has (none but its
+    message, as in-process), then answers itself."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        try:
+            return await next_handler()
+        except RuntimeError as exc:
+            seen = {"message": str(exc), "has_retryable": hasattr(exc, "retryable")}
+            agent.state.middle_context[await self.get_middleware_key()] = seen
+            return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
+
+
 class SharedCounter(MiddlewareBase):
     """Counts intercepted text deltas in a slot shared by every instance (one key)."""
 
@@ -896,6 +916,8 @@ MIDDLEWARE.update(
             MaxItersAtStart,
             AfterYieldReads,
             CatchModelError,
+            BreaksModelCall,
+            CatchInnerRuntimeError,
             SharedCounter,
             SlotFromTwoHooks,
             ObserveDeltasInterceptEnd,

@@ -583,6 +583,13 @@ def _catch_model_error(events, state):
     assert final_text(events).startswith("backup answered")
 
 
+def _catch_inner_runtime_error(events, state):
+    """An inner exception with no ``retryable`` has none when caught (remote, it had
+    ``retryable=False`` before InnerError.retryable became optional: not the same exception)."""
+    assert state["middle_context"]["CatchInnerRuntimeError"] == {"message": "inner broke", "has_retryable": False}
+    assert final_text(events) == "caught it"
+
+
 def _slot_from_two_hooks(events, state):
     """on_reply's late write keeps on_reasoning's (two reasoning steps)."""
     assert state["middle_context"]["SlotFromTwoHooks"] == {"start": 1, "reasoning": 2, "end": 1}
@@ -673,6 +680,10 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
             },
         ),
         _catch_model_error,
+    ),
+    (
+        Scenario("catch_inner_runtime_error", [Layer("CatchInnerRuntimeError"), Layer("BreaksModelCall")]),
+        _catch_inner_runtime_error,
     ),
     (Scenario("slot_from_two_hooks", [Layer("SlotFromTwoHooks")], message="call add a=1 b=2"), _slot_from_two_hooks),
     (

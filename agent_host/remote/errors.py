@@ -72,5 +72,5 @@ class RemoteMiddlewareError(RuntimeError):
         # Clipped, as a failure's text is: the middleware chose them, and they reach the client.
         type_name, message = clipped(type_name, MAX_TYPE_NAME), clipped(message)
         super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
-        self.middleware, self.hook, self.type_name = middleware, hook, type_name
+        self.middleware, self.hook, self.type_name, self.raised_message = middleware, hook, type_name, message
         self.__dict__.update(attributes)

@@ -527,6 +527,8 @@ class HookCall:
     def _error_message(self, exc: BaseException) -> hooks_pb2.HostMessage:
         msg = hooks_pb2.HostMessage(invocation=self.invocation)
         err = encode_error(exc, msg.inner_error)
+        if isinstance(exc, RemoteMiddlewareError):  # an inner middleware's own exception, as in-process
+            err.type, err.message = exc.type_name, exc.raised_message
         err.inner = self.generation
         self._context(err.context)
         return msg

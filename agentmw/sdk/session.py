@@ -34,12 +34,12 @@ from agentmw.tools import ToolInputError
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
+    decode_error_attributes,
     decode_kwarg,
     decode_result,
     encode_error,
     encode_kwargs,
     encode_result,
-    error_type_of,
     model_override,
 )
 
@@ -58,9 +58,13 @@ class InnerPipelineError(Exception):
     own class when it knows the name (see ``KNOWN_ERRORS``), so ``except RuntimeError`` or ``except
     ModelError`` match as they would in-process."""
 
-    def __init__(self, type_name: str, message: str, retryable: bool, error_type: ErrorType | None = None) -> None:
+    def __init__(
+        self, type_name: str, message: str, retryable: bool | None, error_type: ErrorType | None = None
+    ) -> None:
         super().__init__(message)
-        self.type_name, self.retryable = type_name, retryable
+        self.type_name = type_name
+        if retryable is not None:  # else none, as the host's exception had none (a RuntimeError)
+            self.retryable = retryable
         if error_type is not None:  # else the class's own, if it has one (ModelError's default)
             self.error_type = error_type
 
@@ -81,7 +85,7 @@ _error_classes: dict[str, type[InnerPipelineError]] = {}
 
 
 def inner_error(
-    type_name: str, message: str, retryable: bool, error_type: ErrorType | None = None
+    type_name: str, message: str, retryable: bool | None = None, error_type: ErrorType | None = None
 ) -> InnerPipelineError:
     """The inner pipeline's exception as the author's code would see it in-process (as near as
     the SDK can tell from its name)."""
@@ -564,6 +568,6 @@ class InnerStream:
                 s.ended = True
                 raise StopAsyncIteration
             if which == "inner_error":
-                s.last_inner_error = inner_error(body.type, body.message, body.retryable, error_type_of(body))
+                s.last_inner_error = inner_error(body.type, body.message, **decode_error_attributes(body))
                 raise s.last_inner_error
             raise RuntimeError(f"unexpected {which} from the host")

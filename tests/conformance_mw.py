@@ -1186,3 +1186,29 @@ class CompressIntoMessage(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (CompressOldest, CompressIntoMessage)})
+
+
+class SummaryAtTextEnd(MiddlewareBase):
+    """on_reasoning sets the summary as the text block ends (in place: no version bump)."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, TextBlockEndEvent):
+                agent.state.summary = "noted at the text's end"
+            yield item
+
+
+class SummaryReader(MiddlewareBase):
+    """Records the summary it sees when the text block's end passes (the context comes with each
+    delta and the end, when it changed)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockDeltaEvent, TextBlockEndEvent], wants_context=True)}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, TextBlockEndEvent):
+                agent.state.middle_context[await self.get_middleware_key()] = agent.state.summary
+            yield item
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (SummaryAtTextEnd, SummaryReader)})

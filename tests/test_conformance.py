@@ -267,9 +267,14 @@ CASES: list[tuple[Scenario, Check]] = [
 SCENARIOS = [scenario for scenario, _ in CASES]
 
 
+SUMMARY_IN_PROCESS = Scenario("summary_in_process", [Layer("SummaryReader"), Layer("SummaryAtTextEnd")])
+
+
 @pytest.fixture(scope="module")
 def servers():
-    started = Servers([*SCENARIOS, PROMPT_ORDER, RUN_AHEAD, Scenario("trace", [Layer("TraceEcho")])])
+    started = Servers(
+        [*SCENARIOS, PROMPT_ORDER, RUN_AHEAD, SUMMARY_IN_PROCESS, Scenario("trace", [Layer("TraceEcho")])]
+    )
     yield started
     started.stop()
 
@@ -1002,3 +1007,13 @@ async def test_run_ahead_trades_lock_step_after_yield_for_a_round_trip(servers: 
     _, remote_state = await run(RUN_AHEAD, ["local", "remote"], servers)
     assert local_state["middle_context"]["AfterYieldReads"] == {"max_iters": 7}
     assert remote_state["middle_context"]["AfterYieldReads"] == {"max_iters": 10}
+
+
+async def test_a_remote_layer_sees_a_summary_set_in_process(servers: Servers) -> None:
+    """An in-process layer sets agent.state.summary (no version bump, no context change); a remote
+    layer around it reads the summary at its next item, as an in-process one would. Before, the host
+    resent the context only when the state version or the context length moved: the summary read
+    was the one of the begin."""
+    for placement in (["local", "local"], ["remote", "local"]):
+        _, state = await run(SUMMARY_IN_PROCESS, placement, servers)
+        assert state["middle_context"]["SummaryReader"] == "noted at the text's end", placement

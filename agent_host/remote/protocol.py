@@ -75,7 +75,7 @@ class HookCall:
     credits: int = 0
     result: Any = None
     handed_stream: bool = False  # stream() returned a stream to the caller (not a ChatResponse)
-    sent_fingerprint: tuple[int, int] | None = None
+    sent_fingerprint: tuple[int, int, str] | None = None
     sent_slot: Any = None  # the slot as last sent (in-process layers may edit it in place)
     applied: int = 0  # this invocation's middleware messages read (HookContext.applied)
     clean: bool = False  # the invocation ended with finish / fail on a sound stream
@@ -571,7 +571,9 @@ class HookCall:
     def _context(self, ctx: hooks_pb2.HookContext, *, force: bool = False) -> None:
         """Fill the hook context when host state moved since the last one sent on this stream."""
         agent, state = self.agent, self.agent.state
-        fingerprint = (state.version, len(state.context))
+        # The summary too: an in-process layer may set it in place (no version bump); a string
+        # compares by identity first, so an unchanged one costs nothing.
+        fingerprint = (state.version, len(state.context), state.summary)
         slot = state.middle_context.get(self.mw.key)
         # In-process layers sharing this key may edit the slot in place (no version bump).
         if not force and fingerprint == self.sent_fingerprint and slot == self.sent_slot:

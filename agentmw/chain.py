@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-from .hooks import HOOKS, HookSpec
+from .hooks import HOOKS, HookSpec, Kind, check_result
 
 
 class Layer(Protocol):
@@ -70,13 +70,19 @@ class Chain:
             return self._run(agent, index + 1, {**input_kwargs, **overrides})
 
         method = getattr(self.layers[index], spec.name)
-        return method(agent=agent, input_kwargs=input_kwargs, next_handler=next_handler)
+        result = method(agent=agent, input_kwargs=input_kwargs, next_handler=next_handler)
+        return _checked(spec, result) if spec.kind is Kind.CALL else result
+
+
+async def _checked(spec: HookSpec, result: Any) -> Any:
+    return check_result(spec, await result)
 
 
 async def transform(hook: str, layers: Sequence[Layer], agent: Any, value: Any) -> Any:
     """The transformer pipeline (on_system_prompt): each layer gets the previous one's output."""
+    spec = HOOKS[hook]
     for layer in layers:
-        value = await getattr(layer, hook)(agent, value)
+        value = check_result(spec, await getattr(layer, hook)(agent, value))
     return value
 
 

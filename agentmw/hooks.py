@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
+from agentmw.data import PermissionDecision
 from agentmw.v1 import hooks_pb2
 
 # What Describe exchanges (hooks.proto): the host refuses a middleware that speaks another version.
@@ -61,3 +63,19 @@ HOOKS: dict[str, HookSpec] = {
     )
 }
 HOOKS_BY_NUMBER: dict[int, HookSpec] = {s.number: s for s in HOOKS.values()}
+
+
+def check_result(spec: HookSpec, value: Any) -> Any:
+    """What a layer of a value hook returned, as the layer around it gets it. The chain checks each
+    in-process layer with it and the SDK its author's return before answering, so a wrong value
+    fails alike in both places: a TypeError raised by that layer. (A remote layer that sends a
+    wrong result without the SDK breaks the protocol instead: the host refuses it.)"""
+    if spec.kind is Kind.TRANSFORM:
+        if not isinstance(value, str):
+            raise TypeError(f"on_system_prompt must return the prompt (a str), not {type(value).__name__}")
+    elif spec.name == "on_check_permission":
+        if not isinstance(value, PermissionDecision):
+            raise TypeError(f"on_check_permission must return a PermissionDecision, not {type(value).__name__}")
+    elif spec.name == "on_compress_context":
+        return None  # AgentScope ignores what it returns (its work is done on the agent's state)
+    return value

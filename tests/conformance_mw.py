@@ -1212,3 +1212,28 @@ class SummaryReader(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (SummaryAtTextEnd, SummaryReader)})
+
+
+class PromptNone(MiddlewareBase):
+    """on_system_prompt forgets to return the prompt."""
+
+    async def on_system_prompt(self, agent, prompt):
+        prompt += " (edited)"
+
+
+class PermissionNone(MiddlewareBase):
+    """on_check_permission forgets to return the decision."""
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        await next_handler()
+
+
+class CompressReturnsValue(MiddlewareBase):
+    """on_compress_context returns something (AgentScope ignores it)."""
+
+    async def on_compress_context(self, agent, input_kwargs, next_handler):
+        await next_handler()
+        return "compressed"
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (PromptNone, PermissionNone, CompressReturnsValue)})

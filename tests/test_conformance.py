@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -125,6 +126,32 @@ def _raises(events, state):
     assert end["error"]["type"] == "internal"  # a ValueError carries no error_type
 
 
+def _wrong_value(expected: str) -> Check:
+    def check(events, state):
+        """A value hook's wrong return fails the reply as the layer's TypeError, the same both ways
+        (before: a TypeError from deep in the host or a ReplyError in-process, a protocol
+        violation blamed on the server remotely)."""
+        end = events[-2]
+        assert end["class"] == "ReplyEndEvent" and end["finished_reason"] == "error"
+        assert end["error"]["type"] == "internal" and end["error"]["message"].endswith(expected), end["error"]
+
+    return check
+
+
+def _no_decision(events, state):
+    """on_check_permission's wrong return is the layer's TypeError, which the tool call gets as its
+    error result (as any exception of its permission check), the same both ways (before: a
+    ReplyError in-process, a protocol violation blamed on the server remotely)."""
+    results = [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"]
+    wrong = "TypeError: on_check_permission must return a PermissionDecision, not NoneType"
+    assert results == [f"<system-reminder>{wrong}</system-reminder>"]
+
+
+def _compress_value_ignored(events, state):
+    """What on_compress_context returns is ignored, as in AgentScope (remotely it was a violation)."""
+    assert events[-2]["class"] == "ReplyEndEvent" and events[-2]["finished_reason"] == "completed"
+
+
 def _raises_typed(events, state):
     """The reply's error type is the one the middleware's exception carries."""
     end = events[-2]
@@ -239,6 +266,12 @@ CASES: list[tuple[Scenario, Check]] = [
     (Scenario("permission_deny", [Layer("PermissionDenyShout")], message="call add a=1 b=1"), _deny),
     (Scenario("middleware_raises", [Layer("Raises")]), _raises),
     (Scenario("middleware_raises_typed", [Layer("RaisesTyped")]), _raises_typed),
+    (
+        Scenario("system_prompt_returns_none", [Layer("PromptNone")]),
+        _wrong_value("on_system_prompt must return the prompt (a str), not NoneType"),
+    ),
+    (Scenario("permission_returns_none", [Layer("PermissionNone")], message="call add a=1 b=2"), _no_decision),
+    (Scenario("compress_returns_value", [Layer("CompressReturnsValue")]), _compress_value_ignored),
     (Scenario("model_call_raises_not_retryable", [Layer("QuotaGuard")], max_retries=2), _not_retryable),
     (Scenario("model_call_returns_response", [Layer("ReturnsResponse")]), _returns_response),
     (Scenario("model_call_returns_last_chunk", [Layer("ReturnsLastChunk")]), _returns_last_chunk),
@@ -283,13 +316,28 @@ def servers():
 async def test_same_in_process_and_remote(scenario: Scenario, check: Check, servers: Servers) -> None:
     local_events, local_state = await run(scenario, ["local"] * len(scenario.layers), None)
     remote_events, remote_state = await run(scenario, ["remote"] * len(scenario.layers), servers)
-    assert errors_compared(remote_events) == errors_compared(local_events)
-    assert states_compared(remote_state) == states_compared(local_state)
+    assert errors_compared(unwrapped(remote_events)) == errors_compared(local_events)
+    assert states_compared(unwrapped(remote_state)) == states_compared(local_state)
     checked: Any = check(local_events, local_state)
     if inspect.isawaitable(checked):
         await checked
     if scenario.id == "middleware_raises":  # remotely, the error also says which middleware raised
         assert "middleware 'Raises' raised ValueError in on_reasoning" in remote_events[-2]["error"]["message"]
+
+
+WRAPPED = re.compile(r"RemoteMiddlewareError: middleware '[^']*' raised (\w+) in \w+: ")
+
+
+def unwrapped(value: Any) -> Any:
+    """``value`` with a remote exception's text, where it became a tool's error result, as the
+    in-process one's: "T: message" (remotely, the text also names the middleware, hooks.md)."""
+    if isinstance(value, str):
+        return WRAPPED.sub(r"\1: ", value)
+    if isinstance(value, dict):
+        return {k: unwrapped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [unwrapped(v) for v in value]
+    return value
 
 
 def errors_compared(events: list) -> list:

@@ -289,6 +289,29 @@ async def test_a_call_cut_at_the_token_limit_is_traced_as_length(procs: Procs, r
     assert json.loads(chat["attributes"]["gen_ai.output.messages"])[0]["finish_reason"] == "length"
 
 
+async def test_a_model_call_cut_by_an_interrupt_is_traced_as_interrupted(procs: Procs, receiver: Receiver) -> None:
+    """A reply interrupted while its answer streams: the chat span says "interrupted" and has no
+    output, in-process and remote alike. Before, in-process it said "stop" with the last delta as
+    the whole answer, and remotely it had no finish reason at all."""
+    tracer = start(
+        procs,
+        "tracing",
+        ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"],
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT},
+    )
+    out = run_cli("tests.tracing_cut", receiver.endpoint, tracer.address, env=FAST_EXPORT)
+    assert out.returncode == 0, out.stderr
+    sessions = out.stdout.split()
+    found = receiver.collector.wait_for(
+        lambda spans: {s["attributes"].get("gen_ai.conversation.id") for s in named(spans, "chat ")} >= set(sessions),
+        10.0,
+    )
+    for session in sessions:
+        (chat,) = [s for s in named(found, "chat ") if s["attributes"].get("gen_ai.conversation.id") == session]
+        assert json.loads(chat["attributes"]["gen_ai.response.finish_reasons"]) == ["interrupted"]
+        assert "gen_ai.output.messages" not in chat["attributes"]
+
+
 async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, receiver: Receiver) -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
     host, tracer = system(procs, env)

@@ -29,7 +29,7 @@ from agentmw.chain import prepend
 from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ChatResponse, ErrorType
 from agentmw.errors import MAX_TEXT, ConfigError, ModelError, ReplyGrammarError, UnknownModelError
-from agentmw.hooks import HookSpec, Kind
+from agentmw.hooks import HookSpec, Kind, check_result
 from agentmw.tools import ToolInputError
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
@@ -166,6 +166,7 @@ class HookSession:
                 await self._drive(items, lockstep=not self.run_ahead)
             elif kind is Kind.CALL:
                 result = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
+                result = check_result(self.spec, result)  # as the chain checks an in-process layer
             elif kind is Kind.MODEL:
                 value = await method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)
                 if isinstance(value, ChatResponse):
@@ -176,7 +177,7 @@ class HookSession:
                 else:  # next_handler()'s own stream, returned as is, runs no author code between chunks
                     await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
-                result = await method(self.view, kwargs["prompt"])
+                result = check_result(self.spec, await method(self.view, kwargs["prompt"]))
             if self.done_with_inner and self.ended and result != self.inner_result:
                 self._refuse(f"return {result!r} instead of the inner result {self.inner_result!r}")
             finish = hooks_pb2.MiddlewareMessage()

@@ -182,11 +182,13 @@ class TracingMiddleware(MiddlewareBase):
         return self._chat_stream(agent, input_kwargs, parent, result)
 
     async def _chat_stream(self, agent: Any, kwargs: ModelCallKwargs, parent: Any, stream: Any) -> AsyncIterator[Any]:
+        # Only the final chunk is the response; a stream cut before it (the reply was interrupted,
+        # its client left) has none, in-process (closed) as remotely (its copies just end).
         last: ChatResponse | None = None
         error: BaseException | None = None
         try:
             async for chunk in stream:
-                if last is None or chunk.is_last or not last.is_last:
+                if chunk.is_last:
                     last = chunk
                 yield chunk
         except GeneratorExit:
@@ -225,6 +227,8 @@ class TracingMiddleware(MiddlewareBase):
         seconds = final.usage.time if final is not None and final.usage is not None else 0.0
         start = end - int(seconds * 1e9) if end is not None else None
         span = _tracer().start_span(f"chat {model_name}", context=parent, attributes=attrs, start_time=start)
+        if final is None and error is None:  # cut before its response: nothing to report but that
+            span.set_attribute("gen_ai.response.finish_reasons", _dumps(["interrupted"]))
         if final is not None:
             reason = _FINISH_REASONS.get(final.finished_reason, "unknown")
             span.set_attribute("gen_ai.response.id", final.id)

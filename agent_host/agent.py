@@ -391,6 +391,9 @@ class Agent(Reasoning, Acting, Compression):
                 session_id=state.session_id, reply_id=state.reply_id, finished_reason=ReplyFinishedReason.INTERRUPTED
             )
             reply_msg = state.reply_message(self.name)
+            if reply_msg is not None:  # what it stored so far is marked as cut short (a retry continues it)
+                reply_msg.finished_reason = ReplyFinishedReason.INTERRUPTED
+                state.version += 1
             yield AssistantMsg(
                 INTERRUPTION_MESSAGE,
                 name=self.name,

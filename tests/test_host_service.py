@@ -195,6 +195,67 @@ async def test_cancel_ends_interrupted_through_remote_on_reply(procs: Procs, tmp
     assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED and "HI!" in items[-1].text
 
 
+async def test_a_reply_its_client_cancelled_is_continued_by_a_retry_of_its_message(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """A reply cancelled by its client is stored as cut short (its partial message INTERRUPTED), and
+    the same message sent again (same id) continues the turn, as after a host crash; so does one
+    cancelled before it stored any answer. Before, the partial message looked completed and the
+    retry was refused ALREADY_EXISTS ("already answered")."""
+    config = tmp_path / "host.yaml"
+    config.write_text(SLOW_MODEL)
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    for cut_at in (TextBlockDeltaEvent, ReplyStartEvent):
+        message = UserMsg("word " * 100)
+        items: list[object] = []
+        async with HostClient(host.address) as client:
+            call = client.reply("", message)
+            async with asyncio.timeout(20):
+                async for item in call:
+                    items.append(item)
+                    if isinstance(item, cut_at) and sum(isinstance(i, cut_at) for i in items) == 1:
+                        call.cancel()
+        assert _end(items).finished_reason == ReplyFinishedReason.INTERRUPTED
+        session = call.session_id
+        _, state, _ = await get_session(host.address, session)
+        tail = state.context[-1]
+        assert tail.id == message.id or tail.finished_reason == ReplyFinishedReason.INTERRUPTED, (cut_at, tail)
+        _, items = await _reply(host.address, session, message)  # the same message again
+        assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED, cut_at
+        _, state, _ = await get_session(host.address, session)
+        assert [m.id for m in state.context if m.role.value == "user"] == [message.id], "stored once"
+        assert state.context[-1].role.value == "assistant"
+        assert state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED
+
+
+async def test_a_reply_cancelled_while_it_waits_for_its_session_ends_at_once(procs: Procs, tmp_path: Path) -> None:
+    """A second reply waits for its session (a first one is streaming); its client cancels it. It
+    ends at once with CANCELLED and stores nothing. Before, it was still run once the session was
+    free (its message stored, unanswered), or cut off 5 s later with ABORTED blaming a middleware."""
+    config = tmp_path / "host.yaml"
+    config.write_text(SLOW_MODEL)
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+    session, _ = await _reply(host.address, "", UserMsg("hello"))
+    busy = asyncio.ensure_future(_reply(host.address, session, UserMsg("word " * 60)))  # ~1.2 s of text
+    await asyncio.sleep(0.3)
+    async with HostClient(host.address) as client:
+        call = client.reply(session, UserMsg("sent while busy, then cancelled"))
+        await asyncio.sleep(0.2)
+        call.cancel()
+        loop = asyncio.get_running_loop()
+        cancelled_at = loop.time()
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async with asyncio.timeout(10):
+                _ = [item async for item in call]
+        took = loop.time() - cancelled_at
+    assert ended.value.code() == grpc.StatusCode.CANCELLED, ended.value.details()
+    assert "before it began" in (ended.value.details() or "")
+    assert not busy.done(), f"the cancelled reply waited {took:.1f}s, until the session was free"
+    await busy
+    _, state, _ = await get_session(host.address, session)
+    assert [m.text for m in state.context if m.role.value == "user"] == ["hello", "word " * 60]
+
+
 async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -> None:
     config = tmp_path / "host.yaml"
     config.write_text(SLOW_MODEL)

@@ -152,6 +152,8 @@ class ReplyRun:
         self.cut_off = False  # the reply did not wind down within INTERRUPT_GRACE and was cancelled
         self.ended = False  # its stream's end is decided (end_now)
         self.final: ReplyRejected | None = None  # an end decided while the queue was full
+        self.waiting = False  # for its session (this host's lock, the store's lease): not started
+        self.withdrawn = False  # interrupted while waiting: it ends at once, nothing stored
         self.last_read = time.monotonic()  # when the client last took items
         self._grace: asyncio.TimerHandle | None = None
 
@@ -161,6 +163,10 @@ class ReplyRun:
         self.interrupted = True
         if self.agent is not None:
             self.agent.interrupt()
+        elif self.waiting and self.task is not None and not self.task.done():
+            self.withdrawn = True  # nothing began, nothing to save: stop waiting now
+            self.task.cancel()
+            return
         if self._grace is None and self.task is not None and not self.task.done():
             self._grace = asyncio.get_running_loop().call_later(grace, self._cut_off)
             self.task.add_done_callback(lambda _t: self._grace.cancel() if self._grace else None)
@@ -297,11 +303,14 @@ class Host:
             log.warning("%s: the reply stops here, nothing more of it is stored", exc)
             run.end_now(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc}: retry the reply (on any host)"))
         except asyncio.CancelledError:
-            if not run.cut_off:  # the host is shutting down
+            if not (run.cut_off or run.withdrawn):  # the host is shutting down
                 raise
             task = asyncio.current_task()
             assert task is not None
             task.uncancel()
+            if run.withdrawn:
+                run.end_now(self._withdrawn())
+                return
             why = "the client did not read its events" if run.stalled() else "a middleware kept it going"
             run.end_now(
                 ReplyRejected(
@@ -317,6 +326,19 @@ class Host:
             if not run.ended:  # a reply that ran to its end: every item reaches a slow client
                 await run.put(_END)
 
+    def _withdrawn(self) -> ReplyRejected:
+        """The end of a reply interrupted before it began (it waited for its session)."""
+        if self.draining:
+            return ReplyRejected(
+                grpc.StatusCode.UNAVAILABLE,
+                "this host is shutting down and the reply had not begun (it waited for its session): nothing "
+                "of it was stored; send it to another host",
+            )
+        return ReplyRejected(
+            grpc.StatusCode.CANCELLED,
+            "the reply was interrupted before it began (it waited for its session): nothing of it was stored",
+        )
+
     async def _reply(
         self, run: ReplyRun, inputs: Any, structured_schema: dict[str, Any] | None, *, wait: bool = True
     ) -> None:
@@ -327,7 +349,11 @@ class Host:
         missing = self.required_unavailable()
         if missing is not None:
             raise ReplyRejected(grpc.StatusCode.UNAVAILABLE, missing)
+        run.waiting = True
         async with self._holding(sid, wait=wait, on_stop=run.interrupt) as hold:
+            run.waiting = False
+            if run.interrupted:  # while it waited (a reply with no session yet is withdrawn at once)
+                raise self._withdrawn()
             journal = await self._open(sid, hold.fence)
             if journal is None:
                 if not isinstance(inputs, Msg):
@@ -342,8 +368,8 @@ class Host:
                 if _is_retry(journal.state, inputs):  # the client retries a reply its host stopped during
                     inputs = None  # continue the stored turn: its message is not stored twice
                 run.agent = agent
-                if run.interrupted:  # cancelled while waiting for the session
-                    agent.interrupt()
+                if run.interrupted:  # cancelled while the session loaded: nothing began
+                    raise self._withdrawn()
                 final: Msg | None = None  # the reply's last item: sent once the reply is stored
                 try:
                     with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
@@ -724,12 +750,17 @@ def _valid_session_id(sid: str) -> bool:
 
 def _is_retry(state: AgentState, inputs: Any) -> bool:
     """``inputs`` is a stored user message again (same id). The latest one, whose reply was
-    interrupted (its host stopped, or the client went away): the retry continues it. Any other end,
+    interrupted (its host stopped, its client cancelled or went away): the retry continues it. Any other end,
     or an earlier message (answered before the latest was sent), is final: refused."""
     if not isinstance(inputs, Msg):
         return False
     ids = [m.id for m in state.context if m.role == Role.USER]
-    if inputs.id in ids[-1:] and state.context[-1].finished_reason == ReplyFinishedReason.INTERRUPTED:
+    tail = state.context[-1] if state.context else None
+    if (
+        inputs.id in ids[-1:]
+        and tail is not None
+        and (tail.id == inputs.id or tail.finished_reason == ReplyFinishedReason.INTERRUPTED)
+    ):  # unanswered: its reply stored nothing before it was interrupted, or was cut short
         return True
     if inputs.id in ids or inputs.id in state.dropped_user_ids:  # answered (then maybe compressed away)
         where = ": see GetSession" if inputs.id in ids else " (since compressed)"

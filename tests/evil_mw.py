@@ -2,7 +2,10 @@
 server in another language would be): ``python -m tests.evil_mw --scripts DIR --address 127.0.0.1:0``.
 
 Per invocation it looks up ``DIR/<session id>.json`` (the begin's context.session_id); without
-one it behaves: a pass-through that intercepts every item. A script is a JSON object:
+one it behaves: a pass-through that intercepts every item (on_system_prompt returns the prompt,
+on_check_permission the inner decision). A script is a JSON object:
+
+* ``hooks``: the hooks it applies to (default: all it implements); in the others it behaves.
 
 * ``messages``: MiddlewareMessages (protobuf JSON) sent right after the begin, in order, without
   waiting for answers; then a finish, so the invocation always ends. Each may carry ``"_id"``:
@@ -47,8 +50,8 @@ def _msg(**fields: Any) -> hooks_pb2.MiddlewareMessage:
 
 
 class Invocation:
-    def __init__(self, context: grpc.aio.ServicerContext, scripts: Path | None) -> None:
-        self.context, self.scripts = context, scripts
+    def __init__(self, context: grpc.aio.ServicerContext, scripts: Path | None, hook: str) -> None:
+        self.context, self.scripts, self.hook = context, scripts, hook
         self.id = 0
 
     async def send(self, msg: hooks_pb2.MiddlewareMessage, which: str = "current") -> None:
@@ -59,7 +62,8 @@ class Invocation:
         if self.scripts is None or not begin.context.session_id:
             return {}
         path = self.scripts / f"{begin.context.session_id}.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        script = json.loads(path.read_text()) if path.exists() else {}
+        return script if self.hook in script.get("hooks", [self.hook]) else {}
 
     async def run(self, begin: hooks_pb2.HostMessage) -> bool:
         """One invocation; False when the stream is no longer usable."""
@@ -76,6 +80,9 @@ class Invocation:
                 which = raw.pop("_id", "current")
                 await self.send(_msg(**raw), which)
             await self.send(_msg(finish={}))
+            return True
+        if self.hook == "on_system_prompt":  # a transformer (no inner pipeline): the prompt unchanged
+            await self.send(_msg(finish={"result": {"prompt": begin.begin.input_kwargs.on_system_prompt.prompt}}))
             return True
         await self.send(_msg(callNext={"credits": 32}))
         while True:
@@ -99,7 +106,10 @@ class Invocation:
                     await self.send(_msg(**raw))
                 if script.get("no_finish"):
                     await asyncio.sleep(3600)
-                await self.send(_msg(finish={}))
+                finish = _msg(finish={})
+                if self.hook == "on_check_permission":  # its finish carries the decision: the inner one
+                    finish.finish.result.CopyFrom(msg.inner_done.result)
+                await self.send(finish)
                 for raw in script.get("after", []):
                     raw = dict(raw)
                     which = raw.pop("_id", "current")
@@ -125,9 +135,9 @@ class Invocation:
                 (self.scripts / f"{session_id}.cancelled").write_text(str(n))
 
 
-def hook_handler(scripts: Path | None) -> grpc.RpcMethodHandler:
+def hook_handler(scripts: Path | None, hook: str) -> grpc.RpcMethodHandler:
     async def run(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        inv = Invocation(context, scripts)
+        inv = Invocation(context, scripts, hook)
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, asyncio.CancelledError):
             while (msg := await context.read()) is not grpc.aio.EOF:
                 if msg.WhichOneof("message") == "batch":
@@ -212,7 +222,7 @@ async def main() -> None:
     hooks = args.hooks.split(",")
     if args.tools is not None:
         hooks_pb2_grpc.add_ToolSourceServicer_to_server(ToolSource(args.tools), server)
-    handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts) for hook in hooks}
+    handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts, hook) for hook in hooks}
     mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE if args.default_mode == "observe" else 0
     describe = Describe(
         hooks,

@@ -22,6 +22,7 @@ from agentmw.data import (
     RESUME_EVENTS,
     AssistantMsg,
     ContextConfig,
+    CustomEvent,
     ErrorInfo,
     ErrorType,
     ExceedMaxItersEvent,
@@ -168,6 +169,7 @@ class Agent(Reasoning, Acting, Compression):
         self._cancelled_tasks: set[asyncio.Task] = set()
         self._tool_tasks: set[asyncio.Task] = set()  # concurrent tool calls in flight (see _concurrently)
         self._reply_tools: tuple[ReplyContext, Toolkit] | None = None  # see ``tools``
+        self._bypassed: list[dict[str, str]] | None = None  # the reply's records not sent yet (record_bypass)
         self.set_middlewares(middlewares)
 
     # -- configuration ---------------------------------------------------------------------
@@ -242,12 +244,17 @@ class Agent(Reasoning, Acting, Compression):
         )
         held: list[Any] = []  # the ReplyEndEvent / final Msg and anything after them
         failure: BaseException | None = None
+        bypassed: list[dict[str, str]] = []  # record_bypass appends, the stream below sends
+        self._bypassed = bypassed
         try:
             try:
                 async with closing(
                     self._reply_chain(self, inputs=inputs, structured_schema=structured_schema)
                 ) as items:
                     async for item in items:
+                        if bypassed and grammar.reply_id is not None and not grammar.closing:
+                            for event in self._bypass_events(grammar.reply_id):  # before what followed the failure
+                                yield event
                         grammar.feed(item)
                         if grammar.closing:
                             self._receive_reply_end = grammar.ended
@@ -267,12 +274,32 @@ class Agent(Reasoning, Acting, Compression):
             await self._stop_tool_tasks()  # e.g. a batch left behind by a middleware that raised
             if failure is not None:
                 held = [item async for item in self._end_with_error(failure, grammar)]
+            elif held and grammar.reply_id is not None:  # failures after the end went through: still before it
+                held[:0] = self._bypass_events(grammar.reply_id)
             for item in held:
                 yield item
             if not self.awaiting_calls():  # the reply is over (not parked): its choices end with it
                 self.state.reply_context.model_id = None
         finally:
             self._interrupt_requested = False
+            self._bypassed = None
+
+    def record_bypass(self, middleware: str, hook: str, error: str) -> None:
+        """A fail_open middleware failed in ``hook`` and the reply goes on without it: the reply's
+        stream carries one CustomEvent "middleware_bypassed" for it. Whatever the hook, the event
+        goes out here, in the stream as the client gets it: after the reply's start (a resumed
+        reply has none), before the next item (the end and the final Msg are held until the
+        reply is over). Middleware do not see it. Outside a reply there is none to record it in."""
+        if self._bypassed is not None:
+            self._bypassed.append({"middleware": middleware, "hook": hook, "error": error})
+
+    def _bypass_events(self, reply_id: str) -> list[CustomEvent]:
+        """The records not sent yet, as events of reply ``reply_id`` (the grammar allows a
+        CustomEvent anywhere between the start and the final Msg: they are not fed to it)."""
+        records = self._bypassed or []
+        events = [CustomEvent(name="middleware_bypassed", reply_id=reply_id, value=r) for r in records]
+        records.clear()
+        return events
 
     async def _stop_tool_tasks(self) -> None:
         tasks = list(self._tool_tasks)
@@ -304,6 +331,8 @@ class Agent(Reasoning, Acting, Compression):
             if grammar.accepts(event):  # skips what the client's view cannot take (e.g. a forged start)
                 yield event
         for event in grammar.closing_events():
+            yield event
+        for event in self._bypass_events(reply_id):
             yield event
         if began:  # a failed reply keeps what happened, its error included
             msg = state.append_context(self.name, [TextBlock(text=f"The reply failed: {error.message}")])

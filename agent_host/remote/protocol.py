@@ -20,7 +20,7 @@ from google.protobuf import struct_pb2
 
 from agentmw.chain import close, prepend
 from agentmw.codec import CodecError, codec, json_to_value, value_to_json
-from agentmw.data import ChatResponse, CustomEvent, PermissionDecision, ReplyStartEvent, new_id, now
+from agentmw.data import ChatResponse, PermissionDecision, new_id, now
 from agentmw.errors import clipped
 from agentmw.hooks import HookSpec, Kind
 from agentmw.subscriptions import Mode, SubscriptionTable
@@ -56,7 +56,6 @@ log = logging.getLogger("agentmw.remote")
 
 MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
 NOTHING = object()  # _apply: the action emitted nothing
-_EVENT_HOOKS = ("on_reply", "on_reasoning")  # hooks whose items are events: a bypass is recorded inline
 
 
 class HookCall:
@@ -87,7 +86,6 @@ class HookCall:
     waiting_since: float | None = None  # time.monotonic() since when the host waits on the stream
     waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
     timed_out: bool = False
-    started_reply: bool = False  # a ReplyStartEvent went outward (on_reply)
     span: Any = None  # this invocation's span, when the host traces
     invocation: int = 0  # this invocation's id on the wire (hooks.proto, INVOCATION IDS)
     reused: bool = False  # the stream carried earlier invocations (their late messages may follow)
@@ -172,7 +170,6 @@ class HookCall:
             try:
                 async with aclosing(self._run()) as run:
                     async for item in run:
-                        self.started_reply = self.started_reply or isinstance(item, ReplyStartEvent)
                         yield item
                 self.mw.hangs = 0  # it answered
             except MiddlewareFailure as exc:
@@ -203,31 +200,15 @@ class HookCall:
         (transparent until it changed items). ``record``: say so in the reply's events."""
         self.mw.bypasses += 1
         log.debug("bypassing %s", exc)  # metrics.hook_failed warns once per outage
-        # An on_reply that failed only after its last item (the final Msg) went out: nothing may
-        # follow that message in a reply, so the bypass is only logged and counted.
-        after_final = (
-            self.spec.name == "on_reply"
-            and self.inner_done
-            and self.inner_exc is None
-            and self.pending is None
-            and self.in_hand is None
-        )
-        record = record and self.spec.name in _EVENT_HOOKS and not after_final
-        # A reply's events start with ReplyStartEvent: before it, the record waits for it.
-        before_start = self.spec.name == "on_reply" and not self.started_reply
-        if record and not before_start:
-            yield self._bypass_event(exc)
+        # Every hook records through the agent, which places the event in the reply's stream as the
+        # client gets it (Agent.reply_stream): a hook without events (on_acting, on_system_prompt,
+        # ...) has nowhere to put it, and an on_reply one may fail before the reply's start or
+        # after its final Msg.
+        record_bypass = getattr(self.agent, "record_bypass", None)  # an agent of the host's (Agent)
+        if record and record_bypass is not None:
+            record_bypass(self.mw.name, self.spec.name, str(exc))
         async for item in self._without_middleware():
             yield item
-            if record and before_start and isinstance(item, ReplyStartEvent):
-                yield self._bypass_event(exc)
-
-    def _bypass_event(self, exc: MiddlewareFailure) -> CustomEvent:
-        return CustomEvent(
-            name="middleware_bypassed",
-            reply_id=self.agent.state.reply_id,
-            value={"middleware": self.mw.name, "hook": self.spec.name, "error": str(exc)},
-        )
 
     async def _without_middleware(self) -> AsyncIterator[Any]:
         """The rest of the hook as if the middleware were not there: whatever the host already

@@ -21,7 +21,7 @@ from .hosts import HostsResult
 from .hosts import section as hosts_section
 from .optimizations import OPTIMIZATION_HEADER, optimization_rows
 from .python_cost import PythonCost
-from .scenarios import BYPASS_N, CONCURRENT, ITEMS, Protocol, ReplyTraffic, Unimplemented
+from .scenarios import BYPASS_N, CONCURRENT, IDLE, ITEMS, Protocol, ReplyTraffic, Unimplemented
 
 FAIR_FRACTION = 0.5  # our reading of "a fraction of AgentScope's" time to first text
 
@@ -48,6 +48,7 @@ class Results:
     four: four_servers.FourResults | None = None  # the four servers vs AgentScope (section 9)
     python_cost: PythonCost | None = None  # per-item CPU of host and SDK above the peer, no I/O (3)
     versus: versus.VersusResult | None = None  # this tree against the one before isolation (section 10)
+    idle: dict[str, Series] = field(default_factory=dict)  # 1b hot and after a paced model's wait (scenarios)
     duration: float = 0.0
 
 
@@ -398,7 +399,26 @@ def _target_rows(r: Results, f: Figures) -> list[list[str]]:
         ]
     )
     rows += builtin_targets(r.builtins, r.builtin_notes)
-    return rows + (four_servers.target_rows(r.four) if r.four else []) + versus.target_rows(r.versus)
+    return rows + (four_servers.target_rows(r.four) if r.four else []) + idle_rows(r) + versus.target_rows(r.versus)
+
+
+def idle_rows(r: Results) -> list[list[str]]:
+    """Context for the paced time to first text: what waking a process that slept costs."""
+    if not r.idle:
+        return []
+    hot, idle = (statistics.median(r.idle[k].walls) for k in ("hot", "idle"))
+    return [
+        [
+            f"…context: one round trip on an open stream (1b) after {IDLE * 1e3:.0f} ms with nothing "
+            "to do / right after another (what a process that went to sleep costs to wake; a paced remote reply "
+            "waits on 4 such round trips before its first text: mem0's ReplyStartEvent and budget's "
+            "ModelCallEndEvent after each of the 3 tool-calling model calls, where AgentScope's in-process "
+            "middleware pay none)",
+            f"{ms(idle)} / {us(hot)} ({times(idle / hot)})",
+            "—",
+            "—",
+        ]
+    ]
 
 
 def _python_cost(r: Results, uvloop: bool) -> str:

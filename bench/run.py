@@ -193,6 +193,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
         step("protocol counts")
         res.calls = await scenarios.measure_calls(env, res.protocol, rounds)
         step("1-3 baselines, hook invocation, intercepted item")
+        res.idle = await scenarios.measure_idle_round_trip(env, 9 if quick else 25)
+        step("1b after a paced model's wait")
         res.python_cost = await python_cost.measure(rounds)
         step("3 per-item work of host and SDK without I/O")
         res.calls_uvloop = await calls_on_uvloop(rounds)

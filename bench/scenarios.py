@@ -377,6 +377,39 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
 # -- 4: bypassed items and unimplemented hooks -----------------------------------------------------
 
 
+IDLE = 0.2  # seconds: a paced model's time to first token, which every process waits out asleep
+
+
+async def measure_idle_round_trip(env: Env, rounds: int) -> dict[str, Series]:
+    """One round trip on an open stream (1b) right after another ("hot") and after ``IDLE`` seconds
+    with nothing to do ("idle"), interleaved. A paced reply's intercepted items cross after such
+    waits (mem0's ReplyStartEvent, budget's ModelCallEndEvent after each model call): how much a
+    process that went to sleep costs to wake, which no in-process middleware pays."""
+    ping_pong = env.echo.stream_stream("/bench.Echo/PingPong")
+    call = ping_pong()
+    item = b"i" * 100
+
+    async def one() -> float:
+        start = time.perf_counter()
+        await call.write(item)
+        await call.read()
+        return time.perf_counter() - start
+
+    async def hot() -> Sample:
+        await one()
+        return Sample(await one(), math.nan)
+
+    async def idle() -> Sample:
+        await asyncio.sleep(IDLE)
+        return Sample(await one(), math.nan)
+
+    try:
+        return await interleave({"hot": hot, "idle": idle}, rounds)
+    finally:
+        await call.done_writing()
+        await call.code()
+
+
 async def measure_bypass(env: Env, rounds: int, peer: AgentScopePeer | None) -> dict[str, Series]:
     agent = make_agent()
     long, short = reply_events(agent, BYPASS_N), reply_events(agent, 0)

@@ -28,6 +28,7 @@ from agentmw.security import (
     client_channel,
     presented_token,
     read_secret,
+    refuse_stream,
     token_digest,
     token_matches,
 )
@@ -169,6 +170,7 @@ __all__ = [
     "client_channel",
     "presented_token",
     "read_secret",
+    "refuse_stream",
     "token_digest",
     "token_matches",
 ]

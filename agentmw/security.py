@@ -11,6 +11,8 @@ Who a host call is from and the attach allow-list are the host's (agent_host.sec
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -43,6 +45,20 @@ async def abort(context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
     no type stubs here, so that code after it is known not to run."""
     await context.abort(code, details)
     raise AssertionError("ServicerContext.abort returned")
+
+
+REFUSE_WAIT = 5.0  # seconds a refused streaming call is given to send its first request
+
+
+async def refuse_stream(requests: Any, context: Any, code: grpc.StatusCode, details: str) -> NoReturn:
+    """``abort`` for a call whose client streams its requests: once its first request has come (or
+    REFUSE_WAIT has passed). Refused before, a client still writing that request was told grpc-python
+    aio's own INTERNAL "Internal error from Core" in place of the status now and then: its failed
+    write overwrites the status it had (grpc/grpc#36066)."""
+    with contextlib.suppress(Exception):  # no request in time, or a client gone: refuse all the same
+        async with asyncio.timeout(REFUSE_WAIT):
+            await anext(aiter(requests), None)
+    await abort(context, code, details)
 
 
 def presented_token(metadata: Iterable[Any] | None) -> str:

@@ -6,6 +6,7 @@ and secrets kept out of the log and the store."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from agentmw.codec import codec
 from agentmw.data import Msg, ReplyEndEvent
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import UserMsg
+from clients.host_client import HostClient
 from clients.launch import ServerProcess
 from tests.certs import Pki, pki
 from tests.host_util import run_cli, stub
@@ -247,6 +249,56 @@ security:
     (tmp_path / "bad.yaml").write_text(host_side)
     out = run_cli("agent_host", "--config", str(tmp_path / "bad.yaml"), "--listen", "127.0.0.1:0", "--db", ":memory:")
     assert out.returncode == 1 and "UNAUTHENTICATED" in out.stderr, out.stderr
+
+
+BAD_CALLS = 60  # a refused stream call came back INTERNAL now and then (grpc/grpc#36066)
+BIG = "x" * 1_000_000  # a first request still being written when a refusal comes (a late write lost it)
+
+
+async def test_a_refused_stream_call_is_always_unauthenticated(procs: Procs, tmp_path: Path) -> None:
+    """A Reply (as agent-chat sends it) with a wrong token, and a hook call to a middleware server
+    with a wrong token, are refused UNAUTHENTICATED every time: one after another, and all at once
+    on one channel. Before, the server aborted the stream before reading the client's first
+    request, and grpc-python's client then reported its own failed write (INTERNAL "Internal error
+    from Core") in place of the status now and then; a large first request (still being written
+    when the refusal came) made that the usual outcome."""
+    users = "security:\n  users:\n    - {name: alice, role: user, token_env: ALICE_TOKEN}\n"
+    host = procs.host(tmp_path, users, {"ALICE_TOKEN": TOKENS["alice"]})
+    recorder = procs.middleware(RECORDER, "recorder", {"AGENTMW_MW_TOKEN": MW_TOKEN})
+
+    async def bad_reply(client: HostClient | None) -> str:
+        async with contextlib.AsyncExitStack() as stack:
+            client = client or await stack.enter_async_context(HostClient(host.address, None, "wrong-token"))
+            try:
+                async for _ in client.reply("", UserMsg(BIG)):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return f"{exc.code().name}: {exc.details()}"
+        return "OK"
+
+    async def bad_hook_call(channel: grpc.aio.Channel) -> str:
+        run = channel.stream_stream(
+            "/agentmw.v1.OnReply/Run",
+            request_serializer=hooks_pb2.HostMessage.SerializeToString,
+            response_deserializer=hooks_pb2.MiddlewareMessage.FromString,
+        )
+        wrong = (("authorization", "Bearer not-the-token"),)
+        first = hooks_pb2.HostMessage(inner_error=hooks_pb2.InnerError(message=BIG))  # any message will do
+        try:
+            async for _ in run(iter([first]), metadata=wrong, timeout=8):
+                pass
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        return "OK"
+
+    replies = [await bad_reply(None) for _ in range(BAD_CALLS)]
+    async with HostClient(host.address, None, "wrong-token") as shared:
+        replies += await asyncio.gather(*(bad_reply(shared) for _ in range(BAD_CALLS)))
+    assert set(replies) == {"UNAUTHENTICATED: a valid token or certificate is required"}, replies
+    async with grpc.aio.insecure_channel(recorder.address) as channel:
+        hooks = [await bad_hook_call(channel) for _ in range(BAD_CALLS)]
+        hooks += await asyncio.gather(*(bad_hook_call(channel) for _ in range(BAD_CALLS)))
+    assert set(hooks) == {"UNAUTHENTICATED: this middleware server accepts only its host"}, hooks
 
 
 def test_the_agentmw_cli_reaches_a_secured_host(certs: Pki, procs: Procs, tmp_path: Path) -> None:

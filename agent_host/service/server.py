@@ -34,7 +34,17 @@ from ..config import (
     check_seconds,
 )
 from ..remote import MiddlewareFailure, Policy
-from ..security import ADMIN, ANONYMOUS_ADMIN, USER, Authenticator, Principal, SecurityError, abort, address_allowed
+from ..security import (
+    ADMIN,
+    ANONYMOUS_ADMIN,
+    USER,
+    Authenticator,
+    Principal,
+    SecurityError,
+    abort,
+    address_allowed,
+    refuse_stream,
+)
 from ..store import SessionRecord, open_store
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
@@ -290,13 +300,14 @@ class _Authorize(grpc.aio.ServerInterceptor):
     def __init__(self, auth: Authenticator) -> None:
         self.auth = auth
 
-    async def _caller(self, method: str, context: grpc.aio.ServicerContext) -> Principal:
+    def _caller(self, method: str, context: grpc.aio.ServicerContext) -> Principal | tuple[grpc.StatusCode, str]:
+        """Who the call is from, or why it is refused (a status and its details)."""
         caller = self.auth.authenticate(context.invocation_metadata(), context.auth_context())
         if caller is None:
-            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "a valid token or certificate is required")
+            return grpc.StatusCode.UNAUTHENTICATED, "a valid token or certificate is required"
         needed = METHOD_ROLES.get(method.rsplit("/", 1)[-1], ADMIN)
         if needed == ADMIN and not caller.admin:
-            await abort(context, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin role")
+            return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin role"
         return caller
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
@@ -308,14 +319,20 @@ class _Authorize(grpc.aio.ServerInterceptor):
             unary = handler.unary_unary
 
             async def authorized_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                CALLER.set(await self._caller(method, context))
+                caller = self._caller(method, context)
+                if isinstance(caller, tuple):
+                    await abort(context, *caller)
+                CALLER.set(caller)
                 return await unary(request, context)
 
             return handler._replace(unary_unary=authorized_unary)
         stream = handler.stream_stream
 
         async def authorized_stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            CALLER.set(await self._caller(method, context))
+            caller = self._caller(method, context)
+            if isinstance(caller, tuple):
+                await refuse_stream(requests, context, *caller)
+            CALLER.set(caller)
             async for response in stream(requests, context):
                 yield response
 

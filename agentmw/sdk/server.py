@@ -40,6 +40,7 @@ from agentmw.security import (
     abort,
     presented_token,
     read_secret,
+    refuse_stream,
     token_digest,
     token_matches,
 )
@@ -205,11 +206,16 @@ class _HostToken(grpc.aio.ServerInterceptor):
         if token_matches(presented_token(details.invocation_metadata), [self.digest]):
             return handler
 
+        code, why = grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host"
+
         async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
-            await abort(context, grpc.StatusCode.UNAUTHENTICATED, "this middleware server accepts only its host")
+            await abort(context, code, why)
+
+        async def refuse_streaming(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            await refuse_stream(requests, context, code, why)
 
         kind = next(k for k in ("unary_unary", "unary_stream", "stream_unary", "stream_stream") if getattr(handler, k))
-        return handler._replace(**{kind: refuse})
+        return handler._replace(**{kind: refuse_streaming if kind.startswith("stream_") else refuse})
 
 
 async def start(

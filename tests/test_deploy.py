@@ -1,9 +1,10 @@
 """The deployment files against what the repository builds: the Kubernetes manifests in deploy/k8s
 (parsed with PyYAML) name images the Dockerfile builds at the package's version, run commands that
 exist (console scripts, modules, middleware classes), and agree on ports, probes, Services, the
-session volume and the host configuration (loaded by the host's own config loader). The several
-hosts of deploy/k8s/multi-host share one PostgreSQL: their DSN comes from a Secret that names the
-in-cluster database's Service, user and password, and their termination grace covers the drain.
+session volume and the host configuration (loaded by the host's own config loader), and every
+host's termination grace covers its drain. The several hosts of deploy/k8s/multi-host share one
+PostgreSQL: their DSN comes from a Secret that names the in-cluster database's Service, user and
+password.
 
 No cluster and no Docker here: this checks the files are consistent, not that a cluster runs them.
 """
@@ -246,18 +247,31 @@ def test_several_hosts_share_one_postgresql_from_a_secret(tmp_path: Path) -> Non
     assert {t["metadata"]["name"] for t in postgres["spec"]["volumeClaimTemplates"]} == set(mounts.values())
 
 
-def test_host_pods_drain_within_their_termination_grace(tmp_path: Path) -> None:
-    """Readiness is grpc.health.v1 (store, middleware, draining); Kubernetes' SIGKILL comes no sooner
-    than the preStop pause, the configured drain_grace and Host.close's wait plus the store's close."""
-    hosts = workload("agentmw-hosts")
-    spec = hosts["spec"]["template"]["spec"]
+HOSTS = [w for w, c in CONTAINERS if c["command"] == ["agent-host"]]
+
+
+@pytest.mark.parametrize("host", HOSTS, ids=[w["metadata"]["name"] for w in HOSTS])
+def test_host_pods_drain_within_their_termination_grace(host: dict[str, Any], tmp_path: Path) -> None:
+    """Every host's readiness is grpc.health.v1 (store, middleware, draining); Kubernetes' SIGKILL
+    comes no sooner than the preStop pause (if any), the configured drain_grace and Host.close's
+    wait plus the store's close. Before, the single host's grace (30 s) equalled its drain_grace
+    (the default, 30 s): the kubelet killed it mid-drain, and no reply in flight was saved."""
+    spec = host["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert "grpc" in container["readinessProbe"] and "tcpSocket" in container["livenessProbe"]
-    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    pause = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
     assert pause[0] == "sleep"
-    config = host_config(hosts, tmp_path)
+    config = host_config(host, tmp_path)
     close = inspect.signature(Host.close).parameters["timeout"].default
     assert spec["terminationGracePeriodSeconds"] >= float(pause[1]) + config.drain_grace + close + 5
+
+
+def test_several_hosts_roll_one_at_a_time() -> None:
+    """A host leaving the Service's endpoints before its SIGTERM (preStop), no fewer hosts than
+    asked during a rolling deploy, and node drains take one host at a time."""
+    hosts = workload("agentmw-hosts")
+    (container,) = hosts["spec"]["template"]["spec"]["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     assert hosts["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
     budget = next(d for d in DOCS if d["kind"] == "PodDisruptionBudget")
     assert budget["spec"]["selector"]["matchLabels"].items() <= _labels(hosts).items()

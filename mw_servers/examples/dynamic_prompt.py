@@ -4,8 +4,9 @@ Adds the current date and time and this middleware's slot value (``agent.state.m
 as a "Session:" line. The slot is empty on a session's first prompt: the middleware then records
 when it first saw the session (``{"session_started": "<ISO time>"}``); a value put there another
 way (e.g. the user's locale or plan, by another hook of this middleware) is shown as it is. The
-host calls a remote ``on_system_prompt`` at most once per ReAct iteration, so the clock is read
-once per iteration.
+host calls a remote ``on_system_prompt`` at most once per ReAct iteration for the same prompt and
+slot, so the clock is read once per iteration, except in a session's first: recording the slot
+changes it, so the host asks again with the new slot and the clock is read twice.
 """
 
 from __future__ import annotations

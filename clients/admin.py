@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -111,8 +112,31 @@ class _Calls:
         return lambda request, **kw: call(request, metadata=self._metadata, **kw)
 
 
+_INT64 = {getattr(FieldDescriptor, f"TYPE_{t}") for t in ("INT64", "UINT64", "SINT64", "FIXED64", "SFIXED64")}
+
+
 def _dict(message: Any) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    found = MessageToDict(message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    _int64_as_numbers(message.DESCRIPTOR, found)
+    return found
+
+
+def _int64_as_numbers(descriptor: Any, found: dict[str, Any]) -> None:
+    """MessageToDict writes 64-bit integers as JSON strings (proto3's JSON mapping, for parsers
+    whose numbers are doubles); --json prints them as numbers, as every other number, so that
+    scripts can compare them (jq's ``.failures > 0``). Nested and repeated messages too."""
+    for field in descriptor.fields:
+        if field.name not in found:
+            continue
+        repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        values = found[field.name] if repeated else [found[field.name]]
+        if field.type in _INT64:
+            numbers = [int(v) for v in values]
+            found[field.name] = numbers if repeated else numbers[0]
+        elif field.message_type is not None and not field.message_type.GetOptions().map_entry:
+            for value in values:
+                if isinstance(value, dict):  # not a well-known type written as a scalar
+                    _int64_as_numbers(field.message_type, value)
 
 
 # ---------------------------------------------------------------------------------------------

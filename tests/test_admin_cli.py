@@ -100,6 +100,7 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     assert rec["address"] == recorder.address and rec["health"] == "reachable"
     assert rec["hooks"] == ["on_reply"] and rec["tools"] == ["rec__shout", "rec__nap"]
     assert rec["last_error"] == "" and not rec["failing"]
+    assert (rec["failures"], rec["bypasses"]) == (0, 0), rec  # numbers, not the strings of proto's JSON int64
 
     said = chat(host.address, "--message", "use rec__shout text=hi")
     assert said.returncode == 0, said.stdout + said.stderr
@@ -183,7 +184,8 @@ def test_host_reports_replies_outages_and_metrics(setup: tuple[Procs, ServerProc
     (rec,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
     assert rec["failing"] and rec["health"] in ("unreachable", "connecting")
     assert "middleware 'rec' failed" in rec["last_error"] and rec["last_error_at"]
-    assert int(rec["failures"]) >= 2 and int(rec["bypasses"]) >= 2
+    assert isinstance(rec["failures"], int) and isinstance(rec["bypasses"], int), rec
+    assert rec["failures"] >= 2 and rec["bypasses"] >= 2
     assert "last error (failing now)" in status.stdout
 
     samples = scrape(url.group(1))

@@ -270,6 +270,31 @@ async def test_span_times_hold_when_the_tracing_server_is_in_another_time_zone(
         assert root["start_ns"] <= span["start_ns"] <= span["end_ns"] <= root["end_ns"], format_trace(spans)
 
 
+async def test_the_tracing_servers_service_name_flag_wins_over_the_environment(
+    procs: Procs, receiver: Receiver
+) -> None:
+    """--service-name names the tracing server's spans even with OTEL_SERVICE_NAME set, as every
+    other flag wins over the environment. Before, the flag was only the default and the variable
+    won."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    argv = ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--service-name", "flagname"]
+    tracer = start(procs, "tracing", argv, {**env, "OTEL_SERVICE_NAME": "envname"})
+    argv = [
+        "-m",
+        "agent_host",
+        "--listen",
+        "127.0.0.1:0",
+        "--db",
+        ":memory:",
+        "--middleware",
+        f"tracing={tracer.address}",
+    ]
+    host = start(procs, "host", argv, env)
+    turn = await talk(host.address, "", "hi")
+    spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 1})
+    assert {s["service"] for s in spans} == {"agent-host", "flagname"}, format_trace(spans)
+
+
 async def test_a_call_cut_at_the_token_limit_is_traced_as_length(procs: Procs, receiver: Receiver) -> None:
     """The model's answer is cut at its token limit (finish reason length): the chat span says
     "length", the GenAI convention's value, in finish_reasons and its output message. It said

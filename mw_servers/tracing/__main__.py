@@ -1,8 +1,9 @@
-"""``python -m mw_servers.tracing --address HOST:PORT [--otlp-endpoint URL]``: the tracing server.
+"""``python -m mw_servers.tracing --address HOST:PORT [--otlp-endpoint URL] [--service-name NAME]``: the tracing server.
 
 Spans go over OTLP/gRPC to ``--otlp-endpoint`` or wherever the standard variables say
 (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_TRACES_EXPORTER=otlp|console,
-OTEL_SERVICE_NAME, OTEL_BSP_SCHEDULE_DELAY, ...). With no exporter configured it makes no spans.
+OTEL_SERVICE_NAME, OTEL_BSP_SCHEDULE_DELAY, ...); the flags win over the variables. With no
+exporter configured it makes no spans.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mw_servers.tracing", description=__doc__)
     parser.add_argument("--address", default="127.0.0.1:50075", help="host:port to listen on (port 0 = any)")
     parser.add_argument("--otlp-endpoint", metavar="URL", help="OTLP/gRPC collector, e.g. http://127.0.0.1:4317")
-    parser.add_argument("--service-name", default="agentmw-tracing", help="service.name (OTEL_SERVICE_NAME wins)")
+    parser.add_argument(
+        "--service-name", metavar="NAME", help="service.name (default: $OTEL_SERVICE_NAME, else agentmw-tracing)"
+    )
     args = parser.parse_args(argv)
-    try:
-        provider = tracing.configure(args.service_name, endpoint=args.otlp_endpoint)
+    try:  # a flag wins over the environment: given, the name is a setting, not the default
+        settings = {"service_name": args.service_name} if args.service_name else {}
+        provider = tracing.configure("agentmw-tracing", endpoint=args.otlp_endpoint, settings=settings)
     except ValueError as exc:
         print(f"mw_servers.tracing: {exc}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.config import ConfigError, check_middleware_address
 from agentmw.codec import codec
+from agentmw.commandline import non_negative
 from agentmw.security import CLIENT_MAX_MESSAGE, SecurityError, TlsFiles, bearer_metadata
 from agentmw.v1 import host_pb2, host_pb2_grpc
 from clients.host_client import add_security_arguments, credentials
@@ -237,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sessions = commands.add_parser("sessions", parents=[common], help="list, show or delete sessions")
     s_commands = sessions.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = s_commands.add_parser("list", parents=[common], help="sessions, most recently updated first")
-    listing.add_argument("--limit", type=int, default=0, help="at most this many (default all)")
+    listing.add_argument("--limit", type=non_negative(int), default=0, help="at most this many (default 0: all)")
     show = s_commands.add_parser("show", parents=[common], help="one session: messages, pending calls, slots")
     show.add_argument("session_id")
     delete = s_commands.add_parser("delete", parents=[common], help="delete a session")

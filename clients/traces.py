@@ -29,6 +29,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 
 from agentmw import transport
+from agentmw.commandline import description, non_negative
 
 # Attributes worth a look in a tree line, with a short label (the rest: --json).
 KEY_ATTRIBUTES = {
@@ -222,17 +223,21 @@ def print_settled(collector: Collector, out: TextIO, settle: float, shown: dict[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agentmw-traces", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="agentmw-traces", description=description(__doc__.split("\n\n")[0]))
     parser.add_argument("--listen", default="127.0.0.1:4317", metavar="HOST:PORT", help="default 127.0.0.1:4317")
     parser.add_argument("--json", action="store_true", help="one JSON object per span instead of trees")
     parser.add_argument(
         "--settle",
-        type=float,
+        type=non_negative(float),
         default=DEFAULT_SETTLE,
         metavar="S",
         help=f"print a trace S s after its last span (default {DEFAULT_SETTLE:g}; later spans: as late additions)",
     )
     args = parser.parse_args(argv)
+    try:  # a usage error (2), as every command says one; a port that is taken stays a failure to start (1)
+        transport.check_listen_address(args.listen)
+    except ValueError as exc:
+        parser.error(f"--listen: {exc}")
 
     def as_json(span: dict[str, Any]) -> None:
         print(json.dumps(span), flush=True)

@@ -145,6 +145,35 @@ def test_attach_checks_the_address_form_first(tmp_path: Path) -> None:
     ), done.stderr
 
 
+def test_a_negative_limit_is_a_usage_error() -> None:
+    """--limit -1 is refused (exit 2) before any call; it listed every session (0 = all)."""
+    done = run_cli("clients.admin", "--host", "127.0.0.1:1", "sessions", "list", "--limit", "-1", timeout=30)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == "agentmw sessions list: error: argument --limit: must be 0 or more, not -1"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "agent_host",
+        "clients.chat",
+        "clients.admin",
+        "clients.traces",
+        "agentmw.sdk",
+        "mw_servers.budget",
+        "mw_servers.tracing",
+        "mw_servers.tts",
+        "mw_servers.mem0",
+    ],
+)
+def test_every_commands_help_is_plain_text(module: str) -> None:
+    """--help shows no reStructuredText markup: the servers' and agentmw-traces' printed their
+    module docstrings with ``double backticks`` as they are."""
+    done = run_cli(module, "--help", timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "``" not in done.stdout, done.stdout
+
+
 def test_unreachable_host_is_one_line_and_exit_1(tmp_path: Path) -> None:
     done = run_cli("clients.admin", "--host", "127.0.0.1:1", "status", timeout=30)
     assert done.returncode == 1

@@ -275,8 +275,8 @@ def test_serving_a_wrong_target_is_one_line(target: str, says: str) -> None:
 def test_an_address_it_cannot_listen_on_is_one_line() -> None:
     """A port gRPC would wrap (99999 listened on 34463): a configuration error, exit 2, before
     anything starts, in every SDK server (the tracing server and the launcher only said it once
-    gRPC refused, exit 1; budget and mem0 checked it themselves). A port in use: exit 1. One line
-    each (the middleware servers, and the trace viewer)."""
+    gRPC refused, exit 1; budget and mem0 checked it themselves), and a usage error (exit 2) of the
+    trace viewer. A port in use: exit 1. One line each."""
     target = "tests.host_util:RecorderMiddleware"
     wrapped = run_cli("agentmw.sdk", target, "--address", "127.0.0.1:99999", timeout=30)
     assert wrapped.returncode == 2, wrapped.stdout + wrapped.stderr
@@ -294,7 +294,9 @@ def test_an_address_it_cannot_listen_on_is_one_line() -> None:
     assert last == f"agentmw middleware RecorderMiddleware: cannot listen on {address} (address in use or not local)"
     assert "Traceback" not in wrapped.stderr + busy.stderr
     viewer = run_cli("clients.traces", "--listen", "127.0.0.1:99999", timeout=30)  # the trace viewer: the same check
-    assert viewer.returncode == 1 and viewer.stderr.startswith("agentmw-traces: '127.0.0.1:99999' is not HOST:PORT")
+    assert viewer.returncode == 2, viewer.stdout + viewer.stderr  # a usage error, as its other flags'
+    said = viewer.stderr.splitlines()[-1]
+    assert said.startswith("agentmw-traces: error: --listen: '127.0.0.1:99999' is not HOST:PORT"), said
 
 
 class Keyed(MiddlewareBase):

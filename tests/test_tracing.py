@@ -494,6 +494,22 @@ def test_a_second_viewer_on_a_taken_port_is_refused(receiver: Receiver) -> None:
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--listen", "bad"], "--listen: 'bad' is not HOST:PORT (a port of 0-65535; 0: any free port)"),
+        (["--listen", "127.0.0.1:0", "--settle", "-1"], "argument --settle: must be 0 or more, not -1"),
+    ],
+    ids=["listen", "settle"],
+)
+def test_the_viewers_usage_errors_exit_2(argv: list[str], says: str) -> None:
+    """A malformed --listen and a negative --settle are usage errors (exit 2), as every command's
+    are. Before, the first exited 1 (a failure to start) and the second was taken (no wait)."""
+    done = run_cli("clients.traces", *argv, timeout=10)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == f"agentmw-traces: error: {says}", done.stderr
+
+
 @pytest.mark.parametrize("endpoint", ["notaurl:::", "http://127.0.0.1:99999", "ftp://collector:4317", "http://:4317"])
 def test_a_bad_otlp_endpoint_is_refused_at_start(endpoint: str, tmp_path: Path) -> None:
     """The exporter takes any text and then fails at each export, in the background: the tracing

@@ -13,6 +13,7 @@ import importlib
 import inspect
 import json
 
+from agentmw.commandline import description
 from agentmw.loops import LOOPS
 from agentmw.middleware import MiddlewareBase
 from agentmw.security import SecurityError, TlsFiles, read_secret, token_digest
@@ -21,7 +22,7 @@ from .server import ServeSecurity, serve
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m agentmw.sdk", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m agentmw.sdk", description=description(__doc__))
     parser.add_argument("target", help="module:Class of a MiddlewareBase subclass")
     parser.add_argument("--address", default="127.0.0.1:50061", help="host:port to listen on (port 0 = any)")
     parser.add_argument("--arg", action="append", default=[], help="constructor argument key=value (JSON value)")

@@ -309,9 +309,9 @@ def serve(
         _configuration_error(prefix, f"address {exc}")
     try:
         loops.run(serve_async(middleware, address, grace=grace, security=security), loop)
-    except ConfigError as exc:  # what the middleware describes (its key)
+    except (ConfigError, SecurityError) as exc:  # what the middleware describes (its key), TLS files
         _configuration_error(prefix, exc)
-    except (CannotListen, SecurityError) as exc:  # the address, or TLS files that cannot be used
+    except CannotListen as exc:  # a port in use or not local: a failure to start (1), as agent-host's
         raise SystemExit(f"{prefix}: {exc}") from None
 
 

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from agentmw.commandline import description
 from agentmw.configfile import read_yaml
 from agentmw.errors import ConfigError
 from agentmw.sdk import serve
@@ -38,7 +39,7 @@ class SettingError(Exception):
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=PROG, description=description(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     # No defaults here: an unset flag falls back to the environment, then the config file.
     parser.add_argument("--address", help=f"host:port to listen on, port 0 = any (default {DEFAULTS['address']})")

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from agentmw.commandline import description
 from agentmw.configfile import read_yaml
 from agentmw.sdk import serve
 from agentmw.transport import check_listen_address
@@ -26,7 +27,7 @@ log = logging.getLogger("agentmw.mem0")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mw_servers.mem0", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mw_servers.mem0", description=description(__doc__))
     parser.add_argument("--address", default="127.0.0.1:50077", help="host:port to listen on (port 0 = any)")
     parser.add_argument("--mode", choices=MODES, help="static (memory hint), agent (tools) or both (default)")
     parser.add_argument("--store", type=Path, default=Path("mem0-store"), help="directory of the default store")

@@ -12,13 +12,14 @@ import argparse
 import sys
 
 from agent_host import tracing
+from agentmw.commandline import description
 from agentmw.sdk import serve
 
 from . import TracingMiddleware
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mw_servers.tracing", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mw_servers.tracing", description=description(__doc__))
     parser.add_argument("--address", default="127.0.0.1:50075", help="host:port to listen on (port 0 = any)")
     parser.add_argument("--otlp-endpoint", metavar="URL", help="OTLP/gRPC collector, e.g. http://127.0.0.1:4317")
     parser.add_argument(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from agentmw.commandline import description
 from agentmw.sdk import serve
 from agentmw.transport import check_listen_address
 
@@ -19,7 +20,7 @@ from .engines import EngineError, api_key
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mw_servers.tts", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mw_servers.tts", description=description(__doc__))
     parser.add_argument("--address", default="127.0.0.1:50081", help="host:port to listen on (port 0 = any)")
     parser.add_argument("--engine", choices=list(ENGINES), default="espeak")
     parser.add_argument(

@@ -177,6 +177,31 @@ async def test_a_reply_writes_as_much_late_in_a_session_as_early(procs: Procs, t
     assert late < 2 * early, f"a reply wrote {early:.0f} bytes early in the session, {late:.0f} late"
 
 
+def test_a_db_path_that_cannot_be_a_sqlite_file_is_one_line(tmp_path: Path) -> None:
+    """--db through a file, a directory as --db, a directory that does not exist: the host refuses
+    to start with one line saying what is wrong with the path, and leaves nothing behind. Before:
+    "[Errno 17] File exists", "unable to open database file" with a stray <dir>.lock, and a
+    mistyped directory created in silence (a new, empty session store)."""
+    (tmp_path / "afile").write_text("x\n")
+    (tmp_path / "adir").mkdir()
+    cases = {
+        "afile/x.db": "afile is not a directory",
+        "afile/sub/x.db": "afile is not a directory",
+        "adir": "adir is a directory, not a SQLite file",
+        "no/such/dir/x.db": "no directory no/such/dir (the host creates the file, not its directory)",
+    }
+    for db, says in cases.items():
+        done = run_cli("agent_host", "--db", str(tmp_path / db), "--listen", "127.0.0.1:0", timeout=15)
+        assert done.returncode == 1, done.stdout + done.stderr
+        cause = says.replace("afile", str(tmp_path / "afile")).replace("adir", str(tmp_path / "adir"))
+        cause = cause.replace("no/such/dir", str(tmp_path / "no/such/dir"))
+        assert done.stderr.strip() == (
+            f"agent-host: cannot start: db: cannot open the session store {str(tmp_path / db)!r}: {cause}"
+        ), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "afile"]  # no lock, no directory
+    assert not any((tmp_path / "adir").iterdir())
+
+
 def test_a_second_host_on_the_same_sqlite_file_refuses_to_start(procs: Procs, tmp_path: Path) -> None:
     db = tmp_path / "sessions.db"
     first = procs.host(db)

@@ -79,14 +79,15 @@ class SqliteStore(CachedJournals):
         self.host_id = f"{socket.gethostname()}/{os.getpid()}"
         self._replies: collections.Counter[str] = collections.Counter()  # running replies per user
         self._lockfile: IO[str] | None = None
+        db = self.path
         if self.path != ":memory:":
-            Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            self._lockfile = _lock(Path(self.path).expanduser())
+            db = str(_check_path(Path(self.path).expanduser()))
+            self._lockfile = _lock(Path(db))
         self._lock = threading.Lock()
         CachedJournals.__init__(self)
         self.bytes_written = 0  # message and meta bytes written so far (a measure of write cost)
         try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10.0)
+            self._db = sqlite3.connect(db, check_same_thread=False, timeout=10.0)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._migrate()
@@ -268,6 +269,21 @@ class SqliteStore(CachedJournals):
         if self._lockfile is not None:
             self._lockfile.close()  # releases the flock
             self._lockfile = None
+
+
+def _check_path(db: Path) -> Path:
+    """``db`` if a SQLite file can be there, else an OSError saying what is wrong with the path
+    (SQLite says "unable to open database file", and a directory given as the file left a stray
+    lock beside it). No directory is created: a mistyped one would become a new, empty store."""
+    if db.is_dir():
+        raise IsADirectoryError(f"{db} is a directory, not a SQLite file")
+    parent = db.parent
+    found = next(p for p in (parent, *parent.parents) if p.exists())  # "." or "/" at worst
+    if not found.is_dir():
+        raise NotADirectoryError(f"{found} is not a directory")
+    if found != parent:
+        raise FileNotFoundError(f"no directory {parent} (the host creates the file, not its directory)")
+    return db
 
 
 def _lock(db: Path) -> IO[str]:

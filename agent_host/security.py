@@ -29,6 +29,7 @@ from agentmw.security import (
     presented_token,
     read_secret,
     refuse_stream,
+    tls_hint,
     token_digest,
     token_matches,
 )
@@ -171,6 +172,7 @@ __all__ = [
     "presented_token",
     "read_secret",
     "refuse_stream",
+    "tls_hint",
     "token_digest",
     "token_matches",
 ]

@@ -176,6 +176,27 @@ def channel(
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
+def tls_hint(details: str | None, tls: bool, *, use_tls: str, client_cert: str) -> str:
+    """What a failed connection's error text may owe to TLS, as a clause ("" when nothing points
+    there); ``tls``: whether the channel used TLS; ``use_tls`` / ``client_cert``: where the caller
+    sets TLS up and its client certificate. gRPC says only "Socket closed" when a TLS server closes
+    a plaintext connection, or a server with mutual TLS one without a certificate it trusts (as for
+    a server that closed for any other reason); a TLS client's handshake fails against a plaintext
+    server or an untrusted certificate."""
+    text = details or ""
+    if "handshake failed" in text.lower():
+        if "WRONG_VERSION_NUMBER" in text:
+            return "the TLS handshake failed: the server may not use TLS"
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return "the TLS handshake failed: the server's certificate is not signed by the CA trusted here"
+        return "the TLS handshake failed"
+    if "Socket closed" not in text:
+        return ""
+    if tls:
+        return f"TLS may be the cause: does the server require a client certificate it trusts ({client_cert})?"
+    return f"TLS may be the cause: does the server require TLS ({use_tls})?"
+
+
 # ---------------------------------------------------------------------------------------------
 # Client side: a token on every call of a channel (agent-chat and other host clients).
 
@@ -242,6 +263,8 @@ __all__ = [
     "client_channel",
     "presented_token",
     "read_secret",
+    "refuse_stream",
+    "tls_hint",
     "token_digest",
     "token_matches",
 ]

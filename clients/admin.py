@@ -33,7 +33,7 @@ from agentmw.codec import codec
 from agentmw.commandline import non_negative
 from agentmw.security import CLIENT_MAX_MESSAGE, SecurityError, TlsFiles, bearer_metadata
 from agentmw.v1 import host_pb2, host_pb2_grpc
-from clients.host_client import add_security_arguments, credentials
+from clients.host_client import add_security_arguments, credentials, tls_note
 
 DEFAULT_HOST = "127.0.0.1:50070"
 TIMEOUT = 10.0
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as exc:
         code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and not _connected(admin.channel):
-            what = f"cannot reach the host at {args.host} ({code.name})"
+            what = f"cannot reach the host at {args.host} ({code.name}{tls_note(exc, args, '; {}')})"
         else:
             what = f"{args.host}: {code.name}: {exc.details()}"
         if args.json:

@@ -58,6 +58,7 @@ from clients.host_client import (
     add_security_arguments,
     converse,
     credentials,
+    tls_note,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -275,17 +276,17 @@ HELP = """commands:
 anything else is a message to the agent"""
 
 
-async def _check_host(address: str) -> str:
+async def _check_host(args: argparse.Namespace) -> str:
     """The host's health (SERVING / NOT_SERVING); raises AioRpcError when it cannot be reached."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    async with HostClient(args.host, *credentials(args)) as client:  # TLS as the replies will use it
+        reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-async def _sessions(address: str, current: str) -> str:
-    async with HostClient(address) as client:
+async def _sessions(args: argparse.Namespace, current: str) -> str:
+    async with HostClient(args.host, *credentials(args)) as client:
         found = await client.stub.ListSessions(host_pb2.ListSessionsRequest(limit=20), timeout=10)
     rows = [
         f"  {'*' if s.session_id == current else ' '} {s.session_id}  {s.updated_at}  {s.title}" for s in found.sessions
@@ -293,12 +294,19 @@ async def _sessions(address: str, current: str) -> str:
     return "\n".join(rows) or "  (no sessions)"
 
 
+def _failure(args: argparse.Namespace, exc: grpc.aio.AioRpcError) -> str:
+    return f"{args.host}: {exc.code().name}: {exc.details()}{tls_note(exc, args)}"
+
+
 def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, Any], view: View) -> int:
     """The chat loop. Returns the exit status: 1 if the last reply failed (or could not be sent)."""
     try:
-        health = asyncio.run(_check_host(args.host))
+        health = asyncio.run(_check_host(args))
     except grpc.aio.AioRpcError as exc:
-        print(f"agent-chat: cannot reach the host at {args.host} ({exc.code().name})", file=sys.stderr)
+        print(
+            f"agent-chat: cannot reach the host at {args.host} ({exc.code().name}{tls_note(exc, args, '; {}')})",
+            file=sys.stderr,
+        )
         return 1
     note = "" if health == "SERVING" else f" (its health: {health}; `agentmw status` says why)"
     print(f"agent-chat: connected to {args.host}{note}. /help lists commands; Ctrl-C interrupts a reply.")
@@ -324,9 +332,9 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
                     print(f"  tokens this chat: {tokens[0]} in, {tokens[1]} out (session {session_id})")
                 elif text == "/sessions":
                     try:
-                        print(asyncio.run(_sessions(args.host, session_id)))
+                        print(asyncio.run(_sessions(args, session_id)))
                     except grpc.aio.AioRpcError as exc:
-                        print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                        print(f"agent-chat: {_failure(args, exc)}", file=sys.stderr)
                 else:
                     print(f"unknown command {text.split()[0]}; /help lists them (a message cannot start with /)")
                 continue
@@ -335,7 +343,7 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
             try:
                 turn = asyncio.run(_turn(args, session_id, UserMsg(text), view, interactive=True))
             except grpc.aio.AioRpcError as exc:  # e.g. the host restarting: the chat goes on
-                print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()} (not answered; try again)")
+                print(f"agent-chat: {_failure(args, exc)} (not answered; try again)")
                 status = 1
                 continue
             used = _usage(turn)
@@ -416,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 130
     except grpc.aio.AioRpcError as exc:
-        print(f"agent-chat: {args.host}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"agent-chat: {_failure(args, exc)}", file=sys.stderr)
         return 1
     except SecurityError as exc:
         print(f"agent-chat: {exc}", file=sys.stderr)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_host.security import TlsFiles, client_channel, read_secret
+from agent_host.security import TlsFiles, client_channel, read_secret, tls_hint
 from agentmw.codec import codec
 from agentmw.data import (
     ExternalExecutionResultEvent,
@@ -61,6 +61,15 @@ def credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
     token_file = flag("token_file")
     token = read_secret(file=token_file, where="--token-file") if token_file else ""
     return tls, token or os.environ.get("AGENTMW_TOKEN", "")
+
+
+def tls_note(exc: Any, args: argparse.Namespace, form: str = " ({})") -> str:
+    """What a call that could not reach the host may owe to TLS, in ``form``, to append to its
+    error ("" when nothing points there): a mismatch says only "Socket closed", and a user would
+    look for a host that is down. ``exc``: a grpc (or grpc.aio) RpcError."""
+    tls, _ = credentials(args)
+    hint = tls_hint(exc.details(), tls.enabled, use_tls="--tls-ca", client_cert="--tls-cert, --tls-key")
+    return form.format(hint) if hint else ""
 
 
 class HostClient:

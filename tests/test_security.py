@@ -10,7 +10,9 @@ import contextlib
 import json
 import socket
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from agentmw.data import Msg, ReplyEndEvent
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import UserMsg
 from clients.host_client import HostClient
-from clients.launch import ServerProcess
+from clients.launch import ROOT, ServerProcess
 from tests.certs import Pki, pki
 from tests.host_util import run_cli, stub
 from tests.model_servers import ScriptedServer, openai_chunk, openai_stream
@@ -299,6 +301,63 @@ async def test_a_refused_stream_call_is_always_unauthenticated(procs: Procs, tmp
         hooks = [await bad_hook_call(channel) for _ in range(BAD_CALLS)]
         hooks += await asyncio.gather(*(bad_hook_call(channel) for _ in range(BAD_CALLS)))
     assert set(hooks) == {"UNAUTHENTICATED: this middleware server accepts only its host"}, hooks
+
+
+def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, tmp_path: Path) -> None:
+    """A plaintext client of a TLS host, a TLS client without the certificate an mTLS host wants,
+    a TLS client of a plaintext host, and a plaintext host attaching a TLS middleware server: each
+    error says TLS may be the cause and where to set it up. Before, the first two and the last said
+    only "Socket closed" (agentmw not even that), read as "the server is down"."""
+    tls = f"security:\n  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}\n"
+    secured = procs.host(tmp_path, tls)
+    plain = procs.start("plain", ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:"])
+    served = {"AGENTMW_MW_TLS_CERT": certs.server.cert, "AGENTMW_MW_TLS_KEY": certs.server.key}
+    recorder = procs.middleware(RECORDER, "recorder", served)
+    needs_tls = "TLS may be the cause: does the server require TLS (--tls-ca)?"
+    needs_cert = "TLS may be the cause: does the server require a client certificate it trusts (--tls-cert, --tls-key)?"
+
+    def last_line(*argv: str) -> str:
+        done = run_cli(*argv, timeout=30)
+        assert done.returncode == 1, done.stdout + done.stderr
+        return done.stderr.strip().splitlines()[-1]
+
+    assert last_line("clients.chat", "--host", secured.address, "-m", "hi").endswith(f"Socket closed ({needs_tls})")
+    no_cert = last_line("clients.chat", "--host", secured.address, "--tls-ca", certs.ca, "-m", "hi")
+    assert no_cert.endswith(f"Socket closed ({needs_cert})"), no_cert
+    assert last_line("clients.admin", "--host", secured.address, "status") == (
+        f"agentmw: cannot reach the host at {secured.address} (UNAVAILABLE; {needs_tls})"
+    )
+    to_plain = last_line("clients.chat", "--host", plain.address, "--tls-ca", certs.ca, "-m", "hi")
+    assert to_plain.endswith("(the TLS handshake failed: the server may not use TLS)"), to_plain
+
+    attach = run_cli("clients.admin", "--host", plain.address, "middleware", "attach", recorder.address, timeout=60)
+    assert attach.returncode == 1, attach.stdout + attach.stderr
+    said = f"cannot connect to {recorder.address}"
+    deadline = time.monotonic() + 10
+    while said not in plain.tail(50) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (line,) = [x for x in plain.tail(50).splitlines() if said in x][-1:]
+    assert line.endswith("Socket closed (TLS may be the cause: does the server require TLS (security.middleware_tls)?)")
+
+
+def test_interactive_agent_chat_reaches_a_tls_host(certs: Pki, procs: Procs, tmp_path: Path) -> None:
+    """agent-chat without --message checks the host's health and lists /sessions over the TLS it
+    was given. Before, both went plaintext: 'cannot reach the host' from a host that -m reached."""
+    tls = f"security:\n  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}\n"
+    host = procs.host(tmp_path, tls)
+    alice = certs.clients["alice"]
+    argv = ["--host", host.address, "--tls-ca", certs.ca, "--tls-cert", alice.cert, "--tls-key", alice.key]
+    done = subprocess.run(
+        [sys.executable, "-m", "clients.chat", *argv],
+        cwd=ROOT,
+        input="hello\n/sessions\n/quit\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"connected to {host.address}" in done.stdout and "You said: hello" in done.stdout, done.stdout
+    assert "  * " in done.stdout, done.stdout  # /sessions lists the current one
 
 
 def test_the_agentmw_cli_reaches_a_secured_host(certs: Pki, procs: Procs, tmp_path: Path) -> None:

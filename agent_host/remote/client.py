@@ -39,7 +39,7 @@ from ..config import (
     Permissions,
     check_seconds,
 )
-from ..security import TlsFiles, bearer_metadata, channel
+from ..security import TlsFiles, bearer_metadata, channel, tls_hint
 from .errors import MiddlewareFailure, NoAnswer, OutputLimitExceeded, ProtocolError, Unreachable
 from .protocol import HookCall
 
@@ -268,15 +268,24 @@ class RemoteMiddleware:
                 )
             except grpc.aio.AioRpcError as probe:
                 if probe.code() is grpc.StatusCode.UNAVAILABLE:
-                    why = self._down(f"cannot connect to {self.address} (waited {waited:g}s): {probe.details()}")
+                    why = self._down(self._cannot_connect(probe.details(), f" (waited {waited:g}s)"))
                     return Unreachable(self.name, "Describe", why)
         return NoAnswer(self.name, "Describe", _no_answer(exc, waited))
 
     def _failure(self, exc: grpc.aio.AioRpcError) -> str:
         """A call's failure in words; one that could not connect marks an outage (see connect)."""
         if exc.code() is grpc.StatusCode.UNAVAILABLE:
-            return self._down(f"cannot connect to {self.address}: {exc.details()}")
+            return self._down(self._cannot_connect(exc.details()))
         return f"{exc.code().name}: {exc.details()}"
+
+    def _cannot_connect(self, details: str | None, waited: str = "") -> str:
+        """Why the channel could not connect, with what it may owe to TLS (a mismatch says only
+        "Socket closed": an operator would look for a server that is down)."""
+        tls = self.access.tls is not None and self.access.tls.enabled
+        hint = tls_hint(
+            details, tls, use_tls="security.middleware_tls", client_cert="security.middleware_tls cert, key"
+        )
+        return f"cannot connect to {self.address}{waited}: {details}" + (f" ({hint})" if hint else "")
 
     def _down(self, why: str) -> str:
         self.outage = why

@@ -219,6 +219,10 @@ class Acting(AgentBase):
             )
 
     async def _acting_impl(self, tool_call: ToolCallBlock) -> AsyncIterator[Any]:
+        # The start was recorded before the on_acting chain, which may have held the call past the
+        # lease: a host whose session another host took over since (and closed this call as "may
+        # or may not have taken effect") must not run the tool now.
+        await self.journal.check_lease()
         async for item in self.tools.call_tool(tool_call, self.state):
             yield item
 

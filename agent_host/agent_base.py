@@ -53,6 +53,9 @@ class NoJournal:
     async def record_tool_result(self, call_id: str) -> None:
         pass
 
+    async def check_lease(self) -> None:
+        pass
+
 
 class ReplyError(RuntimeError):
     """A reply cannot go on; the reply ends with ReplyEndEvent(ERROR) carrying this message."""
@@ -81,6 +84,8 @@ class ReplyJournal(Protocol):
     async def record_tool_started(self, call_id: str) -> None: ...  # before the tool runs
 
     async def record_tool_result(self, call_id: str) -> None: ...  # its result is in the state
+
+    async def check_lease(self) -> None: ...  # right before the tool is called: the session is still ours
 
 
 class AgentBase:

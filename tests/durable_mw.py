@@ -9,6 +9,7 @@ writes its line and then takes ``seconds`` to finish.
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,25 @@ class SideEffects(MiddlewareBase):
             return f"noted {text} slowly"
 
         return [note, confirmed_note, slow_note]
+
+
+class HeldActing(SideEffects):
+    """SideEffects with an on_acting hook that holds a call whose ``text`` starts with "held" for
+    ``hold`` seconds before calling the tool, and appends "acting <text>" to ``marks`` on entry (so
+    a test can pause the host while the hook holds a call whose start the host has recorded)."""
+
+    def __init__(self, path: str, marks: str, hold: float) -> None:
+        super().__init__(path)
+        self.marks, self.hold = Path(marks), hold
+
+    async def on_acting(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any:
+        text = str(json.loads(input_kwargs["tool_call"].input or "{}").get("text", ""))
+        with self.marks.open("a") as f:
+            f.write(f"acting {text}\n")
+        if text.startswith("held"):
+            await asyncio.sleep(self.hold)
+        async for item in next_handler():
+            yield item
 
 
 def lines(path: Path) -> list[str]:

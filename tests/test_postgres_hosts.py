@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -88,15 +89,26 @@ SLOW = "models:\n  default: slow\n  models:\n    slow: {provider: offline, delay
 
 
 def cluster(
-    procs: Procs, tmp_path: Path, dsn: str, n: int, *args: str, delay: float = 0.0, yaml: str = ""
+    procs: Procs,
+    tmp_path: Path,
+    dsn: str,
+    n: int,
+    *args: str,
+    delay: float = 0.0,
+    yaml: str = "",
+    fx: str = "SideEffects",
+    fx_args: dict[str, object] | None = None,
 ) -> tuple[Path, list[ServerProcess]]:
-    """The side-effect middleware and ``n`` hosts on ``dsn`` (``yaml``: more of host.yaml), started
-    together; the effects file."""
+    """The side-effect middleware (``fx``: its class in tests/durable_mw.py, given ``fx_args`` too)
+    and ``n`` hosts on ``dsn`` (``yaml``: more of host.yaml), started together; the effects file."""
     effects, config = tmp_path / "effects.txt", tmp_path / "host.yaml"
     config.write_text(SLOW % delay + yaml)
-    argv = ["-m", "agentmw.sdk", "tests.durable_mw:SideEffects", "--address", "127.0.0.1:0"]
-    fx = procs.start("fx", [*argv, "--arg", f"path={json.dumps(str(effects))}"])
-    settings = ["--db", dsn, "--config", str(config), "--middleware", f"fx={fx.address}", "--lease", LEASE, *args]
+    argv = ["-m", "agentmw.sdk", f"tests.durable_mw:{fx}", "--address", "127.0.0.1:0"]
+    for name, value in {"path": str(effects), **(fx_args or {})}.items():
+        argv += ["--arg", f"{name}={json.dumps(value)}"]
+    fx_server = procs.start("fx", argv)
+    settings = ["--db", dsn, "--config", str(config), "--middleware", f"fx={fx_server.address}"]
+    settings += ["--lease", LEASE, *args]
     hosts = [
         ServerProcess(
             ["-m", "agent_host", "--listen", "127.0.0.1:0", *settings],
@@ -241,6 +253,50 @@ async def test_a_paused_host_past_its_lease_can_neither_save_nor_start_a_tool(
     assert "may or may not have taken effect" in str(results[0].output), "A's call, closed by B"
     assert "it was not run" in str(results[1].output)
     assert "noted c" in str(results[2].output)
+
+
+async def test_a_host_that_lost_its_lease_while_on_acting_held_a_call_does_not_run_the_tool(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """Host A records a tool's start, then a remote on_acting hook holds the call (3 s) while A is
+    paused past its lease; B takes the session over and closes the call as "may or may not have
+    taken effect". A, continued, must not run the tool. Before, the lease was checked only when
+    the start was recorded, and A ran the tool after the takeover."""
+    marks = tmp_path / "marks.txt"
+    hold = 3.0
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, fx="HeldActing", fx_args={"marks": str(marks), "hold": hold})
+    async with HostClient(a.address) as client:
+        call = client.reply("", UserMsg("call fx__note text=held_a"))
+        stream = aiter(call)
+        async with asyncio.timeout(20):
+            async for item in stream:
+                if isinstance(item, ToolResultStartEvent):
+                    break
+            await wait_until(lambda: "acting held_a" in lines(marks))  # the start is recorded
+        os.kill(a.pid, signal.SIGSTOP)
+        held_since = time.monotonic()
+        session = call.session_id
+        try:
+            _, items = await reply(b.address, session, UserMsg("call fx__note text=b"))
+            assert await ending(items) == ReplyFinishedReason.COMPLETED
+            # The hook's hold ends while A is paused: its call of the tool waits for A.
+            await asyncio.sleep(hold + 0.5 - (time.monotonic() - held_since))
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            async with asyncio.timeout(20):
+                async for _item in stream:
+                    pass
+    assert lost.value.code() == grpc.StatusCode.ABORTED, lost.value.details()
+    assert "taken over by another host" in lost.value.details()
+    await asyncio.sleep(0.5)  # a tool A might still run (it must not) has had time to
+    assert lines(effects) == ["b"], "A ran no tool after losing the lease"
+    _, state, _ = await get_session(b.address, session)
+    calls, _ = calls_and_results(state)
+    # In order (each host's offline model numbers its calls from 1: ids repeat across hosts).
+    outputs = [str(r.output) for m in state.context for r in m.content if isinstance(r, ToolResultBlock)]
+    assert len(calls) == len(outputs) == 2, outputs
+    assert "may or may not have taken effect" in outputs[0] and "noted b" in outputs[1], outputs
 
 
 def host_pb2_state(state: object) -> bytes:

@@ -12,8 +12,9 @@ Every write stores only what changed since the previous one (never the whole ses
 cost of a reply does not grow with the session's length. A backend with many hosts (``shared``:
 PostgreSQL) gives each reply a lease on its session (``hold``): the lease's ``fence`` goes with
 each write of the journal opened with it, and a write with a stale fence fails (LeaseLostError),
-so a host that lost the lease can neither save nor start a tool. (SQLite has one host per file:
-the host's per-session lock is the lease, and the fence is kept only.)
+so a host that lost the lease can save nothing; ``check_lease`` asks the same right before a tool
+is called, so it starts no tool either. (SQLite has one host per file: the host's per-session lock
+is the lease, and the fence is kept only.)
 """
 
 from __future__ import annotations
@@ -110,6 +111,11 @@ class Journal(Protocol):
 
     async def record_tool_result(self, call_id: str) -> None:
         """The call's result is in ``state``: store it; the call is no longer in doubt."""
+
+    async def check_lease(self) -> None:
+        """Right before a tool is called: raise LeaseLostError unless this host still holds the
+        session (its start was recorded earlier, and an on_acting middleware, or a pause, may have
+        held the call past the lease since)."""
 
     async def park(self) -> None:
         """The reply waits for the client (confirmation, external execution)."""

@@ -6,8 +6,9 @@ when it is new, when it is not the object stored at its index (compression repla
 when it lost blocks (``remove_block``), or when it was the stored tail (the reply's message grows
 in place). Older messages change in no other way.
 
-A backend gives the journal ``_apply(write)`` (make one ``Write`` durable, atomically) and
-``_forget(journal)`` (drop a cached journal whose stored state is no longer known).
+A backend gives the journal ``_apply(write)`` (make one ``Write`` durable, atomically),
+``_check_fence(session_id, fence)`` (raise LeaseLostError unless the lease of ``fence`` is still
+this host's) and ``_forget(journal)`` (drop a cached journal whose stored state is no longer known).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Write:
 class RowBackend(Protocol):
     async def _apply(self, write: Write) -> None: ...
 
+    async def _check_fence(self, session_id: str, fence: int | None) -> None: ...
+
     def _remember(self, journal: RowJournal) -> None: ...
 
     def _forget(self, journal: RowJournal) -> None: ...
@@ -118,6 +121,9 @@ class RowJournal:
 
     async def record_tool_result(self, call_id: str) -> None:
         await self._commit(ReplyStatus.OPEN, finished=call_id)
+
+    async def check_lease(self) -> None:
+        await self.store._check_fence(self.state.session_id, self.fence)
 
     async def park(self) -> None:
         await self._commit(ReplyStatus.PARKED, clear=True)
@@ -190,6 +196,9 @@ class CachedJournals:
         self._cache: collections.OrderedDict[str, RowJournal] = collections.OrderedDict()
 
     async def _apply(self, write: Write) -> None:  # each store's own: with it, a store is a RowBackend
+        raise NotImplementedError
+
+    async def _check_fence(self, session_id: str, fence: int | None) -> None:  # each store's own
         raise NotImplementedError
 
     def create(self, session_id: str, *, fence: int | None = None, owner: str = "") -> RowJournal:

@@ -17,10 +17,12 @@ Tables (created, or migrated, at start under an advisory lock, so hosts may star
 
 One writer per session: a reply takes the lease (only when released or expired: the fence goes
 up by one), and every write of it is a transaction that first renews the lease *if its fence is
-still the lease's*; else nothing is written and the write raises ``LeaseLostError``. Recording a
-tool's start is such a write, so a host that lost its lease (paused, cut off past the expiry, and
-another host took over) neither saves nor starts a tool. While held, one loop renews every lease
-of this host each third of the lease; it also finds leases taken over and interrupt requests.
+still the lease's*; else nothing is written and the write raises ``LeaseLostError``. Right before
+a tool is called the same check runs again on its own (``_check_fence``: its start was recorded
+before the on_acting middleware, which may hold the call past the lease), so a host that lost its
+lease (paused, cut off past the expiry, and another host took over) neither saves nor starts a
+tool. While held, one loop renews every lease of this host each third of the lease; it also finds
+leases taken over and interrupt requests.
 
 Notifications (LISTEN/NOTIFY) make the common cases fast: ``agentmw_lease`` (a lease released:
 waiters try at once instead of at the expiry) and ``agentmw_interrupt`` (interrupt the reply of
@@ -319,9 +321,7 @@ class PostgresStore(CachedJournals):
         async with self.pool.acquire() as conn, conn.transaction():
             # First, and locking the lease row: a taker's fence commits before this or waits for it.
             if await conn.fetchval(_FENCE, w.session_id, w.fence, self.host_id, self.lease) is None:
-                raise LeaseLostError(
-                    f"session {w.session_id!r}: this host's lease (fence {w.fence}) was taken over by another host"
-                )
+                raise _lost(w.session_id, w.fence)
             await conn.execute(
                 _UPSERT_SESSION,
                 w.session_id,
@@ -339,6 +339,11 @@ class PostgresStore(CachedJournals):
                 await conn.execute(
                     "DELETE FROM agentmw_messages WHERE session_id = $1 AND idx >= $2", w.session_id, w.truncate
                 )
+
+    async def _check_fence(self, session_id: str, fence: int | None) -> None:
+        # The fenced renewal on its own: the lease is this host's now (and for another lease from now).
+        if fence is None or await self.pool.fetchval(_FENCE, session_id, fence, self.host_id, self.lease) is None:
+            raise _lost(session_id, fence)
 
     # -- SessionStore --------------------------------------------------------------------------------
 
@@ -427,6 +432,10 @@ async def _migrate(pool: asyncpg.Pool) -> None:
             await conn.execute("ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''")
         # 3: agentmw_replies is new, made by _SCHEMA above (it starts empty: no reply runs during a migration).
         await conn.execute("UPDATE agentmw_schema SET version = $1", SCHEMA_VERSION)
+
+
+def _lost(session_id: str, fence: int | None) -> LeaseLostError:
+    return LeaseLostError(f"session {session_id!r}: this host's lease (fence {fence}) was taken over by another host")
 
 
 def _record(r: Any) -> SessionRecord:

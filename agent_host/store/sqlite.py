@@ -124,6 +124,9 @@ class SqliteStore(CachedJournals):
     async def _apply(self, w: Write) -> None:
         await asyncio.to_thread(self._write, w)
 
+    async def _check_fence(self, session_id: str, fence: int | None) -> None:
+        pass  # one host per file: the lease is the host's own per-session lock, never taken over
+
     def _write(self, w: Write) -> None:
         with self._lock, self._db:
             self._write_in(self._db, w)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from agent_host.store import SqliteStore
+from agentmw.codec import codec
 from agentmw.data import (
+    AssistantMsg,
     ConfirmResult,
     Msg,
     ReplyEndEvent,
@@ -31,11 +35,13 @@ from agentmw.data import (
     UserConfirmResultEvent,
     UserMsg,
 )
+from agentmw.data.state import AgentState
+from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess
 
 from .durable_mw import lines
-from .host_util import Procs, get_session, run_cli
+from .host_util import Procs, get_session, run_cli, stub
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -223,3 +229,92 @@ def test_a_second_host_on_a_symlink_to_the_sqlite_file_refuses_to_start(procs: P
     assert second.returncode == 1, second.stdout + second.stderr
     message = second.stderr.strip().splitlines()[-1]
     assert "in use by another agent-host process" in message and f"pid {first.pid}" in message, message
+
+
+# ---------------------------------------------------------------------------------------------
+# The SQLite schema at start: migration from the one-blob layout.
+
+V1_SESSIONS = (
+    "CREATE TABLE {name} (session_id TEXT PRIMARY KEY, state BLOB NOT NULL, created_at TEXT NOT NULL, "
+    "updated_at TEXT NOT NULL, title TEXT NOT NULL DEFAULT '', message_count INTEGER NOT NULL DEFAULT 0, "
+    "parked INTEGER NOT NULL DEFAULT 0)"
+)
+OLD = "2025-01-01T00:00:00+00:00"
+
+
+def one_blob_sessions(db: sqlite3.Connection, n: int, table: str = "sessions") -> None:
+    """``n`` sessions old0.. of the one-blob layout (schema 1) in ``table``."""
+    db.execute(V1_SESSIONS.format(name=table))
+    for i in range(n):
+        state = AgentState(session_id=f"old{i}", context=[UserMsg(f"hello {i}"), AssistantMsg(f"hi {i}")])
+        blob = codec.encode(state).SerializeToString()
+        db.execute(f"INSERT INTO {table} VALUES (?, ?, ?, ?, ?, 2, 0)", (f"old{i}", blob, OLD, OLD, f"hello {i}"))
+
+
+def tables(path: Path) -> dict[str, int]:
+    db = sqlite3.connect(path)
+    try:
+        names = [r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        return {t: db.execute(f"SELECT count(*) FROM {t}").fetchone()[0] for t in names}
+    finally:
+        db.close()
+
+
+async def listed(address: str) -> list[str]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer = await stub(channel).ListSessions(host_pb2.ListSessionsRequest(), timeout=10)
+    return sorted(s.session_id for s in answer.sessions)
+
+
+def refused_start(db: Path) -> str:
+    """Start a host on ``db``, which must refuse to start: the last line it printed."""
+    done = run_cli("agent_host", "--db", str(db), "--listen", "127.0.0.1:0", timeout=20)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+async def test_a_one_blob_migration_that_fails_leaves_the_database_as_it_was(procs: Procs, tmp_path: Path) -> None:
+    """A session of the one-blob layout that does not decode stops the start with one line naming
+    the file and the row, and the old layout is intact: fixed, the next start migrates every
+    session. Before, the table rename had committed alone (Python's sqlite3 opens no transaction
+    for DDL): a DecodeError traceback, then every later start found an empty store."""
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    one_blob_sessions(db, 2)
+    db.execute("INSERT INTO sessions VALUES ('broken', x'ffffff00', ?, ?, 'x', 1, 0)", (OLD, OLD))
+    db.commit()
+    db.close()
+    message = refused_start(path)
+    assert f"cannot open the session store '{path}'" in message, message
+    assert "cannot migrate session 'broken' (row 3 of table sessions, the one-blob layout)" in message, message
+    assert tables(path) == {"sessions": 3}, "the database was left as it was"
+
+    db = sqlite3.connect(path)
+    db.execute("DELETE FROM sessions WHERE session_id = 'broken'")
+    db.commit()
+    db.close()
+    host = procs.host(path)
+    assert await listed(host.address) == ["old0", "old1"]
+    _, state, _ = await get_session(host.address, "old1")
+    assert [m.text for m in state.context] == ["hello 1", "hi 1"]
+
+
+async def test_a_one_blob_migration_an_older_host_left_half_done_is_finished(procs: Procs, tmp_path: Path) -> None:
+    """What an older host's interrupted migration left (the old table renamed to sessions_v1, the
+    new tables empty, sessions made since) is migrated at the next start. Before, those old
+    sessions stayed hidden in sessions_v1 for good."""
+    path = tmp_path / "half.db"
+    store = SqliteStore(path)  # the row layout, as the older host made it after the rename
+    await store.create("new").begin_reply()
+    store.close()
+    db = sqlite3.connect(path)
+    one_blob_sessions(db, 2, table="sessions_v1")
+    db.commit()
+    db.close()
+    host = procs.host(path)
+    assert await listed(host.address) == ["new", "old0", "old1"]
+    _, state, _ = await get_session(host.address, "old0")
+    assert [m.text for m in state.context] == ["hello 0", "hi 0"]
+    host.stop()
+    assert "sessions_v1" not in tables(path)

@@ -21,11 +21,12 @@ import collections
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import socket
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
@@ -37,7 +38,9 @@ from agentmw.v1 import types_pb2
 from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError, TooManyRepliesError
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
-SCHEMA_VERSION = 3
+log = logging.getLogger("agentmw.store")
+
+SCHEMA_VERSION = 3  # PRAGMA user_version; 2: the session's owner; 3: the row layout (1: one blob per session)
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id    TEXT PRIMARY KEY,
@@ -87,7 +90,9 @@ class SqliteStore(CachedJournals):
         CachedJournals.__init__(self)
         self.bytes_written = 0  # message and meta bytes written so far (a measure of write cost)
         try:
-            self._db = sqlite3.connect(db, check_same_thread=False, timeout=10.0)
+            # Autocommit, and every transaction explicit (_transaction): Python's implicit ones leave
+            # DDL out (before 3.12), so a migration's table rename committed on its own.
+            self._db = sqlite3.connect(db, check_same_thread=False, timeout=10.0, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._migrate()
@@ -98,28 +103,73 @@ class SqliteStore(CachedJournals):
     # -- schema --------------------------------------------------------------------------------
 
     def _migrate(self) -> None:
+        """Create, or migrate, the layout in one transaction: an interrupted migration (a row that
+        does not decode, a host killed meanwhile) leaves the database as it was."""
         db = self._db
-        columns = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
-        with db:
+        with self._transaction():
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            columns = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
+            old = "sessions_v1"  # an older host's migration that did not finish left it (its rename committed alone)
             if "state" in columns:  # version 1: the whole state in one blob per session
                 db.execute("ALTER TABLE sessions RENAME TO sessions_v1")
+                old, columns = "sessions", set()
+                tables.add("sessions_v1")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
-            if columns and "owner" not in columns and "state" not in columns:  # version 2: no owner yet
+            if columns and "owner" not in columns:  # version 2: no owner yet
                 db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
-            if "state" in columns:
-                old = db.execute("SELECT state, created_at, parked FROM sessions_v1").fetchall()
-                for blob, created, parked in old:
-                    state = codec.decode(types_pb2.AgentState.FromString(blob))
-                    status = ReplyStatus.PARKED if parked else ReplyStatus.IDLE
-                    journal = RowJournal(self, state)
-                    write, _, _ = journal.diff(status, [])
-                    self._write_in(db, write, created_at=created)
-                db.execute("DROP TABLE sessions_v1")
+            if "sessions_v1" in tables:
+                self._convert_v1(db, old)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
+    def _convert_v1(self, db: sqlite3.Connection, table: str) -> None:
+        """The sessions of the one-blob layout (now ``sessions_v1``; ``table`` is where the user
+        finds them) in the row layout. A session id the row layout has already (made after an older
+        host's interrupted migration) is left in ``sessions_v1``, with a warning."""
+        present = {r[0] for r in db.execute("SELECT session_id FROM sessions")}
+        taken: list[str] = []
+        migrated: list[tuple[str]] = []
+        rows = db.execute("SELECT rowid, session_id, state, created_at, parked FROM sessions_v1")
+        for rowid, sid, blob, created, parked in rows:
+            if sid in present:
+                taken.append(sid)
+                continue
+            try:
+                state = codec.decode(types_pb2.AgentState.FromString(blob))
+            except Exception as exc:  # whatever the parser raises on a damaged blob
+                raise OSError(
+                    f"cannot migrate session {sid!r} (row {rowid} of table {table}, the one-blob layout): its "
+                    f"state does not decode ({type(exc).__name__}: {exc}); the database was left as it was: "
+                    "repair or delete that row, or restore a backup"
+                ) from None
+            status = ReplyStatus.PARKED if parked else ReplyStatus.IDLE
+            write, _, _ = RowJournal(self, state).diff(status, [])
+            self._write_in(db, write, created_at=created)
+            migrated.append((sid,))
+        if taken:
+            log.warning(
+                "%s: sessions %s of the one-blob layout were not migrated (a newer session has the same id): "
+                "they stay in table sessions_v1",
+                self.path,
+                ", ".join(map(repr, taken)),
+            )
+            db.executemany("DELETE FROM sessions_v1 WHERE session_id = ?", migrated)
+        else:
+            db.execute("DROP TABLE sessions_v1")
+
     # -- writes (worker thread) ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """All of the block or none of it, DDL included (the connection is in autocommit mode)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        finally:
+            if self._db.in_transaction:  # the block, or the commit, failed
+                self._db.rollback()
 
     async def _apply(self, w: Write) -> None:
         await asyncio.to_thread(self._write, w)
@@ -128,7 +178,7 @@ class SqliteStore(CachedJournals):
         pass  # one host per file: the lease is the host's own per-session lock, never taken over
 
     def _write(self, w: Write) -> None:
-        with self._lock, self._db:
+        with self._lock, self._transaction():
             self._write_in(self._db, w)
 
     def _write_in(self, db: sqlite3.Connection, w: Write, created_at: str | None = None) -> None:
@@ -191,7 +241,7 @@ class SqliteStore(CachedJournals):
         return _record(r) if r else None
 
     def _delete(self, session_id: str) -> bool:
-        with self._lock, self._db:
+        with self._lock, self._transaction():
             cur = self._db.execute("DELETE FROM sessions WHERE session_id = ?", (session_id,))
             self._db.execute("DELETE FROM messages WHERE session_id = ?", (session_id,))
         return cur.rowcount > 0

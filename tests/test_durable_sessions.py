@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from agent_host.store import SqliteStore
+from agent_host.store.sqlite import SCHEMA_VERSION as SQLITE_SCHEMA
 from agentmw.codec import codec
 from agentmw.data import (
     AssistantMsg,
@@ -232,7 +233,7 @@ def test_a_second_host_on_a_symlink_to_the_sqlite_file_refuses_to_start(procs: P
 
 
 # ---------------------------------------------------------------------------------------------
-# The SQLite schema at start: migration from the one-blob layout.
+# The SQLite schema at start: migration from the one-blob layout, a newer schema.
 
 V1_SESSIONS = (
     "CREATE TABLE {name} (session_id TEXT PRIMARY KEY, state BLOB NOT NULL, created_at TEXT NOT NULL, "
@@ -318,3 +319,23 @@ async def test_a_one_blob_migration_an_older_host_left_half_done_is_finished(pro
     assert [m.text for m in state.context] == ["hello 0", "hi 0"]
     host.stop()
     assert "sessions_v1" not in tables(path)
+
+
+def test_a_sqlite_database_of_a_newer_schema_is_refused(procs: Procs, tmp_path: Path) -> None:
+    """As on PostgreSQL: a database a newer host migrated is refused, and its version is kept.
+    Before, it was served and stamped back to this host's version (a newer host would then
+    migrate it again)."""
+    path = tmp_path / "newer.db"
+    SqliteStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE sessions ADD COLUMN later TEXT")
+    db.execute(f"PRAGMA user_version = {SQLITE_SCHEMA + 1}")
+    db.commit()
+    db.close()
+    message = refused_start(path)
+    assert f"the database has session schema version {SQLITE_SCHEMA + 1}; this host knows {SQLITE_SCHEMA}" in message
+    db = sqlite3.connect(path)
+    try:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SQLITE_SCHEMA + 1
+    finally:
+        db.close()

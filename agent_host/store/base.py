@@ -50,6 +50,15 @@ class StoreLockedError(OSError):
     """Another process holds the store (SQLite: one host per database file)."""
 
 
+def check_schema_version(found: int, known: int) -> None:
+    """Raise OSError when the database was migrated by a newer host (``found`` above ``known``):
+    its layout is unknown here, so it is neither served nor written to."""
+    if found > known:
+        raise OSError(
+            f"the database has session schema version {found}; this host knows {known}: run a newer agent-host"
+        )
+
+
 class SessionBusyError(Exception):
     """Another reply holds the session (``hold(wait=False)``); ``holder`` names its host."""
 
@@ -181,4 +190,5 @@ __all__ = [
     "SessionStore",
     "StoreLockedError",
     "TooManyRepliesError",
+    "check_schema_version",
 ]

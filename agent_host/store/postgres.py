@@ -47,7 +47,15 @@ import asyncpg
 
 from agentmw.data.state import AgentState
 
-from .base import Hold, LeaseLostError, ReplyStatus, SessionBusyError, SessionRecord, TooManyRepliesError
+from .base import (
+    Hold,
+    LeaseLostError,
+    ReplyStatus,
+    SessionBusyError,
+    SessionRecord,
+    TooManyRepliesError,
+    check_schema_version,
+)
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
@@ -425,8 +433,7 @@ async def _migrate(pool: asyncpg.Pool) -> None:
         if version is None:  # a new database: _SCHEMA made the latest layout
             await conn.execute("INSERT INTO agentmw_schema (version) VALUES ($1)", SCHEMA_VERSION)
             return
-        if version > SCHEMA_VERSION:
-            raise OSError(f"the database has session schema version {version}; this host knows {SCHEMA_VERSION}")
+        check_schema_version(version, SCHEMA_VERSION)
         # One step per version, in this transaction (older hosts are to be stopped first).
         if version < 2:  # sessions made before owners: owned by no one ("")
             await conn.execute("ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''")

@@ -35,7 +35,7 @@ from agentmw.codec import codec
 from agentmw.data.state import AgentState
 from agentmw.v1 import types_pb2
 
-from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError, TooManyRepliesError
+from .base import Hold, ReplyStatus, SessionRecord, StoreLockedError, TooManyRepliesError, check_schema_version
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
@@ -107,6 +107,8 @@ class SqliteStore(CachedJournals):
         does not decode, a host killed meanwhile) leaves the database as it was."""
         db = self._db
         with self._transaction():
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            check_schema_version(version, SCHEMA_VERSION)  # a newer host's layout: never touched
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             columns = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
             old = "sessions_v1"  # an older host's migration that did not finish left it (its rename committed alone)
@@ -121,7 +123,8 @@ class SqliteStore(CachedJournals):
                 db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             if "sessions_v1" in tables:
                 self._convert_v1(db, old)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            if version < SCHEMA_VERSION:
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _convert_v1(self, db: sqlite3.Connection, table: str) -> None:
         """The sessions of the one-blob layout (now ``sessions_v1``; ``table`` is where the user

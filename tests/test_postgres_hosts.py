@@ -299,6 +299,52 @@ async def test_a_host_that_lost_its_lease_while_on_acting_held_a_call_does_not_r
     assert "may or may not have taken effect" in outputs[0] and "noted b" in outputs[1], outputs
 
 
+async def test_a_host_paused_inside_a_write_does_not_block_the_takeover(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    """Host A is paused inside one of its write transactions, which holds the session's lease row
+    locked; B still takes the session over about a lease later, and A's write is refused when A is
+    continued. Before, B's reply waited on that lock for as long as A stayed paused (the pool set
+    no idle_in_transaction_session_timeout)."""
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2)
+    monitor, probe = await asyncpg.connect(dsn), await asyncpg.connect(dsn)  # probe: pg_stat_activity is fresh
+    try:
+        async with HostClient(a.address) as client:
+            call = client.reply("", UserMsg("call fx__slow_note text=a seconds=0.5"))
+            stream = await started_tool(call, effects, ["a"])
+            session = call.session_id
+            # The session's row locked: A's write of the result waits in its transaction, the lease row locked.
+            held = monitor.transaction()
+            await held.start()
+            await monitor.execute("SELECT 1 FROM agentmw_sessions WHERE session_id = $1 FOR UPDATE", session)
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO agentmw_sessions%'"
+            )
+            await wait_until_async(lambda: probe.fetchval(waiting), 1)
+            os.kill(a.pid, signal.SIGSTOP)
+            await held.rollback()  # A's statement ends; its transaction stays open while A is paused
+            try:
+                started = time.monotonic()
+                async with asyncio.timeout(15):
+                    _, items = await reply(b.address, session, UserMsg("call fx__note text=b"))
+                took = time.monotonic() - started
+            finally:
+                os.kill(a.pid, signal.SIGCONT)
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                async with asyncio.timeout(20):
+                    async for _item in stream:
+                        pass
+    finally:
+        await monitor.close()
+        await probe.close()
+    assert await ending(items) == ReplyFinishedReason.COMPLETED
+    assert took < 3 * float(LEASE), f"B took the session over after {took:.1f}s"
+    assert lost.value.code() == grpc.StatusCode.ABORTED, lost.value.details()
+    assert lines(effects) == ["a", "b"]
+    _, state, _ = await get_session(b.address, session)
+    outputs = [str(r.output) for m in state.context for r in m.content if isinstance(r, ToolResultBlock)]
+    assert len(outputs) == 2 and "may or may not have taken effect" in outputs[0] and "noted b" in outputs[1]
+
+
 def host_pb2_state(state: object) -> bytes:
     from agentmw.codec import codec
 

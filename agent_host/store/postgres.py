@@ -198,7 +198,7 @@ class PostgresStore(CachedJournals):
     async def connect(cls, dsn: str, *, lease: float = 10.0) -> PostgresStore:
         """Connect, create or migrate the schema, and listen. Raises OSError saying what failed."""
         try:
-            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=10, timeout=10)
+            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=10, timeout=10, server_settings=_settings(lease))
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             raise OSError(f"cannot connect to {redact(dsn)}: {exc}") from None
         try:
@@ -238,7 +238,10 @@ class PostgresStore(CachedJournals):
         self._waiters[session_id].add(released)  # before trying: a release meanwhile is not missed
         try:
             while True:
-                row = await self.pool.fetchrow(_ACQUIRE, session_id, self.host_id, self.lease)
+                try:
+                    row = await self.pool.fetchrow(_ACQUIRE, session_id, self.host_id, self.lease)
+                except asyncpg.LockNotAvailableError:  # the lease row stayed locked (lock_timeout): busy
+                    row = {"fence": None, "holder": None, "remaining": POLL}
                 if row["fence"] is not None:
                     return int(row["fence"])
                 if not wait:
@@ -425,8 +428,18 @@ class PostgresStore(CachedJournals):
             await asyncio.wait_for(self.pool.close(), 5)
 
 
+def _settings(lease: float) -> dict[str, str]:
+    """The pool's session settings. A host paused or cut off inside one of its write transactions
+    holds the session's lease row locked, and a taker's _ACQUIRE would wait on it for as long:
+    the server ends a transaction idle for a lease (the lease has expired by then, unrenewed), and
+    no statement waits for a lock beyond two (a taker polls again)."""
+    ms = max(1, round(lease * 1000))
+    return {"idle_in_transaction_session_timeout": str(ms), "lock_timeout": str(2 * ms)}
+
+
 async def _migrate(pool: asyncpg.Pool) -> None:
     async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("SET LOCAL lock_timeout = 0")  # another host's migration may take its time
         await conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
         await conn.execute(_SCHEMA)
         version = await conn.fetchval("SELECT max(version) FROM agentmw_schema")

@@ -731,13 +731,18 @@ async def test_owners_are_stored_and_checked_on_every_host(procs: Procs, tmp_pat
     assert owners == {alices: "alice", bobs: "bob"}
 
 
-async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str) -> None:
+@pytest.mark.parametrize("version_row", [True, False])
+async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str, version_row: bool) -> None:
     """A database made before owners (schema 1) is migrated at start: its sessions keep their rows
-    and belong to no one; new sessions get their owner."""
+    and belong to no one; new sessions get their owner. Tables with no version row are taken for
+    the oldest layout (before, they were stamped current as they were, and every write failed)."""
     conn = await asyncpg.connect(dsn)
     try:
+        if version_row:
+            await conn.execute(
+                "CREATE TABLE agentmw_schema (version integer NOT NULL); INSERT INTO agentmw_schema VALUES (1)"
+            )
         await conn.execute(
-            "CREATE TABLE agentmw_schema (version integer NOT NULL); INSERT INTO agentmw_schema VALUES (1);"
             "CREATE TABLE agentmw_sessions (session_id text PRIMARY KEY, created_at timestamptz NOT NULL "
             "DEFAULT now(), updated_at timestamptz NOT NULL DEFAULT now(), title text NOT NULL DEFAULT '', "
             "message_count integer NOT NULL DEFAULT 0, status text NOT NULL DEFAULT 'idle', in_flight text[] "
@@ -760,6 +765,58 @@ async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str) -> None:
         assert await conn.fetchval("SELECT version FROM agentmw_schema") == SCHEMA_VERSION
     finally:
         await conn.close()
+
+
+def refused_start(dsn: str) -> str:
+    """Start a host on ``dsn``, which must refuse to start: the one line it printed last."""
+    done = run_cli("agent_host", "--db", dsn, "--listen", "127.0.0.1:0", timeout=20)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+async def test_session_tables_that_do_not_match_the_schema_are_refused_at_start(dsn: str) -> None:
+    """A column missing, or another program's table of the same name: the host refuses to start,
+    saying what differs. Before, it started, and every reply failed (INTERNAL)."""
+    await (await PostgresStore.connect(dsn, lease=5)).aclose()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("ALTER TABLE agentmw_sessions DROP COLUMN in_flight")
+        message = await asyncio.to_thread(refused_start, dsn)
+        assert "the session tables do not match schema version 3: agentmw_sessions has no column in_flight" in message
+        await conn.execute(
+            "ALTER TABLE agentmw_sessions ADD COLUMN in_flight text[] NOT NULL DEFAULT '{}'; DROP TABLE agentmw_leases;"
+            "CREATE TABLE agentmw_leases (session_id text PRIMARY KEY, holder text, fence text)"
+        )
+        message = await asyncio.to_thread(refused_start, dsn)
+        assert "agentmw_leases.fence is text, not bigint; agentmw_leases has no column owner (text)" in message
+    finally:
+        await conn.close()
+
+
+_roles = itertools.count()
+
+
+async def test_a_user_who_may_only_read_and_write_the_tables_runs_a_host(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """The usual least-privilege role: the schema made by its owner, the host's user with SELECT,
+    INSERT, UPDATE and DELETE on the tables and no CREATE on the schema. Before, every start ran
+    the DDL and was refused (permission denied for schema public)."""
+    await (await PostgresStore.connect(dsn, lease=5)).aclose()
+    role = f"app_{os.getpid()}_{next(_roles)}"
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            f"CREATE ROLE {role} LOGIN; REVOKE CREATE ON SCHEMA public FROM PUBLIC;"
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON agentmw_schema, agentmw_sessions, agentmw_messages, "
+            f"agentmw_leases, agentmw_replies TO {role}"
+        )
+    finally:
+        await conn.close()
+    effects, (host,) = cluster(procs, tmp_path, dsn.replace("//postgres@", f"//{role}@"), 1)
+    _, items = await reply(host.address, "", UserMsg("call fx__note text=hi"))
+    assert await ending(items) == ReplyFinishedReason.COMPLETED
+    assert lines(effects) == ["hi"]
 
 
 def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path) -> None:

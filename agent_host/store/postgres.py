@@ -37,6 +37,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import secrets
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -438,20 +439,76 @@ def _settings(lease: float) -> dict[str, str]:
 
 
 async def _migrate(pool: asyncpg.Pool) -> None:
+    """Create or migrate the schema, then check it is this host's. A schema already current gets
+    no DDL: a database user who may only read and write the tables runs a host."""
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute("SET LOCAL lock_timeout = 0")  # another host's migration may take its time
         await conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
-        await conn.execute(_SCHEMA)
-        version = await conn.fetchval("SELECT max(version) FROM agentmw_schema")
-        if version is None:  # a new database: _SCHEMA made the latest layout
+        version = None
+        if await conn.fetchval("SELECT to_regclass('agentmw_schema')") is not None:
+            version = await conn.fetchval("SELECT max(version) FROM agentmw_schema")
+        if version is not None:
+            check_schema_version(version, SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            if version is None and await conn.fetchval("SELECT to_regclass('agentmw_sessions')") is not None:
+                version = 1  # tables without a version row: the oldest layout, migrated like one
+            await conn.execute(_SCHEMA)  # a new database gets the latest layout
+            # One step per version, in this transaction (older hosts are to be stopped first).
+            if version is not None and version < 2:  # sessions made before owners: owned by no one ("")
+                await conn.execute(
+                    "ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''"
+                )
+            # 3: agentmw_replies is new, made by _SCHEMA above (it starts empty: no reply runs during a migration).
+            await conn.execute("DELETE FROM agentmw_schema")
             await conn.execute("INSERT INTO agentmw_schema (version) VALUES ($1)", SCHEMA_VERSION)
-            return
-        check_schema_version(version, SCHEMA_VERSION)
-        # One step per version, in this transaction (older hosts are to be stopped first).
-        if version < 2:  # sessions made before owners: owned by no one ("")
-            await conn.execute("ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''")
-        # 3: agentmw_replies is new, made by _SCHEMA above (it starts empty: no reply runs during a migration).
-        await conn.execute("UPDATE agentmw_schema SET version = $1", SCHEMA_VERSION)
+        await _check_layout(conn)
+
+
+# How format_type() writes the types _SCHEMA names otherwise.
+_TYPE_NAMES = {"timestamptz": "timestamp with time zone"}
+
+
+def _layout(schema: str) -> dict[str, dict[str, str]]:
+    """Each table ``schema`` makes: its columns' names and types, as the database reports them."""
+    tables: dict[str, dict[str, str]] = {}
+    for table, body in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\);", schema, re.S):
+        columns = tables[table] = {}
+        for line in body.strip().splitlines():
+            name, kind = line.split()[:2]
+            if name != "PRIMARY":
+                columns[name] = _TYPE_NAMES.get(kind.rstrip(","), kind.rstrip(","))
+    return tables
+
+
+_LAYOUT = _layout(_SCHEMA)
+
+
+async def _check_layout(conn: asyncpg.Connection) -> None:
+    """Raise OSError naming what differs when the tables lack a column of this host's schema, or
+    have it of another type (changed by hand, another program's tables of the same names): every
+    reply would fail later, with a database error."""
+    wrong: list[str] = []
+    for table, columns in _LAYOUT.items():
+        found = dict(
+            await conn.fetch(
+                "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+                "WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped",
+                table,
+            )
+        )
+        if not found:
+            wrong.append(f"there is no table {table}")
+            continue
+        for name, kind in columns.items():
+            if name not in found:
+                wrong.append(f"{table} has no column {name} ({kind})")
+            elif found[name] != kind:
+                wrong.append(f"{table}.{name} is {found[name]}, not {kind}")
+    if wrong:
+        raise OSError(
+            f"the session tables do not match schema version {SCHEMA_VERSION}: {'; '.join(wrong)} "
+            "(changed by hand, or another program's tables of these names?)"
+        )
 
 
 def _lost(session_id: str, fence: int | None) -> LeaseLostError:

@@ -399,6 +399,39 @@ async def test_interrupt_sent_to_one_host_ends_a_reply_running_on_another(
         assert not idle.interrupted, "nothing runs any more"
 
 
+async def test_a_host_listens_again_after_its_notification_connection_is_lost(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """The database ends the hosts' LISTEN connections (as a restart or a failover does): they
+    listen again, so an interrupt sent to B reaches A's reply at once, not with A's next lease
+    renewal (every 20 s here). Before, the connection was never opened again."""
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, "--lease", "60")
+    listeners = (
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query LIKE 'LISTEN%' "
+        "AND pid != pg_backend_pid()"
+    )
+    admin = await asyncpg.connect(dsn)
+    try:
+        before = {r["pid"] for r in await admin.fetch(listeners)}
+        assert len(before) == 2
+        await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = ANY($1)", list(before))
+
+        async def listening_again() -> bool:
+            return len({r["pid"] for r in await admin.fetch(listeners)} - before) == 2
+
+        await wait_until_async(listening_again, True, timeout=5)
+    finally:
+        await admin.close()
+    async with HostClient(a.address) as client, grpc.aio.insecure_channel(b.address) as channel:
+        call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
+        stream = await started_tool(call, effects, ["long"])
+        answer = await stub(channel).InterruptReply(host_pb2.InterruptReplyRequest(session_id=call.session_id))
+        assert answer.interrupted
+        async with asyncio.timeout(3):  # the notification, not the renewal
+            rest = [item async for item in stream]
+    assert await ending(rest) == ReplyFinishedReason.INTERRUPTED
+
+
 async def test_the_final_msg_reaches_the_client_only_once_the_reply_is_stored(
     procs: Procs, tmp_path: Path, dsn: str
 ) -> None:

@@ -27,7 +27,8 @@ leases taken over and interrupt requests.
 Notifications (LISTEN/NOTIFY) make the common cases fast: ``agentmw_lease`` (a lease released:
 waiters try at once instead of at the expiry) and ``agentmw_interrupt`` (interrupt the reply of
 that fence). A missed notification costs time only: waiters poll at least every second and the
-renewal loop reads the ``interrupt`` column.
+renewal loop reads the ``interrupt`` column. The listening connection, once lost (a database
+restart, a failover), is opened again as soon as the database answers.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ ON CONFLICT (session_id, idx) DO UPDATE SET msg = excluded.msg
 """
 _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, status, owner FROM agentmw_sessions"
 POLL = 1.0  # a waiter tries again at least this often (a missed notification costs no more)
+RELISTEN_MAX = 5.0  # seconds at most between tries to listen again after the connection was lost
 REACHABLE_TIMEOUT = 1.0  # seconds a health check waits for the database (probes time out soon after)
 
 
@@ -184,10 +186,13 @@ class PostgresStore(CachedJournals):
 
     shared = True
 
-    def __init__(self, pool: asyncpg.Pool, listener: asyncpg.Connection, lease: float) -> None:
+    def __init__(self, pool: asyncpg.Pool, listener: asyncpg.Connection, lease: float, dsn: str) -> None:
         self.pool = pool
         self.listener = listener
         self.lease = lease
+        self.dsn = dsn
+        self._relisten: asyncio.Task[None] | None = None
+        self._closing = False
         self.host_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._held: dict[str, Hold] = {}
         self._waiters: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
@@ -210,9 +215,8 @@ class PostgresStore(CachedJournals):
             if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
                 raise OSError(f"{redact(dsn)}: {exc}") from None
             raise
-        store = cls(pool, listener, lease)
-        await listener.add_listener("agentmw_lease", store._on_notify)
-        await listener.add_listener("agentmw_interrupt", store._on_notify)
+        store = cls(pool, listener, lease, dsn)
+        await store._listen(listener)
         store._renewer = asyncio.create_task(store._renew_loop(), name="lease renewal")
         return store
 
@@ -254,6 +258,47 @@ class PostgresStore(CachedJournals):
             self._waiters[session_id].discard(released)
             if not self._waiters[session_id]:
                 del self._waiters[session_id]
+
+    async def _listen(self, conn: asyncpg.Connection) -> None:
+        await conn.add_listener("agentmw_lease", self._on_notify)
+        await conn.add_listener("agentmw_interrupt", self._on_notify)
+        conn.add_termination_listener(self._on_listener_lost)
+
+    def _on_listener_lost(self, conn: asyncpg.Connection) -> None:
+        if self._closing or conn is not self.listener or self._relisten is not None:
+            return
+        log.warning(
+            "the database's notification connection was lost: reconnecting; meanwhile waiters poll "
+            "every %gs and other hosts' interrupts arrive with the lease renewal",
+            POLL,
+        )
+        self._relisten = asyncio.get_running_loop().create_task(self._reconnect_listener(), name="relisten")
+
+    async def _reconnect_listener(self) -> None:
+        """Listen again once the database answers (after a restart, a failover, a cut connection),
+        trying at most every RELISTEN_MAX seconds for as long as the store is open."""
+        pause = 0.1
+        try:
+            while True:
+                conn = None
+                try:
+                    conn = await asyncpg.connect(self.dsn, timeout=10)
+                    await self._listen(conn)
+                except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
+                    if conn is not None:
+                        conn.terminate()
+                    log.debug("cannot listen to the database's notifications yet: %s", exc)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, RELISTEN_MAX)
+                    continue
+                self.listener = conn
+                log.info("listening to the database's notifications again")
+                for events in self._waiters.values():  # a release meanwhile went unheard: try now
+                    for event in events:
+                        event.set()
+                return
+        finally:
+            self._relisten = None
 
     def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
         if channel == "agentmw_lease":
@@ -409,14 +454,18 @@ class PostgresStore(CachedJournals):
 
     def close(self) -> None:
         """Synchronous callers only: drops the connections without releasing leases (use aclose)."""
-        if self._renewer is not None:
-            self._renewer.cancel()
+        self._closing = True
+        for task in (self._renewer, self._relisten):
+            if task is not None:
+                task.cancel()
         self.pool.terminate()
         self.listener.terminate()
 
     async def aclose(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
+        self._closing = True
+        for task in (self._renewer, self._relisten):
+            if task is not None:
+                task.cancel()
         for hold in list(self._held.values()):  # normally none: each reply releases its own
             with contextlib.suppress(Exception):
                 await self.pool.fetch(_RELEASE, hold.session_id, hold.fence, self.host_id)

@@ -149,12 +149,14 @@ def _ended(agent: Any, watch: ReplyWatch, outcome: str) -> None:
 
 
 def quiet_failure(exc: BaseException) -> bool:
-    """A failure the reply log line and the middleware warning already tell (a middleware or a
-    model that failed): no traceback for it. Anything else is a host bug worth one."""
+    """A failure the reply log line and the middleware or store warnings already tell (a
+    middleware, a model or the session store that failed): no traceback for it. Anything else is
+    a host bug worth one."""
     from .models.base import ModelError
     from .remote.errors import MiddlewareFailure
+    from .store import STORE_ERRORS, LeaseLostError
 
-    return isinstance(exc, MiddlewareFailure | ModelError)
+    return isinstance(exc, (MiddlewareFailure, ModelError, LeaseLostError, *STORE_ERRORS))
 
 
 def model_attempt_failed(failure: Any) -> dict[str, Any]:

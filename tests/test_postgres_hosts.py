@@ -591,6 +591,49 @@ async def test_health_is_not_serving_while_the_store_is_unreachable(procs: Procs
         await relay.cut()
 
 
+async def test_a_store_outage_is_unavailable_with_the_stores_message(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    """PostgreSQL cut off: a reply in flight, a new reply and every session RPC end with UNAVAILABLE
+    saying the store is unreachable (a client or balancer may retry). Before: INTERNAL ("the host
+    failed"), with a host-bug traceback in the log, and UNKNOWN for the session RPCs."""
+    target = urlsplit(dsn)
+    relay = Relay(target.port or 5432)
+    await relay.start()
+    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
+    effects, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)
+    try:
+        session, _ = await reply(host.address, "", UserMsg("hi"))
+        async with HostClient(host.address) as client:
+            call = client.reply(session, UserMsg("call fx__slow_note text=slow seconds=1"))
+            stream = await started_tool(call, effects, ["slow"])
+            await relay.cut()  # its result cannot be stored
+            with pytest.raises(grpc.aio.AioRpcError) as in_flight:
+                async with asyncio.timeout(20):
+                    async for _item in stream:
+                        pass
+        with pytest.raises(grpc.aio.AioRpcError) as new:
+            await reply(host.address, session, UserMsg("again"))
+        failures = [in_flight.value, new.value]
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            for rpc, request in (
+                (stub(channel).GetSession, host_pb2.GetSessionRequest(session_id=session)),
+                (stub(channel).ListSessions, host_pb2.ListSessionsRequest()),
+                (stub(channel).DeleteSession, host_pb2.DeleteSessionRequest(session_id=session)),
+                (stub(channel).InterruptReply, host_pb2.InterruptReplyRequest(session_id=session)),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await rpc(request, timeout=10)
+                failures.append(failed.value)
+        for failure in failures:
+            assert failure.code() == grpc.StatusCode.UNAVAILABLE, failure
+            assert failure.details().startswith("the session store is unreachable: "), failure.details()
+    finally:
+        await relay.cut()
+    log = host.log_path
+    assert log is not None
+    await wait_until(lambda: "InterruptReply: the session store is unreachable" in log.read_text())
+    assert " ERROR " not in log.read_text() and "a reply of session" not in log.read_text(), "an outage, not a bug"
+
+
 async def test_a_bounded_load_across_three_hosts_runs_every_turn_once(procs: Procs, tmp_path: Path, dsn: str) -> None:
     effects, hosts = cluster(procs, tmp_path, dsn, 3)
     sessions, turns = 10, 6  # 60 replies; a session's turns go to different hosts at once

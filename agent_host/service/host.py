@@ -59,6 +59,7 @@ from ..remote.errors import MiddlewareFailure, NoAnswer, Unreachable
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
 from ..store import (
+    STORE_ERRORS,
     Hold,
     Journal,
     LeaseLostError,
@@ -67,6 +68,7 @@ from ..store import (
     SessionRecord,
     SessionStore,
     TooManyRepliesError,
+    store_failure,
 )
 
 log = logging.getLogger("agentmw.host")
@@ -319,6 +321,9 @@ class Host:
                     "cut off; the session keeps what was done, open tool calls closed",
                 )
             )
+        except STORE_ERRORS as exc:  # an outage, not a host bug: worth a retry (here once it is back, or elsewhere)
+            log.warning("reply of session %s: %s", run.session_id, store_failure(exc))
+            run.end_now(ReplyRejected(grpc.StatusCode.UNAVAILABLE, store_failure(exc)))
         except Exception:  # a host bug: say so on the stream rather than hang the client
             log.exception("reply of session %s failed", run.session_id)
             run.end_now(ReplyRejected(grpc.StatusCode.INTERNAL, "the host failed; see its log"))

@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import signal
 import sqlite3
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,7 +46,7 @@ from ..security import (
     address_allowed,
     refuse_stream,
 )
-from ..store import SessionRecord, open_store
+from ..store import STORE_ERRORS, SessionRecord, open_store, store_failure
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
 from .host import BATCH_BYTES, WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
@@ -67,6 +68,26 @@ CONNECT_TIMEOUT = Policy.connect_timeout  # an attach failure is answered no soo
 ATTACH_FAILED = "no usable middleware server answered there (the host's log says why)"
 
 START_WAIT = 5.0  # seconds a Reply call may take to send its StartReply (a client sends it at once)
+
+
+_Answer = TypeVar("_Answer")
+
+
+def _store_unavailable(
+    method: Callable[[Any, Any, Any], Awaitable[_Answer]],
+) -> Callable[[Any, Any, Any], Awaitable[_Answer]]:
+    """A session RPC whose store fails (unreachable, full) answers UNAVAILABLE with the store's
+    message, as Reply does (Host._run), not UNKNOWN with a traceback in the log."""
+
+    @functools.wraps(method)
+    async def answer(self: Any, request: Any, context: Any) -> _Answer:
+        try:
+            return await method(self, request, context)
+        except STORE_ERRORS as exc:
+            log.warning("%s: %s", method.__name__, store_failure(exc))
+            await abort(context, grpc.StatusCode.UNAVAILABLE, store_failure(exc))
+
+    return answer
 
 
 class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
@@ -119,10 +140,12 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
             watcher.cancel()
             run.abandon()  # a no-op when the reply has ended; else the client went away
 
+    @_store_unavailable
     async def ListSessions(self, request: Any, context: Any) -> host_pb2.SessionList:
         sessions = await self.host.sessions(request.limit, CALLER.get())
         return host_pb2.SessionList(sessions=[_summary(r) for r in sessions])
 
+    @_store_unavailable
     async def GetSession(self, request: Any, context: grpc.aio.ServicerContext) -> host_pb2.Session:
         found = await self.host.session(request.session_id, CALLER.get())
         if found is None:
@@ -135,10 +158,12 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
             codec.encode(call, out.pending_tool_calls.add())
         return out
 
+    @_store_unavailable
     async def DeleteSession(self, request: Any, context: Any) -> host_pb2.DeleteSessionResponse:
         deleted = await self.host.delete_session(request.session_id, CALLER.get())
         return host_pb2.DeleteSessionResponse(deleted=deleted)
 
+    @_store_unavailable
     async def InterruptReply(self, request: Any, context: Any) -> host_pb2.InterruptReplyResponse:
         return host_pb2.InterruptReplyResponse(interrupted=await self.host.interrupt(request.session_id, CALLER.get()))
 

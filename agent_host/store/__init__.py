@@ -8,7 +8,10 @@ per file; ``PostgresStore`` (postgres.py) the shared one, many hosts with a leas
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
+
+import asyncpg
 
 from .base import (
     Hold,
@@ -25,6 +28,16 @@ from .journal import RowJournal
 from .postgres import PostgresStore, is_dsn
 from .sqlite import SqliteJournal, SqliteStore
 
+# What a store raises when it fails (unreachable, full, refusing): the host answers UNAVAILABLE
+# with ``store_failure``'s text, not as for a host bug.
+STORE_ERRORS: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, asyncpg.PostgresError, asyncpg.InterfaceError)
+_DOWN = (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError)
+
+
+def store_failure(exc: BaseException) -> str:
+    """What a client is told when the store failed with ``exc`` (one of STORE_ERRORS)."""
+    return f"the session store {'is unreachable' if isinstance(exc, _DOWN) else 'failed'}: {exc}"
+
 
 async def open_store(db: str | Path, *, lease: float = 10.0) -> SessionStore:
     """The store for ``db``: a ``postgresql://`` DSN (many hosts; ``lease``: seconds a host holds a
@@ -36,6 +49,7 @@ async def open_store(db: str | Path, *, lease: float = 10.0) -> SessionStore:
 
 
 __all__ = [
+    "STORE_ERRORS",
     "Hold",
     "Journal",
     "LeaseLostError",
@@ -50,4 +64,5 @@ __all__ = [
     "StoreLockedError",
     "TooManyRepliesError",
     "open_store",
+    "store_failure",
 ]

@@ -190,7 +190,7 @@ class PostgresStore(CachedJournals):
         self.pool = pool
         self.listener = listener
         self.lease = lease
-        self.dsn = dsn
+        self._dsn = dsn  # for listening again (it may hold a password: never logged)
         self._relisten: asyncio.Task[None] | None = None
         self._closing = False
         self.host_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
@@ -282,7 +282,7 @@ class PostgresStore(CachedJournals):
             while True:
                 conn = None
                 try:
-                    conn = await asyncpg.connect(self.dsn, timeout=10)
+                    conn = await asyncpg.connect(self._dsn, timeout=10)
                     await self._listen(conn)
                 except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
                     if conn is not None:

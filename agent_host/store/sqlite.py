@@ -40,7 +40,7 @@ from .journal import CachedJournals, RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
 
-SCHEMA_VERSION = 3  # PRAGMA user_version; 2: the session's owner; 3: the row layout (1: one blob per session)
+SCHEMA_VERSION = 3  # PRAGMA user_version: 1 one blob per session, 2 the row layout, 3 the session's owner
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
     session_id    TEXT PRIMARY KEY,
@@ -111,10 +111,12 @@ class SqliteStore(CachedJournals):
             check_schema_version(version, SCHEMA_VERSION)  # a newer host's layout: never touched
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             columns = {r[1] for r in db.execute("PRAGMA table_info(sessions)")}
-            old = "sessions_v1"  # an older host's migration that did not finish left it (its rename committed alone)
+            # Where the one-blob rows are, as a user finds them: in sessions_v1 when an older host's
+            # migration did not finish (its rename committed alone), else in sessions (renamed here).
+            v1_rows = "sessions_v1"
             if "state" in columns:  # version 1: the whole state in one blob per session
                 db.execute("ALTER TABLE sessions RENAME TO sessions_v1")
-                old, columns = "sessions", set()
+                v1_rows, columns = "sessions", set()
                 tables.add("sessions_v1")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
@@ -122,7 +124,7 @@ class SqliteStore(CachedJournals):
             if columns and "owner" not in columns:  # version 2: no owner yet
                 db.execute("ALTER TABLE sessions ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
             if "sessions_v1" in tables:
-                self._convert_v1(db, old)
+                self._convert_v1(db, v1_rows)
             if version < SCHEMA_VERSION:
                 db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 

@@ -86,6 +86,15 @@ def implements(layer: Layer, hook: str) -> bool:
     return layer.implements(hook)
 
 
+_PROPAGATED = (GeneratorExit, KeyboardInterrupt, SystemExit)
+
+
+def _cancelling() -> bool:
+    """The running task is being cancelled (Task.cancel(), not withdrawn since by uncancel)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def check_input_messages(inputs: Any) -> list[Msg]:
     """The messages of a new reply, or ReplyError saying why they cannot be one: no system messages,
     no tool calls, tool results or thinking, and the role rules (docs/behaviour.md#reply-loop)."""
@@ -262,7 +271,14 @@ class Agent(Reasoning, Acting, Compression):
                         else:
                             yield item
                 grammar.finish()
-            except Exception as exc:
+            except BaseException as exc:
+                # Whatever a layer raised fails the reply, a BaseException too: a CancelledError
+                # that does not cancel this task (a layer awaited a cancelled task, say; the core
+                # takes its own as an interruption) would read as a cancellation of the caller, the
+                # host's shutdown. The caller's own cancellation, the consumer closing the stream,
+                # and a process exit go on.
+                if isinstance(exc, _PROPAGATED) or (isinstance(exc, asyncio.CancelledError) and _cancelling()):
+                    raise
                 quiet = metrics.quiet_failure(exc)  # told by the reply's log line; a host bug gets a traceback
                 log.log(
                     logging.DEBUG if quiet else logging.WARNING,

@@ -215,14 +215,18 @@ class Toolkit:
         except ToolInputError as exc:
             yield error_response(str(exc), tool_call.id)
             return
-        except Exception as exc:
-            # The tool's own failure: its message streams as the result's text and is the stored
-            # result (after any text already streamed), state ERROR, as in AgentScope.
-            chunk = ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR)
-            response.append_chunk(chunk)
-            yield chunk
         except asyncio.CancelledError:  # interrupted: an INTERRUPTED result, and the generator ends
             chunk = ToolChunk(content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED)
+            response.append_chunk(chunk)
+            yield chunk
+        except (GeneratorExit, KeyboardInterrupt, SystemExit):  # closed by the caller, or the process ends
+            raise
+        except BaseException as exc:
+            # The tool's own failure (any exception of its code: a BaseException too, which would
+            # otherwise escape the reply in process and end a middleware server's call unanswered):
+            # its message streams as the result's text and is the stored result (after any text
+            # already streamed), state ERROR, as in AgentScope.
+            chunk = ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR)
             response.append_chunk(chunk)
             yield chunk
         yield response

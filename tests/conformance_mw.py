@@ -673,6 +673,59 @@ class OrderedCustomEvent(MiddlewareBase):
 MIDDLEWARE.update({cls.__name__: cls for cls in (ActingAfterLoop, RaisingTool, OrderedCustomEvent)})
 
 
+class Unexceptional(BaseException):
+    """Not an Exception: what ``except Exception`` lets through."""
+
+
+def _not_an_exception(kind: str, text: str) -> BaseException:
+    return {"cancelled": asyncio.CancelledError, "exit": SystemExit}.get(kind, Unexceptional)(text)
+
+
+class RaisesNonException(MiddlewareBase):
+    """Raises in ``hook``, once per session (it passes through after), what is not an Exception:
+    a CancelledError of its own code (``kind`` "cancelled": it awaited a task that was cancelled,
+    say), another BaseException ("base"), or SystemExit ("exit": never in-process, it would end the
+    test). Its tool raises one every time."""
+
+    def __init__(self, hook: str = "on_reasoning", kind: str = "cancelled") -> None:
+        self.hook, self.kind = hook, kind
+
+    async def _raise_once(self, agent, hook):
+        key = await self.get_middleware_key()
+        if hook == self.hook and agent.state.middle_context.get(key) is None:
+            agent.state.middle_context[key] = {"raised in": hook}
+            raise _not_an_exception(self.kind, f"{self.kind} raised in {hook}")
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        await self._raise_once(agent, "on_reasoning")
+        async for item in next_handler():
+            yield item
+
+    async def list_tools(self):
+        kind = self.kind
+
+        @tool(description="Fails with what is not an Exception.")
+        async def unexceptional(text: str) -> str:
+            raise _not_an_exception(kind, f"the tool cannot take {text!r}")
+
+        return [unexceptional]
+
+
+class RaisesNonExceptionInReply(RaisesNonException):
+    """The same, with on_reply too (for a hook="on_reply")."""
+
+    async def get_middleware_key(self) -> str:
+        return "RaisesNonException"
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        await self._raise_once(agent, "on_reply")
+        async for item in next_handler():
+            yield item
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (RaisesNonException, RaisesNonExceptionInReply)})
+
+
 # -- fidelity, SDK side (in-place edits, lock-step after yield, errors, shared slots, credits) ---
 
 

@@ -51,6 +51,8 @@ class Scenario:
     layers: list[Layer]
     message: str = "hello there"
     earlier: list[str] = field(default_factory=list)  # user messages of whole replies before ``message``
+    # ... and after it: how each ended is the state's "later" (the state is taken before them)
+    later: list[str] = field(default_factory=list)
     models: dict[str, dict[str, Any]] = field(default_factory=lambda: {"main": {}})
     fallback: dict[str, list[str]] = field(default_factory=dict)
     max_iters: int = 10
@@ -116,16 +118,22 @@ async def run(scenario: Scenario, placement: list[str], servers: Servers | None)
             async for _ in agent.reply_stream(UserMsg(text)):
                 pass
         events = [item async for item in agent.reply_stream(UserMsg(scenario.message))]
+        state = normalize(
+            {
+                "context": agent.state.context,
+                "middle_context": agent.state.middle_context,
+                "cur_iter": agent.state.cur_iter,
+                "summary": agent.state.summary,
+            }
+        )
+        state["later"] = []
+        for text in scenario.later:
+            *_, end, final = [item async for item in agent.reply_stream(UserMsg(text))]
+            state["later"].append([end.finished_reason.value, final.text])
     finally:
         for remote in remotes:
             await remote.close()
-    state = {
-        "context": agent.state.context,
-        "middle_context": agent.state.middle_context,
-        "cur_iter": agent.state.cur_iter,
-        "summary": agent.state.summary,
-    }
-    return normalize(events), normalize(state)
+    return normalize(events), state
 
 
 _HEX_ID = re.compile(r"^[0-9a-f]{32}$")

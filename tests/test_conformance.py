@@ -213,6 +213,58 @@ def _slot_deleted(events, state):
     assert "SlotSetThenDeleted" not in state["middle_context"], state["middle_context"]  # gone, not null
 
 
+def _next_reply_completes(state):
+    """The reply after a failed one completes: the middleware answers it (it is not suspended)."""
+    assert state["later"] == [["completed", "You said: hello again"]]
+
+
+def _raises_cancelled(events, state):
+    """A CancelledError the middleware's own code raises (not a cancellation of the reply) is
+    raised at its hook position: in on_reasoning the agent takes it as an interruption, as any
+    CancelledError in its core. (Remotely the SDK did not answer at all: the host waited out its
+    timeout, failed the reply, then suspended the middleware, failing the next reply too.)"""
+    assert events[-2]["finished_reason"] == "interrupted" and events[-2]["error"] is None
+    assert final_text(events) == "I notice the interruption. How can I help you?"
+    _next_reply_completes(state)
+
+
+def _failed_with(events, text):
+    end = events[-2]
+    assert end["finished_reason"] == "error" and end["error"]["type"] == "internal"
+    assert end["error"]["message"].endswith(text)
+
+
+def _on_reply_raises_cancelled(events, state):
+    """Out of on_reply, such a CancelledError fails the reply (in-process it escaped reply_stream,
+    where the host would take it for a cancellation of its own task: its shutdown)."""
+    _failed_with(events, ": cancelled raised in on_reply")
+    _next_reply_completes(state)
+
+
+def _raises_base_exception(events, state):
+    """A BaseException that is not an Exception fails the reply like any exception (in-process it
+    escaped reply_stream; remotely it went unanswered as a CancelledError did)."""
+    _failed_with(events, ": base raised in on_reasoning")
+    _next_reply_completes(state)
+
+
+def _tool_raises_base_exception(events, state):
+    """A list_tools tool raising a BaseException gets an error result with its message, as for an
+    Exception (in-process it escaped the reply; remotely CallTool went unanswered)."""
+    end = next(e for e in events if e["class"] == "ToolResultEndEvent")
+    assert end["state"] == "error"
+    assert [e["delta"] for e in events if e["class"] == "ToolResultTextDeltaEvent"] == ["the tool cannot take 'x'"]
+    assert events[-2]["finished_reason"] == "completed"
+    _next_reply_completes(state)
+
+
+def _not_an_exception(hook: str, kind: str, message: str = "hello there") -> Scenario:
+    layer = Layer(
+        "RaisesNonExceptionInReply" if hook == "on_reply" else "RaisesNonException", {"hook": hook, "kind": kind}
+    )
+    return Scenario(f"{hook}_raises_{kind}", [layer], message=message, later=["hello again"])
+
+
 CASES: list[tuple[Scenario, Check]] = [
     (Scenario("pass_through", [Layer("PassThrough")], models={"main": {"script": EVERY_HOOK_SCRIPT}}), _pass_through),
     (Scenario("override_kwargs", [Layer("Override")], message="call add a=1 b=2"), _override),
@@ -273,6 +325,10 @@ CASES: list[tuple[Scenario, Check]] = [
     (Scenario("permission_returns_none", [Layer("PermissionNone")], message="call add a=1 b=2"), _no_decision),
     (Scenario("compress_returns_value", [Layer("CompressReturnsValue")]), _compress_value_ignored),
     (Scenario("model_call_raises_not_retryable", [Layer("QuotaGuard")], max_retries=2), _not_retryable),
+    (_not_an_exception("on_reasoning", "cancelled"), _raises_cancelled),
+    (_not_an_exception("on_reply", "cancelled"), _on_reply_raises_cancelled),
+    (_not_an_exception("on_reasoning", "base"), _raises_base_exception),
+    (_not_an_exception("tool", "base", "call RaisesNonException__unexceptional text=x"), _tool_raises_base_exception),
     (Scenario("model_call_returns_response", [Layer("ReturnsResponse")]), _returns_response),
     (Scenario("model_call_returns_last_chunk", [Layer("ReturnsLastChunk")]), _returns_last_chunk),
     (

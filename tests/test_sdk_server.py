@@ -29,6 +29,7 @@ from agentmw.data import (
     TextBlock,
     TextBlockDeltaEvent,
     ToolCallBlock,
+    ToolResultTextDeltaEvent,
     UserMsg,
 )
 from agentmw.middleware import MiddlewareBase
@@ -36,6 +37,7 @@ from agentmw.sdk.server import start
 from agentmw.sdk.session import HookSession
 from agentmw.sdk.view import AgentView, ContextEditError
 from agentmw.subscriptions import Mode, subscribe
+from agentmw.tools import Toolkit, add_middleware_tools
 from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
 from clients.launch import ServerProcess, middleware_server
@@ -403,6 +405,36 @@ async def test_a_stopping_server_ends_the_hosts_idle_streams_at_once() -> None:
         proc.start()
         items = await reply()
         assert [i.name for i in items if isinstance(i, CustomEvent)] == ["marker"]
+    finally:
+        await remote.close()
+        proc.stop()
+
+
+@pytest.mark.parametrize("where", ["on_reasoning", "tool"])
+async def test_a_hook_or_tool_that_exits_the_process_answers_first(where: str) -> None:
+    """SystemExit in a hook or a list_tools tool: the SDK answers (a Fail naming it; the tool's
+    error result), then the server exits. Before, it went out of the stream unanswered, and the
+    host saw the stream break (a hook) or the tool's call fail, without the author's exception."""
+    proc = middleware_server("tests.conformance_mw:RaisesNonException", hook=where, kind="exit").start()
+    remote = await RemoteMiddleware(proc.address).connect()
+    try:
+        toolkit = Toolkit()
+        await add_middleware_tools(toolkit, remote)
+        agent = Agent(model=OfflineRuleModel(), middlewares=[remote], toolkit=toolkit)
+        text = "call RaisesNonException__unexceptional text=x" if where == "tool" else "hi"
+        async with asyncio.timeout(30):
+            items = [item async for item in agent.reply_stream(UserMsg(text))]
+        if where == "tool":
+            deltas = [i.delta for i in items if isinstance(i, ToolResultTextDeltaEvent)]
+            assert deltas[0] == "the tool cannot take 'x'", deltas
+        else:
+            error = items[-1].error
+            assert error is not None and error.message.endswith(
+                "raised SystemExit in on_reasoning: exit raised in on_reasoning"
+            )
+        async with asyncio.timeout(10):
+            while proc.running:
+                await asyncio.sleep(0.05)
     finally:
         await remote.close()
         proc.stop()

@@ -373,6 +373,13 @@ class HookCall:
                     log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, clipped(fail.traceback, tail=True))
                 if fail.from_inner and self.inner_exc is not None:
                     raise self.inner_exc
+                if fail.type == "CancelledError":
+                    # As an in-process layer's CancelledError propagates (the agent takes it as an
+                    # interruption; out of on_reply it fails the reply): raised, not delivered by
+                    # Task.cancel(), so no task of the host is cancelled and no cancel count moves.
+                    raise asyncio.CancelledError(
+                        f"middleware {mw.name!r} raised CancelledError in {spec.name}: {clipped(fail.message)}"
+                    )
                 raise RemoteMiddlewareError(
                     mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
                 )

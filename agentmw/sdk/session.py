@@ -110,6 +110,16 @@ class HostGone(Exception):
     """The host closed the stream (it was cancelled or went away)."""
 
 
+def own_cancellation(exc: BaseException) -> bool:
+    """``exc`` cancels the running task (the SDK's own: the host went away, the server stops),
+    rather than being a CancelledError the author's code raised (say, awaiting a task that was
+    cancelled), which is the author's exception like any other."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class HookSession:
     def __init__(
         self, middleware: Any, key: str, spec: HookSpec, context: grpc.aio.ServicerContext, reader: HostReader
@@ -186,7 +196,13 @@ class HookSession:
             await self.send(finish)
         except HostGone:
             return
-        except Exception as exc:
+        except BaseException as exc:
+            # Whatever the author's code raised is answered, a CancelledError or another
+            # BaseException too: unanswered, the host would wait out its timeout and then take the
+            # middleware for hung. Only a cancellation of this task (the host went away, the
+            # server stops) has no one to answer.
+            if own_cancellation(exc):
+                raise
             fail = hooks_pb2.MiddlewareMessage()
             encode_error(exc, fail.fail)
             fail.fail.from_inner = exc is self.last_inner_error
@@ -195,6 +211,8 @@ class HookSession:
                 text = "".join(traceback.format_exception(exc))
                 fail.fail.traceback = text.encode()[-TRACEBACK_LIMIT:].decode(errors="ignore")
             await self.send(fail, check=False)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):  # answered; the process still stops
+                raise
         finally:
             # Break the session's reference cycles (its view, and on_model_call's streams, point back
             # at it) so that it is freed now, not by the garbage collector: a cyclic session cost

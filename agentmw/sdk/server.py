@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agentmw import loops, tracing
 from agentmw.codec import codec, value_to_json
-from agentmw.data import TextBlock, ToolCallBlock, ToolChunk, ToolResponse, ToolResultState
+from agentmw.data import TextBlock, ToolCallBlock, ToolChunk, ToolResultState
 from agentmw.errors import ConfigError
 from agentmw.hooks import HOOKS, PROTOCOL_VERSION, check_middleware_key
 from agentmw.middleware import MiddlewareBase
@@ -45,7 +45,7 @@ from agentmw.security import (
     token_matches,
 )
 from agentmw.subscriptions import to_proto
-from agentmw.tools import Tool, Toolkit
+from agentmw.tools import Tool, Toolkit, error_response
 from agentmw.transport import SERVER_OPTIONS, CannotListen, check_listen_address, listen
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
@@ -100,21 +100,16 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
         ctx = request.context
         slot = value_to_json(ctx.slot) if ctx.HasField("slot") else None
         state = ToolState(ctx.session_id, ctx.reply_id, {} if slot is None else {self.key: slot})
-        streamed = ToolResponse(id=call.id)  # what went out, for the answer below
         try:
             async for item in Toolkit([tool]).call_tool(call, state):
-                if isinstance(item, ToolChunk):
-                    streamed.append_chunk(item)
                 yield codec.encode_item(item)
         except (KeyboardInterrupt, SystemExit) as exc:
             # What the toolkit lets through stops this process, but the host gets its answer first
-            # (the tool's failure, as the toolkit answers any other exception), not a wait until
-            # its timeout.
+            # (the tool's failure, as the toolkit answers any other exception; its result holds
+            # only the error), not a wait until its timeout.
             log.error("tool %s of %s raised", name, type(self.middleware).__name__, exc_info=exc)
-            chunk = ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR)
-            streamed.append_chunk(chunk)
-            yield codec.encode_item(chunk)
-            yield codec.encode_item(streamed)
+            yield codec.encode_item(ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR))
+            yield codec.encode_item(error_response(str(exc), call.id))
             raise
 
 

@@ -193,7 +193,9 @@ class Agent(Reasoning, Acting, Compression):
         self._permission_chain = Chain(
             "on_check_permission", self.layers["on_check_permission"], self._check_permission_impl
         )
-        self._model_chain = Chain("on_model_call", self.layers["on_model_call"], self._model_call_impl)
+        self._model_chain = Chain(
+            "on_model_call", self.layers["on_model_call"], self._model_call_impl, adapt=self._model_override
+        )
         self._compress_chain = Chain(
             "on_compress_context", self.layers["on_compress_context"], self._compress_context_impl
         )

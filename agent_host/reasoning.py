@@ -190,7 +190,7 @@ class Reasoning(AgentBase):
             self._models_used: list[str] = []
             result = await self._model_chain(
                 self,
-                current_model=self.models.get(model_id),
+                current_model=self.models.get(model_id).ref,  # a snapshot: no layer can change the shared model
                 messages=messages,
                 tools=tools,
                 tool_choice=tool_choice,
@@ -205,6 +205,15 @@ class Reasoning(AgentBase):
         )
         return result, used
 
+    def _model_override(self, kwargs: dict[str, Any], received: dict[str, Any]) -> dict[str, Any]:
+        """A current_model a layer replaced (an id, a ModelRef, a model) reaches the layers inside
+        it as the registered model's snapshot, the override's parameters included: what the layer
+        first called gets, in process and out alike (a remote layer's override arrives here too)."""
+        model = kwargs.get("current_model")
+        if model is not None and model is not received.get("current_model"):
+            kwargs["current_model"] = self.models.snapshot(model)
+        return kwargs
+
     async def _model_call_impl(
         self,
         current_model: Any,
@@ -213,6 +222,6 @@ class Reasoning(AgentBase):
         tool_choice: ToolChoice | None,
         parameters: dict[str, Any] | None = None,
     ) -> Any:
-        model = self.models.resolve(current_model)
+        model, parameters = self.models.for_call(current_model, parameters)
         self._models_used.append(model.id)
         return await model(messages, tools, tool_choice, parameters)

@@ -43,11 +43,20 @@ class Layer(Protocol):
 
 
 class Chain:
-    def __init__(self, hook: str, layers: Sequence[Layer], core: Callable[..., Any]) -> None:
+    def __init__(
+        self,
+        hook: str,
+        layers: Sequence[Layer],
+        core: Callable[..., Any],
+        adapt: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
+    ) -> None:
         self.spec: HookSpec = HOOKS[hook]
         self.layers = list(layers)
         self.core = core
         self.unset: dict[str, Any] = dict.fromkeys(sorted(self.spec.params))  # every parameter, None
+        # ``adapt(kwargs, received)``: what a layer's next_handler passes inward, given what that
+        # layer received: the agent's own form of a changed kwarg (on_model_call's current_model).
+        self.adapt = adapt
 
     def __call__(self, agent: Any, **params: Any) -> Any:
         """Run the chain: returns what the outermost layer returns (generator, awaitable)."""
@@ -67,7 +76,8 @@ class Chain:
             unknown = overrides.keys() - spec.params
             if unknown:
                 raise TypeError(f"{spec.name}: next_handler() got unexpected kwargs {sorted(unknown)}")
-            return self._run(agent, index + 1, {**input_kwargs, **overrides})
+            inner = {**input_kwargs, **overrides}
+            return self._run(agent, index + 1, inner if self.adapt is None else self.adapt(inner, params))
 
         method = getattr(self.layers[index], spec.name)
         result = method(agent=agent, input_kwargs=input_kwargs, next_handler=next_handler)

@@ -82,12 +82,16 @@ class CheckPermissionKwargs(TypedDict):
 
 
 class ModelCallKwargs(TypedDict):
-    """on_model_call: one model call. ``current_model`` may be overridden with a registered id."""
+    """on_model_call: one model call. ``current_model`` is a ``ModelRef``, a snapshot of the
+    registered model (in-process and remote alike): editing its ``parameters`` changes this call's
+    request parameters, as ``parameters`` does, never the model other calls and sessions use. Override
+    it with a registered id, a ModelRef (its ``parameters`` apply too) or, in-process, a model."""
 
-    current_model: Any  # the ChatModel in-process, its ModelRef remotely; override: id, ModelRef or model
+    current_model: Any  # ModelRef (an override: str | ModelRef | model)
     messages: list[Msg]  # the full input: system prompt, summary, context
     tools: list[dict[str, Any]] | None  # OpenAI-style function schemas
     tool_choice: ToolChoice | None
+    parameters: dict[str, Any] | None  # this call's request parameters, over the model's
 
 
 class CompressContextKwargs(TypedDict):

@@ -4,6 +4,7 @@ separate process served by ``serve()`` (``python -m agentmw.sdk tests.conformanc
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 from agentmw.data import (
@@ -13,6 +14,7 @@ from agentmw.data import (
     ErrorType,
     HintBlock,
     ModelCallEndEvent,
+    ModelRef,
     Msg,
     ReplyEndEvent,
     ReplyStartEvent,
@@ -1143,6 +1145,48 @@ class ActingYieldsCustom(MiddlewareBase):
 
 
 MIDDLEWARE[ActingYieldsCustom.__name__] = ActingYieldsCustom
+
+
+class ColdModel(MiddlewareBase):
+    """Asks for a low temperature when the user says "cold": on the ``current_model`` it is given,
+    in place (``how`` "in_place"), or by passing an edited copy of it as the override
+    ("override"). Records what ``current_model`` is."""
+
+    def __init__(self, how: str = "in_place") -> None:
+        self.how = how
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        model = input_kwargs["current_model"]
+        agent.state.middle_context[await self.get_middleware_key()] = {"current_model": type(model).__name__}
+        if "cold" not in input_kwargs["messages"][-1].text:
+            return await next_handler()
+        if self.how == "in_place":
+            model.parameters["temperature"] = 0.1
+            return await next_handler()
+        return await next_handler(current_model=replace(model, parameters={**model.parameters, "temperature": 0.1}))
+
+
+class OverrideModel(MiddlewareBase):
+    """Sends every model call to ``model`` with a temperature of its own: a ModelRef override."""
+
+    def __init__(self, model: str = "backup") -> None:
+        self.model = model
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        return await next_handler(current_model=ModelRef(id=self.model, parameters={"temperature": 0.2}))
+
+
+class ModelSeen(MiddlewareBase):
+    """Records the current_model it gets: its type, id and parameters."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        model = input_kwargs["current_model"]
+        seen = [type(model).__name__, getattr(model, "id", model), getattr(model, "parameters", None)]
+        agent.state.middle_context[await self.get_middleware_key()] = seen
+        return await next_handler()
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (ColdModel, OverrideModel, ModelSeen)})
 
 
 # -- the view shows the middleware's own changes at once, as in-process ---------------------------

@@ -766,7 +766,31 @@ def _compress_oldest(events, state):
     assert final_text(events) == "Done: add returned 3."
 
 
+def _cold_model(events, state):
+    """current_model is a ModelRef in both places, a snapshot: the temperature a middleware sets on
+    it (in place, or on a copy passed as the override) reaches that call's request, and not the
+    reply after (in-process it was the registry's shared model, changed for every later call of
+    every session; remotely the edit was dropped)."""
+    layer = next(iter(state["middle_context"]))
+    assert state["middle_context"][layer] == {"current_model": "ModelRef"}
+    assert final_text(events) == 'You said: cold please, with {"temperature": 0.1, "top_p": 0.5}'
+    assert state["later"] == [["completed", 'You said: warm please, with {"top_p": 0.5}']]
+
+
+def _cold_model_scenario(how: str) -> Scenario:
+    model = {"reply_template": "You said: {text}, with {parameters}", "parameters": {"top_p": 0.5}}
+    return Scenario(
+        f"current_model_edited_{how}",
+        [Layer("ColdModel", {"how": how})],
+        message="cold please",
+        later=["warm please"],
+        models={"main": model},
+    )
+
+
 SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
+    (_cold_model_scenario("in_place"), _cold_model),
+    (_cold_model_scenario("override"), _cold_model),
     (Scenario("in_place_tool_choice", [Layer("InPlaceToolChoice")], message="call add a=1 b=2"), _in_place_tool_choice),
     (Scenario("in_place_append_message", [Layer("InPlaceAppendMessage")]), _in_place_append_message),
     (Scenario("done_with_inner", [Layer("DoneWithInner")], message="call add a=1 b=2"), _done_with_inner),
@@ -827,6 +851,11 @@ SDK_FIDELITY_CASES: list[tuple[Scenario, Check]] = [
         _observe_deltas_intercept_end,
     ),
 ]
+MODEL_OVERRIDE = Scenario(
+    "model_override_seen",
+    [Layer("OverrideModel"), Layer("ModelSeen")],
+    models={"main": {}, "backup": {"reply_template": "B: {parameters}", "parameters": {"top_p": 0.3}}},
+)
 SLOT_AFTER_YIELD = Scenario(
     "slot_after_yield",
     [Layer("SlotAfterYield"), Layer("ReadsOuterSlot")],
@@ -853,6 +882,7 @@ def sdk_fidelity_servers():
             LATE_AFTER_INNER,
             SLOT_AFTER_YIELD,
             Scenario("raises", [Layer("Raises")]),
+            MODEL_OVERRIDE,
         ]
     )
     yield started
@@ -868,6 +898,21 @@ async def test_sdk_fidelity_same_in_process_and_remote(
     check(local_events, local_state)
     check(remote_events, remote_state)
     assert remote_events == local_events and remote_state == local_state
+
+
+async def test_a_layer_inside_an_override_of_current_model_sees_the_models_snapshot(
+    sdk_fidelity_servers: Servers,
+) -> None:
+    """What a layer passes as current_model (here a ModelRef of another id, with a temperature)
+    reaches the layers inside it as that registered model's snapshot, its parameters over the
+    model's own, in every placement. (Before, an in-process inner layer got the override as passed,
+    and a remote one behind an in-process override of an id got a ModelRef with an empty id.)"""
+    placements = [["local", "local"], ["local", "remote"], ["remote", "local"], ["remote", "remote"]]
+    results = [await run(MODEL_OVERRIDE, placement, sdk_fidelity_servers) for placement in placements]
+    events, state = results[0]
+    assert state["middle_context"]["ModelSeen"] == ["ModelRef", "backup", {"temperature": 0.2, "top_p": 0.3}]
+    assert final_text(events) == 'B: {"temperature": 0.2, "top_p": 0.3}'
+    assert all(result == results[0] for result in results[1:])
 
 
 async def test_a_slot_set_after_a_yield_reaches_inner_layers_before_the_next_item(

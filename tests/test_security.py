@@ -639,6 +639,31 @@ async def test_an_override_in_call_next_needs_the_permission_its_change_needs(tm
         proc.stop()
 
 
+async def test_editing_the_parameters_of_the_current_model_needs_no_set_model() -> None:
+    """An override of current_model that names the model it was given, with its parameters edited,
+    changes what the ``parameters`` kwarg changes, which needs no permission: a middleware without
+    set_model may (before, its edit was refused as a choice of model, and the reply failed)."""
+    from agent_host.agent import Agent
+    from agent_host.config import Permissions
+    from agent_host.models import ModelRegistry, OfflineRuleModel
+    from agent_host.remote import Policy, RemoteMiddleware
+    from agent_host.remote.client import Access
+    from clients.launch import middleware_server
+
+    proc = middleware_server("tests.conformance_mw:ColdModel", how="in_place").start()
+    access = Access(permissions=Permissions(set_model=False))
+    remote = RemoteMiddleware(proc.address, policy=Policy(timeout=5), access=access)
+    try:
+        models = ModelRegistry(default="main")
+        models.add(OfflineRuleModel(id="main", reply_template="{parameters}"))
+        agent = Agent(model="main", models=models, middlewares=[await remote.connect()])
+        items = [item async for item in agent.reply_stream(UserMsg("cold please"))]
+        assert items[-1].text == '{"temperature": 0.1}', items[-1].text
+    finally:
+        await remote.close()
+        proc.stop()
+
+
 @pytest.mark.parametrize(
     ("target", "allowed"),
     [

@@ -47,6 +47,8 @@ class ChatModel:
 
     @property
     def ref(self) -> ModelRef:
+        """A snapshot, what on_model_call's ``current_model`` is: its ``parameters`` are a copy, so
+        a middleware's edit reaches only the call it passes it to, never this shared model."""
         return ModelRef(
             id=self.id,
             provider=self.provider,
@@ -54,7 +56,7 @@ class ChatModel:
             base_url=self.base_url,
             stream=self.stream,
             context_size=self.context_size,
-            parameters=self.parameters,
+            parameters=copy.deepcopy(self.parameters),
         )
 
     async def __call__(

@@ -22,8 +22,9 @@ It is the embedded default of the demo and the tests. Per call it takes, in orde
 Rule patterns are case-insensitive regexes searched in the latest user message. Templates (tool
 inputs, ``text`` rules) take the regex groups as ``{0}``, ``{1}``, ... and ``{name}``; text
 templates (``text`` rules, ``reply_template``) also take ``{text}``, the user message,
-``{system}``, the system prompt, and ``{hints}``, the hint blocks that follow the user message
-(e.g. a memory middleware's recalled facts), one per line. A rule needs exactly one of ``tool``,
+``{system}``, the system prompt, ``{hints}``, the hint blocks that follow the user message
+(e.g. a memory middleware's recalled facts), one per line, and ``{parameters}``, the call's request
+parameters as JSON (sorted keys: what a provider's request would carry). A rule needs exactly one of ``tool``,
 ``text``, ``error``.
 
 Text streams word by word; tool-call input streams in two fragments; usage is counted as
@@ -96,7 +97,7 @@ class OfflineRuleModel(ChatModel):
         elif self.script:
             turn = self.script.pop(0)
         else:
-            turn = self._by_rule(messages, tools, tool_choice)
+            turn = self._by_rule(messages, tools, tool_choice, parameters or {})
         if "error" in turn:
             err = turn["error"]
             kind = ErrorType(err.get("type", "upstream"))
@@ -107,7 +108,13 @@ class OfflineRuleModel(ChatModel):
             )
         return self._stream(turn, self.count_tokens(messages))
 
-    def _by_rule(self, messages: list[Msg], tools: list[dict[str, Any]], tool_choice: ToolChoice | None) -> dict:
+    def _by_rule(
+        self,
+        messages: list[Msg],
+        tools: list[dict[str, Any]],
+        tool_choice: ToolChoice | None,
+        parameters: dict[str, Any],
+    ) -> dict:
         user_idx = max((i for i, m in enumerate(messages) if m.role == Role.USER and m.text), default=-1)
         user_text = messages[user_idx].text if user_idx >= 0 else ""
         results = [b for m in messages[user_idx + 1 :] for b in m.content if isinstance(b, ToolResultBlock)]
@@ -132,6 +139,12 @@ class OfflineRuleModel(ChatModel):
         hints = "\n".join(
             block_text(b.hint) for m in messages[user_idx + 1 :] for b in m.content if isinstance(b, HintBlock)
         )
+        fields = {
+            "text": user_text,
+            "system": system,
+            "hints": hints,
+            "parameters": json.dumps(parameters, sort_keys=True),
+        }
         for rule in self.rules:
             if "tool" in rule or not (match := rule["regex"].search(user_text)):
                 continue
@@ -139,10 +152,8 @@ class OfflineRuleModel(ChatModel):
                 return {"error": rule["error"]}
             groups = [g or "" for g in match.groups()]
             named = {k: v or "" for k, v in match.groupdict().items()}
-            return {
-                "text": rule["text"].format(*groups, **{"text": user_text, "system": system, "hints": hints, **named})
-            }
-        return {"text": self.reply_template.format(text=user_text, system=system, hints=hints)}
+            return {"text": rule["text"].format(*groups, **{**fields, **named})}
+        return {"text": self.reply_template.format(**fields)}
 
     @staticmethod
     def _summary(messages: list[Msg]) -> str:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentmw.data import ModelRef
 from agentmw.errors import UnknownModelError  # re-exported: the registry raises it
 
 from .base import ChatModel
@@ -109,6 +111,31 @@ class ModelRegistry:
         if isinstance(model, ChatModel):
             return model
         return self.get(model if isinstance(model, str) else model.id)
+
+    def snapshot(self, model: ChatModel | str | ModelRef) -> Any:
+        """The ModelRef of the registered model ``model`` names (its id, a ModelRef, the model
+        itself), with a ModelRef's ``parameters`` over the model's own. An id not registered, or a
+        model object that is not the registered one (in-process), is returned as it is: the call
+        uses or refuses it."""
+        entry = self.entries.get(model if isinstance(model, str) else getattr(model, "id", ""))
+        if entry is None or (isinstance(model, ChatModel) and model is not entry.model):
+            return model
+        ref = entry.model.ref
+        if isinstance(model, ModelRef):
+            ref.parameters.update(copy.deepcopy(model.parameters))
+        return ref
+
+    def for_call(
+        self, model: ChatModel | str | ModelRef, parameters: dict[str, Any] | None
+    ) -> tuple[ChatModel, dict[str, Any] | None]:
+        """The model one call goes to (``resolve``) and the call's own request parameters: a
+        ModelRef's ``parameters`` (on_model_call's ``current_model``, a snapshot a middleware may
+        have edited) under the call's ``parameters``, both over the model's configured ones, for this
+        call only. A key can be changed or added that way, not removed."""
+        resolved = self.resolve(model)
+        if isinstance(model, ModelRef) and model.parameters:
+            parameters = {**model.parameters, **(parameters or {})}
+        return resolved, parameters
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelRegistry:

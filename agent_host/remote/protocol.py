@@ -449,9 +449,13 @@ class HookCall:
             if name not in self.spec.params:
                 raise self._violation(f"call_next clears unknown kwarg {name!r}")
             overrides[name] = None
-        self.mw.check_overrides(overrides, self.spec.name)  # its permissions (security: client.py)
-        if "current_model" in overrides and overrides["current_model"] is not None:
-            overrides["current_model"] = model_override(overrides["current_model"])
+        checked = set(overrides)
+        if overrides.get("current_model") is not None:
+            overrides["current_model"] = model = model_override(overrides["current_model"])
+            current = self.input_kwargs.get("current_model")
+            if current is not None and model.id == model_override(current).id:
+                checked -= {"current_model"}  # the same model, its parameters edited: as `parameters` is
+        self.mw.check_overrides(checked, self.spec.name)  # its permissions (security: client.py)
         self.pending = None
         self.held_seq = 0
         self.inner_done = False

@@ -10,6 +10,8 @@ Every request is recorded (path, headers, JSON body) for assertions.
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import sys
 import threading
 import time
@@ -23,7 +25,8 @@ class Reply:
     """One scripted answer. Fault modes: ``headers`` (e.g. Retry-After, x-request-id), ``raw``
     (any body with any ``content_type``: an HTML page with status 200 or 502, an empty body),
     ``stall`` (seconds before the status line: a late answer), frames without a finish reason
-    or ``[DONE]`` (a truncated stream), DashScope error frames inside a 200 stream."""
+    or ``[DONE]`` (a truncated stream), DashScope error frames inside a 200 stream, ``reset``
+    (the connection reset after the frames, or right after the request without frames)."""
 
     status: int = 200
     body: Any = None  # a JSON error body (status != 200) or a complete JSON answer
@@ -33,6 +36,7 @@ class Reply:
     raw: str | None = None  # sent as is instead of ``body`` / ``frames``
     content_type: str = "application/json"
     stall: float = 0.0
+    reset: bool = False
 
 
 @dataclass
@@ -97,7 +101,9 @@ class ScriptedServer:
                 reply = server._next(request)
                 if reply.stall:
                     time.sleep(reply.stall)
-                if reply.frames:
+                if reply.reset:
+                    self._reset(reply)
+                elif reply.frames:
                     self._stream(reply)
                 else:
                     self._json(reply)
@@ -115,7 +121,15 @@ class ScriptedServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _stream(self, reply: Reply) -> None:
+            def _reset(self, reply: Reply) -> None:
+                """The frames (no terminating chunk), then an RST: a connection dropped mid-answer."""
+                if reply.frames:
+                    self._stream(reply, end=False)
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+
+            def _stream(self, reply: Reply, end: bool = True) -> None:
                 self.send_response(reply.status)
                 self.send_header("Content-Type", "text/event-stream;charset=UTF-8")
                 self._headers(reply)
@@ -128,8 +142,9 @@ class ScriptedServer:
                     self.wfile.flush()
                     if reply.delay:
                         time.sleep(reply.delay)
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
+                if end:
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
 
             def log_message(self, format: str, *args: Any) -> None:
                 pass  # keep test output clean

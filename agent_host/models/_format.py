@@ -24,6 +24,7 @@ from agentmw.data import (
     Msg,
     Role,
     TextBlock,
+    ThinkingBlock,
     ToolCallBlock,
     ToolChoice,
     ToolResultBlock,
@@ -155,6 +156,68 @@ def _force(name: str) -> dict[str, Any]:
 # -- response side -----------------------------------------------------------------------------
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_HIGH = ("\ud800", "\udbff")  # a surrogate pair's first half
+
+
+def mend_utf16(text: str) -> str:
+    """``text`` with UTF-16 surrogate halves joined into their character and a lone half replaced
+    by U+FFFD, as an ``errors="replace"`` decode does. JSON ``\\uXXXX`` escapes decode half by half,
+    and a str holding a lone half cannot be encoded as UTF-8: every later encoding of the session
+    (the reply's events, the stored state) would fail."""
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+
+
+class Utf16Joiner:
+    """``mend_utf16`` over streamed pieces, per stream (``key``): a high half that ends a piece is
+    held until the next piece of its stream, since a gateway that cuts UTF-16 strings sends the
+    pair's second half in the next event."""
+
+    def __init__(self) -> None:
+        self.held: dict[Any, str] = {}
+
+    def __call__(self, key: Any, piece: str) -> str:
+        text = self.held.pop(key, "") + piece
+        if text and _HIGH[0] <= text[-1] <= _HIGH[1]:
+            text, self.held[key] = text[:-1], text[-1]
+        return mend_utf16(text)
+
+    def rest(self, key: Any) -> str:
+        """What the stream still holds when it ends: a half whose partner never came, as U+FFFD."""
+        return "\ufffd" if self.held.pop(key, "") else ""
+
+
+class DeltaBlocks:
+    """The blocks of one streamed response, from each event's reasoning, text and tool-call
+    fragments (both providers send these three), every piece mended (``Utf16Joiner``)."""
+
+    def __init__(self, taken: set[str] | None = None) -> None:
+        self.text_id, self.thinking_id = new_id(), new_id()
+        self.calls = ToolCallMerger(taken)
+        self._mend = Utf16Joiner()
+
+    def add(self, reasoning: Any, text: Any, tool_calls: list[dict[str, Any]] | None) -> list[Any]:
+        blocks: list[Any] = []
+        thinking = self._mend(self.thinking_id, reasoning or "")
+        if thinking:
+            blocks.append(ThinkingBlock(id=self.thinking_id, thinking=thinking))
+        text = self._mend(self.text_id, text or "")
+        if text:
+            blocks.append(TextBlock(id=self.text_id, text=text))
+        return blocks + self.calls.add(tool_calls)
+
+    def finish(self) -> list[Any]:
+        """The last blocks once the stream ended: halves still held, calls still unannounced."""
+        blocks: list[Any] = []
+        if thinking := self._mend.rest(self.thinking_id):
+            blocks.append(ThinkingBlock(id=self.thinking_id, thinking=thinking))
+        if text := self._mend.rest(self.text_id):
+            blocks.append(TextBlock(id=self.text_id, text=text))
+        return blocks + self.calls.finish()
+
+
 @dataclass
 class _Call:
     id: str
@@ -181,6 +244,7 @@ class ToolCallMerger:
         self.last: int | None = None
         self.taken = set(taken or ())
         self.renamed: dict[str, str] = {}  # our id -> the provider's
+        self._mend = Utf16Joiner()  # per call index
 
     def _new_call(self, provider_id: str) -> _Call:
         call_id = provider_id or f"call_{new_id()}"
@@ -196,13 +260,14 @@ class ToolCallMerger:
             index = self._index(fragment)
             call = self.calls.get(index)
             if call is None:
-                call = self.calls[index] = self._new_call(fragment.get("id") or "")
+                call = self.calls[index] = self._new_call(mend_utf16(fragment.get("id") or ""))
             self.last = index
             function = fragment.get("function") or {}
-            call.name = call.name or function.get("name") or ""
+            call.name = call.name or mend_utf16(function.get("name") or "")
             args = function.get("arguments") or ""
             if not isinstance(args, str):  # some servers send the arguments as an object
                 args = json.dumps(args, ensure_ascii=False)
+            args = self._mend(index, args)
             if not call.name:
                 call.waiting.append(args)
                 continue
@@ -218,7 +283,7 @@ class ToolCallMerger:
             return index
         # No index (some local servers): a known id continues its call, an id or a name starts
         # a new one, and a bare fragment continues the last call.
-        frag_id = fragment.get("id")
+        frag_id = mend_utf16(fragment.get("id") or "")
         for i, call in self.calls.items():
             if frag_id and frag_id in (call.id, self.renamed.get(call.id)):
                 return i
@@ -228,12 +293,11 @@ class ToolCallMerger:
 
     def finish(self) -> list[ToolCallBlock]:
         """Calls whose name never arrived, so the failure is visible instead of silently lost."""
-        out = [
-            ToolCallBlock(id=c.id, name=c.name, input="".join(c.waiting))
-            for c in self.calls.values()
-            if not c.announced
-        ]
-        for call in self.calls.values():
+        out = []
+        for index, call in self.calls.items():
+            rest = self._mend.rest(index)  # a half held at the end: the call's last piece
+            if not call.announced or rest:
+                out.append(ToolCallBlock(id=call.id, name=call.name, input="".join(call.waiting) + rest))
             call.announced = True
         return out
 
@@ -320,7 +384,7 @@ SUMMARY_CHARS = 300
 def summarize(text: str) -> str:
     """An error body short enough for a message: an HTML page (a gateway's 502 page) by its title,
     else its text without tags; whitespace collapsed, at most SUMMARY_CHARS characters."""
-    text = text.strip()
+    text = mend_utf16(text).strip()  # an error message is stored in the session too
     if text[:200].lower().lstrip().startswith(("<!doctype", "<html")) or "</" in text[:500]:
         title = _TITLE.search(text)
         body = title.group(1) if title else _TAG.sub(" ", re.sub(r"(?is)<(script|style).*?</\1>", " ", text))

@@ -18,10 +18,10 @@ from typing import Any
 import aiohttp
 import dashscope
 
-from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, ToolChoice, new_id
 
 from ._format import (
-    ToolCallMerger,
+    DeltaBlocks,
     connection_error,
     finish_reason,
     history_call_ids,
@@ -118,7 +118,7 @@ class DashScopeChatModel(ChatModel):
             choice = to_tool_choice(tool_choice, tools, required=False)
             if choice is not None:
                 request["tool_choice"] = choice
-        return await primed(self._deltas(request, ToolCallMerger(history_call_ids(messages))))
+        return await primed(self._deltas(request, DeltaBlocks(history_call_ids(messages))))
 
     async def _next(self, awaitable: Any) -> Any:
         try:
@@ -127,8 +127,7 @@ class DashScopeChatModel(ChatModel):
         except TimeoutError:
             raise TimeoutError(f"no data from the server for {self.timeout:g} s") from None
 
-    async def _deltas(self, request: dict[str, Any], merger: ToolCallMerger) -> AsyncGenerator[ChatResponse, None]:
-        text_id, thinking_id = new_id(), new_id()
+    async def _deltas(self, request: dict[str, Any], deltas: DeltaBlocks) -> AsyncGenerator[ChatResponse, None]:
         usage: dict[str, Any] | None = None
         request_id = ""
         finished: str | None = None
@@ -144,13 +143,8 @@ class DashScopeChatModel(ChatModel):
                 meta = {"request_id": request_id} if request_id else {}
                 for choice in output.get("choices") or []:
                     message = choice.get("message") or {}
-                    blocks: list[Any] = []
-                    if message.get("reasoning_content"):
-                        blocks.append(ThinkingBlock(id=thinking_id, thinking=message["reasoning_content"]))
                     text = _content_text(message.get("content"))
-                    if text:
-                        blocks.append(TextBlock(id=text_id, text=text))
-                    blocks.extend(merger.add(message.get("tool_calls")))
+                    blocks = deltas.add(message.get("reasoning_content"), text, message.get("tool_calls"))
                     if choice.get("finish_reason") not in (None, "", "null"):
                         finished = choice["finish_reason"]
                     if blocks:
@@ -173,7 +167,7 @@ class DashScopeChatModel(ChatModel):
             if responses is not None:  # release the HTTP response now if the reader stopped early
                 await responses.aclose()
         yield ChatResponse(
-            content=[*merger.finish()],
+            content=deltas.finish(),
             is_last=False,
             id=request_id or new_id(),
             usage=_usage(usage),

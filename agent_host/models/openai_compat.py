@@ -24,10 +24,10 @@ from typing import Any
 import openai
 from openai import AsyncOpenAI
 
-from agentmw.data import ChatResponse, ChatUsage, ModelRef, Msg, TextBlock, ThinkingBlock, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ModelRef, Msg, ToolChoice, new_id
 
 from ._format import (
-    ToolCallMerger,
+    DeltaBlocks,
     connection_error,
     finish_reason,
     history_call_ids,
@@ -122,7 +122,7 @@ class OpenAICompatibleModel(ChatModel):
                 body["tool_choice"] = choice
         if not self._api_key():  # local servers need no key: send no Authorization header at all
             body["extra_headers"] = {"Authorization": openai.omit}
-        return await primed(self._deltas(body, ToolCallMerger(history_call_ids(messages))))
+        return await primed(self._deltas(body, DeltaBlocks(history_call_ids(messages))))
 
     def _error(self, exc: Exception, request_id: str = "") -> ModelError:
         """The SDK's exception as a classified ModelError."""
@@ -152,8 +152,7 @@ class OpenAICompatibleModel(ChatModel):
             )
         raise exc
 
-    async def _deltas(self, body: dict[str, Any], merger: ToolCallMerger) -> AsyncGenerator[ChatResponse, None]:
-        text_id, thinking_id = new_id(), new_id()
+    async def _deltas(self, body: dict[str, Any], deltas: DeltaBlocks) -> AsyncGenerator[ChatResponse, None]:
         usage: ChatUsage | None = None
         response_id = request_id = ""
         finished: str | None = None
@@ -177,13 +176,8 @@ class OpenAICompatibleModel(ChatModel):
                 for choice in event.get("choices") or []:
                     # Streams carry ``delta``s; a non-streamed answer one complete ``message``.
                     part = choice.get("delta") or choice.get("message") or {}
-                    blocks: list[Any] = []
                     reasoning = part.get("reasoning_content") or part.get("reasoning")
-                    if reasoning:
-                        blocks.append(ThinkingBlock(id=thinking_id, thinking=reasoning))
-                    if part.get("content"):
-                        blocks.append(TextBlock(id=text_id, text=part["content"]))
-                    blocks.extend(merger.add(part.get("tool_calls")))
+                    blocks = deltas.add(reasoning, part.get("content"), part.get("tool_calls"))
                     finished = choice.get("finish_reason") or finished
                     if blocks:
                         yield ChatResponse(content=blocks, is_last=False, id=response_id or new_id(), metadata=meta)
@@ -196,7 +190,7 @@ class OpenAICompatibleModel(ChatModel):
         except ValueError as exc:  # a malformed event (JSON)
             raise protocol_error(self.provider, self.model_name, f"malformed event: {exc}", request_id) from exc
         yield ChatResponse(
-            content=[*merger.finish()],
+            content=deltas.finish(),
             is_last=False,
             id=response_id or new_id(),
             usage=usage,

@@ -1,0 +1,149 @@
+"""What a model server may send, or how its connection may fail, that the host must take in its
+stride: the real clients (the ``openai`` and ``dashscope`` SDKs) against the local wire servers of
+tests/model_servers.py, in process and through a real host process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import dashscope
+import pytest
+
+from agent_host.agent import Agent
+from agent_host.models import ModelRegistry
+from agentmw.codec import codec
+from agentmw.data import ReplyEndEvent, ReplyFinishedReason, ThinkingBlock, UserMsg
+from agentmw.tools import Toolkit, tool
+from clients.chat import HostClient
+from tests.host_util import configured_host, get_session
+from tests.model_servers import (
+    Reply,
+    ScriptedServer,
+    dashscope_chunk,
+    dashscope_tool_fragment,
+    of_type,
+    openai_chunk,
+    openai_stream,
+    openai_tool_fragment,
+    run_reply,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+FAST = {"initial_delay": 0.02, "max_delay": 2.0, "deadline": 20.0}
+
+
+@pytest.fixture(autouse=True)
+async def _close_sdk_session() -> Any:
+    yield
+    await dashscope.close_shared_aio_session()
+
+
+def spec(server: ScriptedServer, provider: str = "openai", **extra: Any) -> dict[str, Any]:
+    base = f"{server.url}/v1" if provider == "openai" else f"{server.url}/api/v1"
+    return {"provider": provider, "model_name": "m", "base_url": base, "api_key": "sk-x", "retry": FAST, **extra}
+
+
+def registry(server: ScriptedServer, provider: str = "openai", **extra: Any) -> ModelRegistry:
+    return ModelRegistry.from_config({"default": "a", "models": {"a": spec(server, provider, **extra)}})
+
+
+async def reply(reg: ModelRegistry, text: str = "hi", **agent_kw: Any) -> tuple[list[Any], Any, Agent]:
+    agent = Agent(models=reg, model=reg.default, **agent_kw)
+    try:
+        events, final = await run_reply(agent, text)
+    finally:
+        await reg.aclose()
+    return events, final, agent
+
+
+def stream(provider: str, parts: list[dict[str, Any]], finish: str = "stop") -> Reply:
+    """A complete stream of events, each ``{"text": ..., "reasoning": ..., "tool": (index, args,
+    id, name)}``, its JSON ASCII-escaped as JSON encoders do by default (so a lone UTF-16 half
+    travels as a ``\\uXXXX`` escape, as from a server that cuts UTF-16 strings)."""
+    chunks: list[dict[str, Any]] = []
+    for part in parts:
+        tool_calls = None
+        if "tool" in part:
+            index, args, call_id, name = part["tool"]
+            make = openai_tool_fragment if provider == "openai" else dashscope_tool_fragment
+            tool_calls = [make(index, args, id=call_id, name=name) if call_id else make(index, args)]
+        if provider == "openai":
+            chunks.append(openai_chunk(part.get("text"), reasoning=part.get("reasoning"), tool_calls=tool_calls))
+        else:
+            kw = {"reasoning": part.get("reasoning", ""), "tool_calls": tool_calls, "usage": (10, len(chunks) + 1)}
+            chunks.append(dashscope_chunk(part.get("text", ""), **kw))
+    if provider == "openai":
+        return openai_stream([*chunks, openai_chunk(finish=finish)])
+    chunks.append(dashscope_chunk(finish=finish, usage=(10, len(chunks) + 1)))
+    frames = [f"id:{i}\nevent:result\n:HTTP_STATUS/200\ndata:{json.dumps(c)}\n\n" for i, c in enumerate(chunks, 1)]
+    return Reply(frames=frames)
+
+
+cities: list[str] = []
+
+
+@tool(description="Weather of a city.")
+def get_weather(city: str) -> str:
+    cities.append(city)
+    return f"{city}: sunny"
+
+
+# -- 1. UTF-16 surrogate halves (JSON \uXXXX escapes) ----------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["openai", "dashscope"])
+async def test_surrogate_halves_are_joined_across_events_and_a_lone_one_replaced(
+    server: ScriptedServer, provider: str
+) -> None:
+    """A pair split across two events is one character; a lone half (here a low one, and a high one
+    whose partner never comes) is U+FFFD, in text, thinking and tool-call arguments alike. Before,
+    they stayed lone surrogates, which no UTF-8 encoder takes: the session could not be sent or
+    stored any more."""
+    cities.clear()
+    server.replies += [
+        stream(
+            provider,
+            [
+                {"reasoning": "hm \ude00"},
+                {"text": "smile \ud83d"},
+                {"text": "\ude00 ok \ud83d"},
+                {"tool": (0, '{"city": "Nice \ud83d', "call_1", "get_weather")},
+                {"tool": (0, '\ude00"}', None, None)},
+            ],
+            finish="tool_calls",
+        ),
+        stream(provider, [{"text": "done \ud83d"}]),
+    ]
+
+    events, final, agent = await reply(registry(server, provider), toolkit=Toolkit([get_weather]))
+
+    assert final.finished_reason == ReplyFinishedReason.COMPLETED, of_type(events, ReplyEndEvent)
+    assert cities == ["Nice \U0001f600"]
+    first = agent.state.context[1]
+    assert first.text.startswith("smile \U0001f600 ok \ufffd")
+    assert [b.thinking for b in first.content if isinstance(b, ThinkingBlock)] == ["hm \ufffd"]
+    assert final.text == "done \ufffd"
+    codec.encode(agent.state)  # the whole session encodes (it raised UnicodeEncodeError)
+
+
+async def test_a_session_whose_model_sent_a_split_pair_goes_on(tmp_path: Path) -> None:
+    """Through a real host: the reply, a later reply in the same session and GetSession all work
+    (before, each failed with UNKNOWN: UnicodeEncodeError, for good)."""
+    with ScriptedServer() as model:
+        model.replies += [stream("openai", [{"text": "smile \ud83d"}, {"text": "\ude00 ok"}])]
+        model.replies += [stream("openai", [{"text": "again"}])]
+        config = f'models:\n  default: a\n  models:\n    a: {{provider: openai, base_url: "{model.url}/v1"}}\n'
+        with configured_host(tmp_path, config) as host:
+            async with HostClient(host.address) as client:
+                call = client.reply("", UserMsg("hi"))
+                first = [item async for item in call]
+                second = [item async for item in client.reply(call.session_id, UserMsg("and?"))]
+            _, state, _ = await get_session(host.address, call.session_id)
+
+    assert first[-1].text == "smile \U0001f600 ok"
+    assert second[-1].text == "again"
+    assert [m.text for m in state.context] == ["hi", "smile \U0001f600 ok", "and?", "again"]

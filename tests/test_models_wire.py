@@ -15,7 +15,8 @@ import pytest
 from agent_host.agent import Agent
 from agent_host.models import ModelRegistry
 from agentmw.codec import codec
-from agentmw.data import ReplyEndEvent, ReplyFinishedReason, ThinkingBlock, UserMsg
+from agentmw.data import ErrorType, ReplyEndEvent, ReplyFinishedReason, ThinkingBlock, UserMsg
+from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Toolkit, tool
 from clients.chat import HostClient
 from tests.host_util import configured_host, get_session
@@ -147,3 +148,39 @@ async def test_a_session_whose_model_sent_a_split_pair_goes_on(tmp_path: Path) -
     assert first[-1].text == "smile \U0001f600 ok"
     assert second[-1].text == "again"
     assert [m.text for m in state.context] == ["hi", "smile \U0001f600 ok", "and?", "again"]
+
+
+# -- 2. request fields the openai SDK does not know ------------------------------------------------
+
+
+class _Thinking(MiddlewareBase):
+    """An on_model_call middleware that asks for thinking for one call, as docs/models.md shows."""
+
+    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+        return await next_handler(parameters={"enable_thinking": True, "chat_template_kwargs": {"x": 1}})
+
+
+async def test_openai_parameters_the_sdk_does_not_know_are_sent_in_the_body(server: ScriptedServer) -> None:
+    """vLLM's and Qwen3's fields reach the server, configured or per call (before: TypeError from
+    create(), nothing sent, retried as an internal error)."""
+    server.replies.append(openai_stream([openai_chunk("ok")]))
+    parameters = {"temperature": 0.5, "top_k": 20, "repetition_penalty": 1.05, "enable_thinking": False}
+    reg = registry(server, parameters={**parameters, "extra_body": {"min_p": 0.1}}, max_retries=2)
+
+    _, final, _ = await reply(reg, middlewares=[_Thinking()])
+
+    assert final.text == "ok"
+    (request,) = server.requests
+    sent = {k: request.body.get(k) for k in ("temperature", "top_k", "repetition_penalty", "min_p")}
+    assert sent == {"temperature": 0.5, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.1}
+    assert (request.body["enable_thinking"], request.body["chat_template_kwargs"]) == (True, {"x": 1})
+
+
+async def test_openai_parameters_the_sdk_refuses_are_an_invalid_request_not_retried(server: ScriptedServer) -> None:
+    reg = registry(server, parameters={"top_k": 20, "extra_body": ["not", "a", "mapping"]}, max_retries=2)
+
+    events, _, _ = await reply(reg)
+
+    (end,) = of_type(events, ReplyEndEvent)
+    assert end.error.type == ErrorType.INVALID_REQUEST and "bad request parameters" in end.error.message
+    assert server.requests == []

@@ -15,6 +15,7 @@ reason (truncated), and a 200 answer that is not an event stream (a gateway's HT
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -23,8 +24,9 @@ from typing import Any
 
 import openai
 from openai import AsyncOpenAI
+from openai.resources.chat.completions import AsyncCompletions
 
-from agentmw.data import ChatResponse, ChatUsage, ModelRef, Msg, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, ToolChoice, new_id
 
 from ._format import (
     DeltaBlocks,
@@ -42,6 +44,22 @@ from ._format import (
 from .base import ChatModel, ModelError
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
+
+# The request fields the SDK's create() takes as keywords; any other one is sent in ``extra_body``.
+_SDK_FIELDS = frozenset(inspect.signature(AsyncCompletions.create).parameters) - {"self"}
+
+
+def request_fields(parameters: dict[str, Any]) -> dict[str, Any]:
+    """``parameters`` as create() keywords: the fields the SDK does not know (vLLM's ``top_k``,
+    ``repetition_penalty``, Qwen3's ``enable_thinking``, ``chat_template_kwargs``) go in the JSON
+    body through ``extra_body``, as the SDK intends, merged under a given ``extra_body``. (As
+    keywords, create() would raise TypeError before sending anything.)"""
+    known = {k: v for k, v in parameters.items() if k in _SDK_FIELDS}
+    extra = {k: v for k, v in parameters.items() if k not in _SDK_FIELDS}
+    given = known.get("extra_body") or {}
+    if extra and isinstance(given, dict):  # else create() refuses the extra_body given
+        known["extra_body"] = {**extra, **given}
+    return known
 
 
 class OpenAICompatibleModel(ChatModel):
@@ -108,7 +126,7 @@ class OpenAICompatibleModel(ChatModel):
         parameters: dict[str, Any],
     ) -> AsyncIterator[ChatResponse]:
         body: dict[str, Any] = {
-            **parameters,
+            **request_fields(parameters),
             "model": self.model_name,
             "messages": to_chat_messages(messages, image_parts=self.image_parts),
             "stream": self.stream,
@@ -157,7 +175,14 @@ class OpenAICompatibleModel(ChatModel):
         response_id = request_id = ""
         finished: str | None = None
         try:
-            raw = await self._sdk().chat.completions.with_raw_response.create(**body)
+            try:
+                raw = await self._sdk().chat.completions.with_raw_response.create(**body)
+            except TypeError as exc:  # the SDK refused a parameter before sending: no retry can help
+                raise ModelError(
+                    f"{self.provider} model {self.model_name!r}: bad request parameters: {exc}",
+                    error_type=ErrorType.INVALID_REQUEST,
+                    retryable=False,
+                ) from exc
             request_id = raw.headers.get("x-request-id", "")
             meta = {"request_id": request_id} if request_id else {}
             content_type = raw.headers.get("content-type", "")

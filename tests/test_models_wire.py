@@ -15,7 +15,7 @@ import pytest
 from agent_host.agent import Agent
 from agent_host.models import ModelRegistry
 from agentmw.codec import codec
-from agentmw.data import ErrorType, ReplyEndEvent, ReplyFinishedReason, ThinkingBlock, UserMsg
+from agentmw.data import ErrorType, ModelCallStartEvent, ReplyEndEvent, ReplyFinishedReason, ThinkingBlock, UserMsg
 from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Toolkit, tool
 from clients.chat import HostClient
@@ -184,3 +184,28 @@ async def test_openai_parameters_the_sdk_refuses_are_an_invalid_request_not_retr
     (end,) = of_type(events, ReplyEndEvent)
     assert end.error.type == ErrorType.INVALID_REQUEST and "bad request parameters" in end.error.message
     assert server.requests == []
+
+
+# -- 3. the DashScope SDK's own resend ---------------------------------------------------------------
+
+
+async def test_dashscope_sends_each_attempt_once_when_the_connection_is_reset(server: ScriptedServer) -> None:
+    """A connection reset after the server read the request is one failed attempt, which the host's
+    policy retries (seen by the client and the metrics). Before, the SDK sent the request again on
+    its own: twice the requests, and a reset then an answer looked like a first-time success."""
+    server.replies += [Reply(reset=True), stream("dashscope", [{"text": "ok"}])]
+
+    events, final, _ = await reply(registry(server, "dashscope", max_retries=1))
+
+    assert final.text == "ok"
+    assert len(server.requests) == 2
+    (start,) = of_type(events, ModelCallStartEvent)
+    (failed,) = start.metadata["failed_attempts"]
+    assert failed["error_type"] == "connection"
+
+    server.requests.clear()
+    server.replies += [Reply(reset=True)] * 4
+    events, _, _ = await reply(registry(server, "dashscope", max_retries=1))
+
+    assert of_type(events, ReplyEndEvent)[0].error.type == ErrorType.CONNECTION
+    assert len(server.requests) == 2  # max_retries + 1, as the policy says (was 4)

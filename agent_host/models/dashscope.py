@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import dashscope
+from dashscope.api_entities import aiohttp_request, http_request
 
 from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, ToolChoice, new_id
 
@@ -38,6 +39,19 @@ from .base import ChatModel, ModelError
 # Errors of the transport below the SDK: worth another attempt.
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError)
 _SDK_TIMEOUT = 24 * 3600  # seconds: effectively none (this class enforces ``timeout`` itself)
+
+
+async def _send_once(send: Callable[[], Awaitable[aiohttp.ClientResponse]]) -> aiohttp.ClientResponse:
+    return await send()
+
+
+# The SDK sends a request again when its connection fails before the answer (taking it for an idle
+# pooled one the server closed), but a fresh connection reset after the server read the request
+# fails the same way: the request would be sent twice, unseen by the host's retry policy, the
+# on_model_call middleware and the metrics. Each attempt is one request; the host decides on more.
+# (dashscope is pinned; tests/test_models_wire.py checks the requests a reset costs.)
+for _module in (http_request, aiohttp_request):
+    _module.send_with_retry_async = _send_once  # type: ignore[attr-defined]
 
 
 def _lower(headers: Any) -> dict[str, str]:

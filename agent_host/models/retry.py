@@ -5,8 +5,9 @@ between attempts as the server asked (``Retry-After`` / ``retry-after-ms``, capp
 policy's ``max_delay``) or else exponentially with jitter, and never past the policy's
 ``deadline``; then each fallback id the same way. The waiting and stopping are tenacity's.
 
-The providers' SDKs do not retry on their own (the OpenAI SDK would retry quota exhaustion and
-its retries are invisible to the host): every attempt goes through the on_model_call chain, is
+The providers' SDKs do not retry on their own (the OpenAI SDK would retry quota exhaustion, the
+DashScope SDK a request whose connection failed, and their retries are invisible to the host;
+dashscope.py turns that resend off): every attempt goes through the on_model_call chain, is
 logged, and is reported to ``on_failure`` so the client sees it on the model-call events.
 """
 

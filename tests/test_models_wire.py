@@ -5,6 +5,7 @@ tests/model_servers.py, in process and through a real host process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,17 @@ import pytest
 from agent_host.agent import Agent
 from agent_host.models import ModelRegistry
 from agentmw.codec import codec
-from agentmw.data import ErrorType, ModelCallStartEvent, ReplyEndEvent, ReplyFinishedReason, ThinkingBlock, UserMsg
+from agentmw.data import (
+    ErrorType,
+    FinishedReason,
+    ModelCallEndEvent,
+    ModelCallStartEvent,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    TextBlockDeltaEvent,
+    ThinkingBlock,
+    UserMsg,
+)
 from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Toolkit, tool
 from clients.chat import HostClient
@@ -209,3 +220,42 @@ async def test_dashscope_sends_each_attempt_once_when_the_connection_is_reset(se
 
     assert of_type(events, ReplyEndEvent)[0].error.type == ErrorType.CONNECTION
     assert len(server.requests) == 2  # max_retries + 1, as the policy says (was 4)
+
+
+# -- 5. DashScope usage so far -----------------------------------------------------------------------
+
+
+def _ds_frames(*chunks: dict[str, Any]) -> list[str]:
+    return [f"id:{i}\nevent:result\n:HTTP_STATUS/200\ndata:{json.dumps(c)}\n\n" for i, c in enumerate(chunks, 1)]
+
+
+async def test_dashscope_call_cut_mid_stream_reports_the_usage_so_far(server: ScriptedServer) -> None:
+    """DashScope sends the usage so far in every event: a call that fails or is interrupted
+    mid-stream reports it, as docs/models.md says (before: 0/0, the usage came with the last chunk only)."""
+    hello, world = dashscope_chunk("Hello ", usage=(120, 2)), dashscope_chunk("world", usage=(120, 3))
+    server.replies += [
+        Reply(frames=_ds_frames(hello, world), reset=True),
+        Reply(frames=_ds_frames(hello, world, dashscope_chunk(finish="stop", usage=(120, 4))), delay=0.5),
+    ]
+
+    events, _, agent = await reply(registry(server, "dashscope"))
+
+    (end,) = of_type(events, ModelCallEndEvent)
+    assert end.finished_reason == FinishedReason.ERROR
+    assert (end.input_tokens, end.output_tokens) == (120, 3)
+    assert agent.state.context[-1].usage.output_tokens == 3
+
+    reg = registry(server, "dashscope")
+    agent = Agent(models=reg, model="a")
+    items: list[Any] = []
+    try:
+        async for item in agent.reply_stream(UserMsg("hi")):
+            items.append(item)
+            if isinstance(item, TextBlockDeltaEvent) and item.delta == "world":
+                asyncio.get_running_loop().call_later(0.05, agent.interrupt)  # lands in the wait for more
+    finally:
+        await reg.aclose()
+
+    (end,) = of_type(items, ModelCallEndEvent)
+    assert end.finished_reason == FinishedReason.INTERRUPTED
+    assert (end.input_tokens, end.output_tokens) == (120, 3)

@@ -152,17 +152,26 @@ class DashScopeChatModel(ChatModel):
             while (response := await self._next(anext(responses, None))) is not None:
                 request_id = response.get("request_id") or request_id
                 self._check(response, request_id)
-                usage = response.get("usage") or usage  # cumulative: the last one counts
+                # Cumulative: the last one counts. Passed on as it changes, so a call that fails or is
+                # interrupted mid-stream reports the usage so far (the accumulator keeps the latest).
+                changed = bool(response.get("usage")) and response.get("usage") != usage
+                usage = response.get("usage") or usage
                 output = response.get("output") or {}
-                meta = {"request_id": request_id} if request_id else {}
+                blocks: list[Any] = []
                 for choice in output.get("choices") or []:
                     message = choice.get("message") or {}
                     text = _content_text(message.get("content"))
-                    blocks = deltas.add(message.get("reasoning_content"), text, message.get("tool_calls"))
+                    blocks += deltas.add(message.get("reasoning_content"), text, message.get("tool_calls"))
                     if choice.get("finish_reason") not in (None, "", "null"):
                         finished = choice["finish_reason"]
-                    if blocks:
-                        yield ChatResponse(content=blocks, is_last=False, id=request_id or new_id(), metadata=meta)
+                if blocks or changed:
+                    yield ChatResponse(
+                        content=blocks,
+                        is_last=False,
+                        id=request_id or new_id(),
+                        usage=_usage(usage) if changed else None,
+                        metadata={"request_id": request_id} if request_id else {},
+                    )
             if finished is None:
                 raise protocol_error(
                     self.provider, self.model_name, "the stream ended without a finish reason (truncated)", request_id

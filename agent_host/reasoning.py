@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from agentmw.data import (
 from . import metrics
 from .agent_base import AgentBase, ReplyError
 from .chunk_events import ChunkConverter
+from .models import Accumulator
 from .models.retry import call_with_fallback
 from .reply_grammar import blame_of
 
@@ -51,6 +53,12 @@ class Reasoning(AgentBase):
         messages, tools = await self.prepare_model_input(tool_choice)
         completed: ChatResponse | None = None
         converter = ChunkConverter(reply_id)
+        # The deltas streamed so far: the response to save if the stream ends without one. It does
+        # when cut while it awaits the model (its partial as the last chunk), but not when the
+        # interrupt came while this generator was suspended between items (a slow client or
+        # on_reply middleware), nor through every on_model_call middleware.
+        streamed: list[ChatResponse] = []
+        began = time.monotonic()
         used = self.model.id
         started = False
         failure: Exception | None = None
@@ -72,6 +80,7 @@ class Reasoning(AgentBase):
                         if chunk.is_last:
                             completed = chunk
                             continue
+                        streamed.append(chunk)
                         for event in converter.convert(chunk):
                             yield event
                         count += 1
@@ -82,7 +91,7 @@ class Reasoning(AgentBase):
             if not self._interrupt_requested:  # not an interruption (the host is stopping): propagate
                 raise
             if completed is None:
-                completed = ChatResponse(content=[], finished_reason=FinishedReason.INTERRUPTED)
+                completed = _so_far(streamed, FinishedReason.INTERRUPTED, began)
             if not started:
                 yield ModelCallStartEvent(reply_id=reply_id, model_name=used, metadata=self._call_metadata(used))
         except Exception as exc:
@@ -90,7 +99,7 @@ class Reasoning(AgentBase):
                 raise
             # Failed mid-stream: close what is open, end the call, keep what the user saw (below).
             failure = exc
-            completed = getattr(exc, "partial", None) or ChatResponse(content=[])
+            completed = getattr(exc, "partial", None) or _so_far(streamed, FinishedReason.ERROR, began)
             completed.finished_reason = FinishedReason.ERROR
         for event in converter.close_all():
             yield event
@@ -225,3 +234,11 @@ class Reasoning(AgentBase):
         model, parameters = self.models.for_call(current_model, parameters)
         self._models_used.append(model.id)
         return await model(messages, tools, tool_choice, parameters)
+
+
+def _so_far(deltas: list[ChatResponse], finished: FinishedReason, started: float) -> ChatResponse:
+    """The response the streamed ``deltas`` make up, as the model client accumulates it."""
+    acc = Accumulator()
+    for delta in deltas:
+        acc.add(delta)
+    return acc.result(finished, started)

@@ -17,6 +17,7 @@ from agent_host.agent import Agent
 from agent_host.models import ModelRegistry
 from agentmw.codec import codec
 from agentmw.data import (
+    CustomEvent,
     ErrorType,
     FinishedReason,
     ModelCallEndEvent,
@@ -30,7 +31,7 @@ from agentmw.data import (
 from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Toolkit, tool
 from clients.chat import HostClient
-from tests.host_util import configured_host, get_session
+from tests.host_util import Procs, configured_host, get_session
 from tests.model_servers import (
     Reply,
     ScriptedServer,
@@ -259,3 +260,66 @@ async def test_dashscope_call_cut_mid_stream_reports_the_usage_so_far(server: Sc
     (end,) = of_type(items, ModelCallEndEvent)
     assert end.finished_reason == FinishedReason.INTERRUPTED
     assert (end.input_tokens, end.output_tokens) == (120, 3)
+
+
+# -- 4. an interrupt while the reply is paused between streamed items ------------------------------
+
+
+def _hello_world(provider: str) -> Reply:
+    """ "Hello ", "world", then the end 0.6 s later (the model is still streaming)."""
+    if provider == "openai":
+        return openai_stream([openai_chunk("Hello "), openai_chunk("world")], delay=0.6)
+    chunks = [dashscope_chunk(t, usage=(120, n)) for n, t in ((2, "Hello "), (3, "world"))]
+    return Reply(frames=_ds_frames(*chunks, dashscope_chunk(finish="stop", usage=(120, 4))), delay=0.6)
+
+
+@pytest.mark.parametrize("provider", ["openai", "dashscope"])
+async def test_an_interrupt_between_streamed_items_keeps_what_was_streamed(
+    server: ScriptedServer, provider: str
+) -> None:
+    """The reader of the reply interrupts on the "world" delta, while the reasoning is suspended
+    at it (not awaiting the model): the partial answer is saved as when the interrupt lands in the
+    wait for the model (docs/behaviour.md#interruption). Before, it was dropped from the session."""
+    server.replies.append(_hello_world(provider))
+    reg = registry(server, provider)
+    agent = Agent(models=reg, model="a")
+    items: list[Any] = []
+    try:
+        async for item in agent.reply_stream(UserMsg("hi")):
+            items.append(item)
+            if isinstance(item, TextBlockDeltaEvent) and item.delta == "world":
+                agent.interrupt()
+    finally:
+        await reg.aclose()
+
+    assert items[-1].finished_reason == ReplyFinishedReason.INTERRUPTED
+    (end,) = of_type(items, ModelCallEndEvent)
+    assert end.finished_reason == FinishedReason.INTERRUPTED
+    assert [(m.role.value, m.text) for m in agent.state.context][:2] == [("user", "hi"), ("assistant", "Hello world")]
+    if provider == "dashscope":  # the usage so far (DashScope sends it in every event)
+        assert (end.input_tokens, end.output_tokens) == (120, 3)
+
+
+async def test_an_interrupt_while_an_on_reply_middleware_holds_the_reply_keeps_the_partial(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Through a real host, with a remote on_reply middleware that holds the "world" delta: the
+    client cancels meanwhile, and the session keeps "Hello world"."""
+    pause = procs.start("pause", ["-m", "agentmw.sdk", "tests.pause_mw:PauseAtWorld", "--address", "127.0.0.1:0"])
+    with ScriptedServer() as model:
+        model.replies.append(_hello_world("openai"))
+        config = tmp_path / "host.yaml"
+        config.write_text(f'models:\n  models:\n    a: {{provider: openai, base_url: "{model.url}/v1"}}\n')
+        host = procs.host(tmp_path / "sessions.db", "--config", str(config), "--middleware", f"pause={pause.address}")
+        items: list[Any] = []
+        async with HostClient(host.address) as client:
+            call = client.reply("", UserMsg("hi"))
+            async with asyncio.timeout(20):
+                async for item in call:
+                    items.append(item)
+                    if isinstance(item, CustomEvent) and item.name == "paused":
+                        call.cancel()
+        _, state, _ = await get_session(host.address, call.session_id)
+
+    assert of_type(items, ReplyEndEvent)[0].finished_reason == ReplyFinishedReason.INTERRUPTED
+    assert [(m.role.value, m.text) for m in state.context][:2] == [("user", "hi"), ("assistant", "Hello world")]

@@ -323,3 +323,37 @@ async def test_an_interrupt_while_an_on_reply_middleware_holds_the_reply_keeps_t
 
     assert of_type(items, ReplyEndEvent)[0].finished_reason == ReplyFinishedReason.INTERRUPTED
     assert [(m.role.value, m.text) for m in state.context][:2] == [("user", "hi"), ("assistant", "Hello world")]
+
+
+# -- 6, 7. errors a server sends with status 200: in the stream, or as the body ---------------------
+
+KEY_ERROR = {"message": "Incorrect API key provided", "type": "invalid_request_error", "code": "invalid_api_key"}
+RATE_ERROR = {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"}
+DS_KEY_ERROR = {"code": "InvalidApiKey", "message": "Invalid API-key provided.", "request_id": "req-k"}
+ERRORS_200 = {  # provider, answer, error type, requests made with max_retries 2, the provider's message
+    "openai-stream-key": ("openai", openai_stream([{"error": KEY_ERROR}]), "authentication", 1, KEY_ERROR),
+    "openai-stream-rate": ("openai", openai_stream([{"error": RATE_ERROR}]), "rate_limit", 3, RATE_ERROR),
+    "openai-body-key": ("openai", Reply(body={"error": KEY_ERROR}), "authentication", 1, KEY_ERROR),
+    "openai-plain-body-key": ("openai-plain", Reply(body={"error": KEY_ERROR}), "authentication", 1, KEY_ERROR),
+    "dashscope-body-key": ("dashscope", Reply(body=DS_KEY_ERROR), "authentication", 1, DS_KEY_ERROR),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS_200))
+async def test_an_error_sent_with_status_200_is_classified_by_the_providers_code(
+    server: ScriptedServer, case: str
+) -> None:
+    """Before: an in-stream error was labelled "HTTP 500" and classified by its type (an invalid
+    key retried as upstream, a rate limit not a rate limit); an error body under status 200 lost
+    its code (openai) or its whole message (DashScope), and was retried as a bad response."""
+    provider, bad, kind, requests, error = ERRORS_200[case]
+    server.replies += [bad] * 3
+    extra = {"stream": False} if provider == "openai-plain" else {}
+    reg = registry(server, provider.removesuffix("-plain"), max_retries=2, **extra)
+
+    events, _, _ = await reply(reg)
+
+    (end,) = of_type(events, ReplyEndEvent)
+    assert end.error.type == ErrorType(kind), end.error
+    assert f"HTTP 200 {error['code']}: {error['message']}" in end.error.message
+    assert len(server.requests) == requests

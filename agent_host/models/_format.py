@@ -368,12 +368,15 @@ _CODES: list[tuple[str, ErrorType, bool]] = [
 
 def classify(status: int, code: str = "") -> tuple[ErrorType, bool]:
     """(error type, retryable) of a failure: by the provider's code when it is a known one, else
-    by the HTTP status (other 4xx: invalid request; 5xx: retryable upstream error)."""
+    by the HTTP status (other 4xx: invalid request; 5xx, and an error sent in a 200 answer or
+    stream: retryable upstream error)."""
     lowered = code.lower()
     for prefix, kind, retryable in _CODES:
         if lowered.startswith(prefix):
             return kind, retryable
-    return _STATUS.get(status) or ((ErrorType.UPSTREAM, True) if status >= 500 else (ErrorType.INVALID_REQUEST, False))
+    if 400 <= status < 500:
+        return _STATUS.get(status) or (ErrorType.INVALID_REQUEST, False)
+    return _STATUS.get(status) or (ErrorType.UPSTREAM, True)
 
 
 _TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.I | re.S)

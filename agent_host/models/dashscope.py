@@ -54,6 +54,25 @@ for _module in (http_request, aiohttp_request):
     _module.send_with_retry_async = _send_once  # type: ignore[attr-defined]
 
 
+class _ErrorAnswer(Exception):
+    """A 200 answer whose JSON body is the provider's error, which the SDK would take for an answer
+    (and fail on, its code and message dropped)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body.get("message"))
+        self.body = body
+
+
+class _Response(aiohttp.ClientResponse):
+    """The responses of the model's own session: an error body under status 200 raises _ErrorAnswer."""
+
+    async def json(self, *args: Any, **kwargs: Any) -> Any:
+        body = await super().json(*args, **kwargs)
+        if self.status == 200 and isinstance(body, dict) and body.get("code") and not body.get("output"):
+            raise _ErrorAnswer(body)
+        return body
+
+
 def _lower(headers: Any) -> dict[str, str]:
     return {str(k).lower(): str(v) for k, v in (headers or {}).items()}
 
@@ -93,7 +112,8 @@ class DashScopeChatModel(ChatModel):
         closed: "Unclosed client session" at every shutdown)."""
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            self._session, self._session_loop = aiohttp.ClientSession(trust_env=True), loop
+            self._session = aiohttp.ClientSession(trust_env=True, response_class=_Response)
+            self._session_loop = loop
         return self._session
 
     async def aclose(self) -> None:
@@ -176,6 +196,16 @@ class DashScopeChatModel(ChatModel):
                 raise protocol_error(
                     self.provider, self.model_name, "the stream ended without a finish reason (truncated)", request_id
                 )
+        except _ErrorAnswer as exc:
+            body = exc.body
+            raise http_error(
+                self.provider,
+                self.model_name,
+                200,
+                str(body.get("message") or ""),
+                str(body.get("code")),
+                request_id=str(body.get("request_id") or request_id),
+            ) from exc
         except aiohttp.ContentTypeError as exc:  # a 200 that is not an event stream (a gateway's page)
             raise protocol_error(
                 self.provider, self.model_name, f"not an event stream: {exc.message}", request_id

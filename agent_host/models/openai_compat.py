@@ -157,15 +157,15 @@ class OpenAICompatibleModel(ChatModel):
         if isinstance(exc, openai.APIConnectionError):  # APITimeoutError included
             cause = exc.__cause__ or exc
             return connection_error(self.provider, self.model_name, cause, request_id)
-        if isinstance(exc, openai.APIError):  # an error event inside the stream: its body is the error
+        if isinstance(exc, openai.APIError):  # an error event inside the (200) stream: its body is the error
             error = exc.body if isinstance(exc.body, dict) else {}
             code = error.get("code")
             return http_error(
                 self.provider,
                 self.model_name,
-                code if isinstance(code, int) else 500,
+                code if isinstance(code, int) else 200,  # vLLM sends the status as the code
                 exc.message,
-                str(error.get("type") or (code if isinstance(code, str) else "")),
+                str((code if isinstance(code, str) else "") or error.get("type") or ""),  # as _error_text
                 request_id=request_id,
             )
         raise exc
@@ -187,10 +187,13 @@ class OpenAICompatibleModel(ChatModel):
             meta = {"request_id": request_id} if request_id else {}
             content_type = raw.headers.get("content-type", "")
             expected = "text/event-stream" if self.stream else "json"
-            if expected not in content_type:  # e.g. a gateway's HTML page with status 200
+            if expected not in content_type or not self.stream:
                 text = (await raw.http_response.aread()).decode(errors="replace")
-                what = f"expected {expected}, got {content_type or 'no content type'}: {text or 'empty body'}"
-                raise protocol_error(self.provider, self.model_name, what, request_id)
+                if "json" in content_type and _is_error_body(text):  # the provider's error, with status 200
+                    raise http_error(self.provider, self.model_name, 200, *_error_text(text), request_id=request_id)
+                if expected not in content_type:  # e.g. a gateway's HTML page with status 200
+                    what = f"expected {expected}, got {content_type or 'no content type'}: {text or 'empty body'}"
+                    raise protocol_error(self.provider, self.model_name, what, request_id)
             parsed = raw.parse()
             events = parsed if self.stream else _once(parsed)
             async for event in events:
@@ -237,6 +240,15 @@ def _error_text(raw: str) -> tuple[str, str]:
         message = error.get("message") or error.get("detail") or json.dumps(error)
         return str(message), str(error.get("code") or error.get("type") or "")
     return str(error), ""
+
+
+def _is_error_body(raw: str) -> bool:
+    """An error body of a server (OpenAI/Ollama ``{"error": ...}``, vLLM ``{"object": "error"}``)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and (bool(body.get("error")) or body.get("object") == "error")
 
 
 async def _once(answer: Any) -> AsyncIterator[Any]:

@@ -31,7 +31,7 @@ from . import metrics
 from .agent_base import AgentBase, ReplyError
 from .chunk_events import ChunkConverter
 from .models import Accumulator
-from .models.retry import call_with_fallback
+from .models.retry import Failure, call_with_fallback
 from .reply_grammar import blame_of
 
 YIELD_EVERY_CHUNKS = 16  # fairness under concurrency costs ~3% CPU on a 1,000-delta reply (bench)
@@ -99,6 +99,8 @@ class Reasoning(AgentBase):
                 raise
             # Failed mid-stream: close what is open, end the call, keep what the user saw (below).
             failure = exc
+            attempt = 1 + sum(f["model"] == used for f in self._model_failures)
+            metrics.model_attempt_failed(Failure(used, exc, attempt, None))  # the reply's error follows
             completed = getattr(exc, "partial", None) or _so_far(streamed, FinishedReason.ERROR, began)
             completed.finished_reason = FinishedReason.ERROR
         for event in converter.close_all():

@@ -12,6 +12,7 @@ from typing import Any
 
 import dashscope
 import pytest
+from prometheus_client import REGISTRY
 
 from agent_host.agent import Agent
 from agent_host.models import ModelRegistry
@@ -357,3 +358,22 @@ async def test_an_error_sent_with_status_200_is_classified_by_the_providers_code
     assert end.error.type == ErrorType(kind), end.error
     assert f"HTTP 200 {error['code']}: {error['message']}" in end.error.message
     assert len(server.requests) == requests
+
+
+# -- 10. a mid-stream failure is a failed attempt ----------------------------------------------------
+
+
+async def test_a_call_that_fails_mid_stream_counts_as_a_failed_attempt(server: ScriptedServer) -> None:
+    """agentmw_model_failed_attempts counts attempts "followed by a retry, a fallback, or the reply's
+    error": a reset after part of the answer is one (before: not counted, only the reply's error was)."""
+    server.replies.append(Reply(frames=openai_stream([openai_chunk("Hello wor")]).frames[:1], reset=True))
+
+    def failed() -> float:
+        return REGISTRY.get_sample_value("agentmw_model_failed_attempts_total", {"model": "mid-stream"}) or 0.0
+
+    before = failed()
+    reg = ModelRegistry.from_config({"default": "mid-stream", "models": {"mid-stream": spec(server)}})
+    events, _, _ = await reply(reg)
+
+    assert of_type(events, ModelCallEndEvent)[0].finished_reason == FinishedReason.ERROR
+    assert failed() - before == 1

@@ -377,3 +377,28 @@ async def test_a_call_that_fails_mid_stream_counts_as_a_failed_attempt(server: S
 
     assert of_type(events, ModelCallEndEvent)[0].finished_reason == FinishedReason.ERROR
     assert failed() - before == 1
+
+
+# -- 11. text blocks of one message in the model input ---------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["openai", "dashscope"])
+async def test_text_blocks_of_one_message_reach_the_model_on_lines_of_their_own(
+    server: ScriptedServer, provider: str
+) -> None:
+    """After a mid-stream failure the assistant's turn holds the partial answer and the failure note:
+    the next request sends them one per line (AgentScope sends separate text parts), not run together."""
+    first = stream(provider, [{"text": "Hello "}, {"text": "world"}])
+    server.replies += [Reply(frames=first.frames[:2], reset=True), stream(provider, [{"text": "again"}])]
+    reg = registry(server, provider)
+    agent = Agent(models=reg, model="a")
+    try:
+        await run_reply(agent, "first")
+        await run_reply(agent, "second")
+    finally:
+        await reg.aclose()
+
+    body = server.requests[1].body
+    messages = body["messages"] if provider == "openai" else body["input"]["messages"]
+    (assistant,) = [m for m in messages if m["role"] == "assistant"]
+    assert assistant["content"].startswith("Hello world\nThe reply failed: "), assistant

@@ -65,7 +65,7 @@ def _assistant_messages(msg: Msg) -> list[dict[str, Any]]:
     def flush() -> None:
         nonlocal turn
         if turn is not None:
-            turn["content"] = "".join(turn["content"])
+            turn["content"] = _join(turn["content"])
             if turn["content"] or turn.get("tool_calls"):
                 out.append(turn)
         turn = None
@@ -108,7 +108,14 @@ def _text_of(blocks: Any) -> str:
             parts.append(_text_of(block.hint))
         elif isinstance(block, DataBlock):
             parts.append(f"[{block.source.media_type} {block.name or 'data'}]")
-    return "".join(parts)
+    return _join(parts)
+
+
+def _join(parts: list[str]) -> str:
+    """Text blocks of one message as one content string. AgentScope's formatters send them as
+    separate text parts, which servers render one per line; joined with nothing, a partial answer
+    and the note after it ("Hello worldThe reply failed: ...") would run together."""
+    return "\n".join(part for part in parts if part)
 
 
 def _user_content(blocks: list[Any], image_parts: bool) -> str | list[dict[str, Any]]:

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from agent_host.agent import Agent
+from agent_host.config import ConfigError, load_config
 from agent_host.models import ModelRegistry
 from agentmw.codec import codec
 from agentmw.data import (
@@ -32,7 +33,7 @@ from agentmw.data import (
 from agentmw.middleware import MiddlewareBase
 from agentmw.tools import Toolkit, tool
 from clients.chat import HostClient
-from tests.host_util import Procs, configured_host, get_session
+from tests.host_util import Procs, configured_host, get_session, run_cli
 from tests.model_servers import (
     Reply,
     ScriptedServer,
@@ -402,3 +403,87 @@ async def test_text_blocks_of_one_message_reach_the_model_on_lines_of_their_own(
     messages = body["messages"] if provider == "openai" else body["input"]["messages"]
     (assistant,) = [m for m in messages if m["role"] == "assistant"]
     assert assistant["content"].startswith("Hello world\nThe reply failed: "), assistant
+
+
+# -- 8. model settings checked by value ------------------------------------------------------------
+
+BAD_SETTINGS = {  # a model's settings -> the one-line error naming the key
+    "max_retries: abc": ({"max_retries": "abc"}, "max_retries: expected a whole number >= 0, got 'abc'"),
+    "max_retries: -1": ({"max_retries": -1}, "max_retries: expected a whole number >= 0, got -1"),
+    "fallback: a string": ({"fallback": "local"}, "fallback: expected a list of strings, got 'local'"),
+    "fallback: itself": ({"fallback": ["a"]}, "fallback: a model cannot fall back to itself"),
+    "retry: 5": ({"retry": 5}, "retry: expected a mapping of initial_delay, max_delay, deadline, got 5"),
+    "retry deadline < 0": ({"retry": {"deadline": -1}}, "retry: deadline: expected seconds >= 0, got -1"),
+    "timeout: abc": ({"timeout": "abc"}, "timeout: expected a number > 0, got 'abc'"),
+    "timeout: 0": ({"timeout": 0}, "timeout: expected a number > 0, got 0"),
+    "stream: 'false'": ({"stream": "false"}, "stream: expected true or false, got 'false'"),
+    "include_usage: 'false'": ({"include_usage": "false"}, "include_usage: expected true or false, got 'false'"),
+    "context_size: big": ({"context_size": "big"}, "context_size: expected a whole number > 0, got 'big'"),
+    "parameters: a list": ({"parameters": [1, 2]}, "parameters: expected a mapping, got [1, 2]"),
+    "headers: numbers": ({"headers": {"X-N": 5}}, "headers: expected a mapping of strings, got {'X-N': 5}"),
+    "base_url: 5": ({"base_url": 5}, "base_url: expected a string, got 5"),
+    "base_url: no scheme": ({"base_url": "127.0.0.1:8000/v1"}, "base_url: expected a URL starting with http://"),
+    "two keys": ({"api_key": "k", "api_key_env": "K"}, "give one of api_key, api_key_env, api_key_file, not"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_a_bad_model_setting_is_one_error_naming_the_model_and_key(tmp_path: Path, case: str) -> None:
+    """As agent-host --config reads them (before: accepted, then misbehaving at every call, or an
+    error from int()/list() naming neither the model nor the key)."""
+    settings, error = BAD_SETTINGS[case]
+    path = tmp_path / "host.yaml"
+    models = {"default": "a", "models": {"a": {"provider": "openai", "base_url": "http://127.0.0.1:9/v1", **settings}}}
+    path.write_text(json.dumps({"models": models}))  # JSON is YAML
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={}).build_models()
+
+    assert f"models: model 'a': {error}" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_host_refuses_a_bad_model_setting_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "host.yaml"
+    path.write_text('models:\n  models:\n    a: {provider: openai, base_url: "http://127.0.0.1:9/v1", timeout: abc}\n')
+
+    done = run_cli("agent_host", "--config", str(path), "--db", str(tmp_path / "x.db"), "--listen", "127.0.0.1:0")
+
+    assert done.returncode == 2, done.stderr
+    error = f"{path}: models: model 'a': timeout: expected a number > 0, got 'abc'"
+    assert done.stderr.strip().splitlines() == [f"agent-host: configuration error: {error}"]
+
+
+# -- 9. a model's key from the environment or a file -----------------------------------------------
+
+
+async def test_each_model_reads_its_own_key_from_the_environment_or_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two OpenAI-compatible services with different keys, neither in the file (before:
+    api_key_env / api_key_file were unknown keys, and every openai model got OPENAI_API_KEY)."""
+    monkeypatch.setenv("GATEWAY_KEY", "sk-gateway")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-shared")
+    key_file = tmp_path / "openai.key"
+    key_file.write_text("sk-from-file\n")
+    with ScriptedServer() as first, ScriptedServer() as second:
+        first.replies.append(stream("openai", [{"text": "one"}]))
+        second.replies.append(stream("openai", [{"text": "two"}]))
+        path = tmp_path / "host.yaml"
+        path.write_text(
+            "models:\n  default: a\n  models:\n"
+            f'    a: {{provider: openai, base_url: "{first.url}/v1", api_key_env: GATEWAY_KEY}}\n'
+            f'    b: {{provider: openai, base_url: "{second.url}/v1", api_key_file: "{key_file}"}}\n'
+        )
+        reg = load_config(path).build_models()
+        for model_id in ("a", "b"):
+            agent = Agent(models=reg, model=model_id)
+            await run_reply(agent, "hi")
+        await reg.aclose()
+        assert reg.get("a").ref.parameters == {} and "sk-" not in repr(reg.get("a").ref)
+
+    assert first.requests[0].headers["authorization"] == "Bearer sk-gateway"
+    assert second.requests[0].headers["authorization"] == "Bearer sk-from-file"
+
+    monkeypatch.delenv("GATEWAY_KEY")
+    with pytest.raises(ConfigError, match="model 'a': api_key: the environment variable GATEWAY_KEY is not set"):
+        load_config(path).build_models()

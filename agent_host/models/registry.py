@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentmw.data import ModelRef
 from agentmw.errors import UnknownModelError  # re-exported: the registry raises it
+from agentmw.security import read_secret
 
 from .base import ChatModel
 from .retry import RetryPolicy
@@ -50,18 +54,97 @@ PROVIDERS: dict[str, Callable[[], type[ChatModel]]] = {
 }
 
 
-def _settings(model_cls: type[ChatModel]) -> list[str]:
-    """The keyword settings a model class takes, its bases' included (a ``**kw`` passes them on)."""
-    names: list[str] = []
+def _settings(model_cls: type[ChatModel]) -> dict[str, Any]:
+    """The keyword settings a model class takes, its bases' included (a ``**kw`` passes them on),
+    each with its type hint."""
+    settings: dict[str, Any] = {}
     for cls in model_cls.__mro__:
         init = cls.__dict__.get("__init__")
         if init is None:
             continue
+        hints = typing.get_type_hints(init)
         params = inspect.signature(init).parameters.values()
-        names += [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name != "id" and p.name not in names]
+        for p in params:
+            if p.kind is p.KEYWORD_ONLY and p.name != "id" and p.name not in settings:
+                settings[p.name] = hints.get(p.name, Any)
         if not any(p.kind is p.VAR_KEYWORD for p in params):
             break
-    return names
+    return settings
+
+
+# A model with an ``api_key`` setting may name its key instead, as security.users name tokens:
+# read once, at start, through the same read_secret.
+_KEY_SOURCES = ("api_key_env", "api_key_file")
+
+_POSITIVE = {"timeout", "context_size"}  # numbers that must be > 0 (every other one: >= 0)
+
+
+def _expected(key: str, hint: Any, value: Any) -> str | None:
+    """What ``value`` should have been, if it does not fit the setting ``key`` of type ``hint``;
+    None when it fits. YAML gives any type anywhere: a wrong one would be taken (``stream:
+    "false"`` is true) or fail at every call."""
+    if key == "base_url" and isinstance(value, str) and value and not value.startswith(("http://", "https://")):
+        return "a URL starting with http:// or https://"
+    want, fits = _describe(hint), _fits(value, hint)
+    if any(h in (int, float) for h in (hint, *typing.get_args(hint))):  # a number: never negative
+        want += " > 0" if key in _POSITIVE else " >= 0"
+        if fits and isinstance(value, int | float):
+            fits = value > 0 if key in _POSITIVE else value >= 0
+    return None if fits else want
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, arg) for arg in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if (origin or hint) is dict:
+        key_type, value_type = args or (Any, Any)
+        return isinstance(value, Mapping) and all(_fits(k, key_type) and _fits(v, value_type) for k, v in value.items())
+    if (origin or hint) is list:
+        item_type = args[0] if args else Any
+        return isinstance(value, list) and all(_fits(v, item_type) for v in value)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _describe(hint: Any) -> str:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _describe(args[0])
+    names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
+    if hint in names:
+        return names[hint]
+    origin = typing.get_origin(hint) or hint
+    if origin is dict:
+        return "a mapping" + (" of strings" if typing.get_args(hint)[1:] == (str,) else "")
+    if origin is list:
+        return "a list" + (" of strings" if typing.get_args(hint) == (str,) else "")
+    return str(hint)
+
+
+def _read_api_key(model_id: str, spec: dict[str, Any]) -> None:
+    """``api_key_env`` / ``api_key_file`` of a model's settings, read into its ``api_key``."""
+    given = [k for k in ("api_key", *_KEY_SOURCES) if spec.get(k)]
+    if len(given) > 1:
+        raise ValueError(f"model {model_id!r}: give one of api_key, api_key_env, api_key_file, not {', '.join(given)}")
+    env, file = spec.pop("api_key_env", ""), spec.pop("api_key_file", "")
+    if env or file:
+        spec["api_key"] = read_secret(env=env, file=file, where=f"model {model_id!r}: api_key")
+
+
+def _check(model_id: str, key: str, value: Any, hint: Any) -> None:
+    expected = _expected(key, hint, value)
+    if expected is not None:
+        raise ValueError(f"model {model_id!r}: {key}: expected {expected}, got {value!r}")
 
 
 class ModelRegistry:
@@ -142,29 +225,41 @@ class ModelRegistry:
         """``{"default": id, "models": {id: {"provider": ..., "max_retries": n, "fallback": [...],
         "retry": {"initial_delay": s, "max_delay": s, "deadline": s}, ...}}}``
 
-        The remaining keys of a model go to its constructor: ``model_name``, ``base_url``, ``api_key``,
-        ``parameters`` (sent with every request, e.g. ``temperature``), ``stream``, ``timeout``, ...
-        The provider defaults to "offline"."""
+        The remaining keys of a model go to its constructor: ``model_name``, ``base_url``, ``api_key``
+        (or ``api_key_env`` / ``api_key_file``, read here), ``parameters`` (sent with every request,
+        e.g. ``temperature``), ``stream``, ``timeout``, ... Every value is checked against the
+        constructor's type hints (``_expected``). The provider defaults to "offline"."""
         registry = cls(default=config.get("default"))
         for model_id, spec in (config.get("models") or {}).items():
+            if not isinstance(spec, Mapping):
+                raise ValueError(f"model {model_id!r}: expected a mapping of settings, got {spec!r}")
             spec = dict(spec)
             provider = spec.pop("provider", "offline")
             if provider not in PROVIDERS:
                 raise ValueError(f"model {model_id!r}: unknown provider {provider!r} (known: {sorted(PROVIDERS)})")
-            retries = int(spec.pop("max_retries", 0))
-            fallback = list(spec.pop("fallback", []) or [])
+            retries = spec.pop("max_retries", 0)
+            _check(model_id, "max_retries", retries, int)
+            fallback = spec.pop("fallback", None) or []
+            _check(model_id, "fallback", fallback, list[str])
+            if model_id in fallback:
+                raise ValueError(f"model {model_id!r}: fallback: a model cannot fall back to itself")
             try:
                 retry = RetryPolicy.from_config(spec.pop("retry", None))
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"model {model_id!r}: {exc}") from None
             model_cls = PROVIDERS[provider]()
             known = _settings(model_cls)
+            if "api_key" in known:
+                known.update(dict.fromkeys(_KEY_SOURCES, str))
             unknown = sorted(set(spec) - set(known))
             if unknown:  # else a TypeError naming the constructor, not the setting
                 raise ValueError(
                     f"model {model_id!r}: unknown key {unknown[0]!r} for provider {provider!r} "
                     f"(known: provider, max_retries, fallback, retry, {', '.join(known)})"
                 )
+            for key, value in spec.items():
+                _check(model_id, key, value, known[key])
+            _read_api_key(model_id, spec)
             registry.add(model_cls(id=model_id, **spec), max_retries=retries, fallback=fallback, retry=retry)
         for model_id, entry in registry.entries.items():
             for fb in entry.fallback:

@@ -14,7 +14,8 @@ logged, and is reported to ``on_failure`` so the client sees it on the model-cal
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import math
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -38,10 +39,15 @@ class RetryPolicy:
     deadline: float = 60.0  # no retry whose wait would end later than this after the first attempt
 
     @classmethod
-    def from_config(cls, config: dict[str, Any] | None) -> RetryPolicy:
+    def from_config(cls, config: Mapping[str, Any] | None) -> RetryPolicy:
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"retry: expected a mapping of initial_delay, max_delay, deadline, got {config!r}")
         unknown = set(config or {}) - {"initial_delay", "max_delay", "deadline"}
         if unknown:
             raise ValueError(f"unknown retry setting(s) {sorted(unknown)} (known: initial_delay, max_delay, deadline)")
+        for key, value in (config or {}).items():  # a negative deadline would silently mean no retries
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"retry: {key}: expected seconds >= 0, got {value!r}")
         return cls(**{k: float(v) for k, v in (config or {}).items()})
 
 

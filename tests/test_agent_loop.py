@@ -16,7 +16,9 @@ from agentmw.data import (
     ContextConfig,
     DataBlock,
     ExternalExecutionResultEvent,
+    FinishedReason,
     HintBlock,
+    ModelCallEndEvent,
     Msg,
     PermissionBehavior,
     PermissionDecision,
@@ -520,3 +522,38 @@ async def test_a_layer_may_return_any_async_iterator() -> None:
     (end,) = [i for i in items if isinstance(i, ReplyEndEvent)]
     assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
     assert items[-1].text == "3"
+
+
+async def test_an_interrupt_during_on_model_call_is_not_retried() -> None:
+    """The reply is interrupted while an on_model_call middleware awaits (before it calls next):
+    the call ends interrupted, once. Before, the retry policy took the CancelledError for a failed
+    attempt and called the chain again (max_retries 2: the middleware ran twice, the model once)."""
+    import asyncio
+
+    from agent_host.models.registry import ModelRegistry
+
+    calls: list[int] = []
+    waiting = asyncio.Event()
+
+    class Slow(MiddlewareBase):
+        async def on_model_call(self, agent, input_kwargs, next_handler):
+            calls.append(1)
+            waiting.set()
+            await asyncio.sleep(5)
+            return await next_handler()
+
+    registry = ModelRegistry(default="m")
+    registry.add(OfflineRuleModel(id="m"), max_retries=2)
+    agent = Agent(models=registry, model="m", middlewares=[Slow()])
+
+    async def interrupt() -> None:
+        await waiting.wait()
+        agent.interrupt()
+
+    interrupter = asyncio.ensure_future(interrupt())
+    async with asyncio.timeout(4):  # a retry would sleep 5 s in the middleware again
+        items = [item async for item in agent.reply_stream(UserMsg("hello"))]
+    await interrupter
+    assert calls == [1]
+    ends = [i.finished_reason for i in items if isinstance(i, (ModelCallEndEvent, ReplyEndEvent))]
+    assert ends == [FinishedReason.INTERRUPTED, ReplyFinishedReason.INTERRUPTED]

@@ -96,6 +96,10 @@ class AllModelsFailed(ModelError):
 
 
 def _retryable(exc: BaseException) -> bool:
+    # tenacity catches BaseException: an interrupt (CancelledError, landing in an on_model_call
+    # middleware's code as well as in the model's) must end the call, not start another attempt.
+    if not isinstance(exc, Exception):
+        return False
     return bool(getattr(exc, "retryable", True))  # a non-ModelError (a middleware's): try again
 
 

@@ -19,6 +19,7 @@ on_check_permission the inner decision). A script is a JSON object:
 * ``stop_reading``: read nothing after the begin and never answer.
 * ``stop_after_next``: call next with credits for 100,000 observed copies, then read nothing more
   (with ``--default-mode observe``: a watcher whose copies pile up in the stream).
+* ``exit_after_next``: call next, then the whole server process exits at once (killed mid-reply).
 
 Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
@@ -34,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,10 @@ class Invocation:
         script = self.script(begin.begin)
         if script.get("stop_reading"):
             await asyncio.sleep(3600)
+        if script.get("exit_after_next"):
+            await self.send(_msg(callNext={"credits": 32}))
+            await asyncio.sleep(0.1)  # the call_next goes out first
+            os._exit(1)
         if script.get("stop_after_next"):
             await self.send(_msg(callNext={"credits": 100_000}))
             await asyncio.sleep(3600)

@@ -222,6 +222,22 @@ async def test_replies_beyond_what_the_server_admits_end_within_the_timeout(evil
     await remote.close()
 
 
+async def test_a_middleware_killed_mid_call_is_reported_as_gone(evil: Any, scripts: Path) -> None:
+    """Its server exits after call_next (killed mid-call); the host's next write on the stream
+    fails: the error says the server went away or the connection was lost, with the status (a
+    write that found the call already ended said only "the stream is closed"; one that failed
+    itself, only the status)."""
+    proc = evil("--hooks", "on_reasoning")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = Agent(model=OfflineRuleModel(reply_template=ANSWER, delay=0.5), middlewares=[remote])
+    script(scripts, agent, exit_after_next=True)
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    gone = "middleware 'Evil' failed in on_reasoning: the server went away or the connection was lost (UNAVAILABLE: "
+    assert gone in end.error.message, end.error.message
+    await remote.close()
+
+
 @pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
 async def test_a_watcher_that_stops_reading_its_copies_ends_the_call_within_the_timeout(
     evil: Any, scripts: Path, fail_open: bool

@@ -761,11 +761,24 @@ class HookCall:
             self._fail_if_timed_out("could not send")
             raise
         except grpc.aio.AioRpcError as exc:
-            raise StreamBroken(self.mw.name, self.spec.name, f"{exc.code().name}: {exc.details()}") from None
-        except asyncio.InvalidStateError:
-            raise StreamBroken(self.mw.name, self.spec.name, "the stream is closed") from None
+            raise self._broken(exc.code(), exc.details()) from None
+        except asyncio.InvalidStateError:  # it had ended already: how, its status says (the write does not)
+            if not self.call.done():
+                raise StreamBroken(self.mw.name, self.spec.name, "the stream ended") from None
+            code = await self.call.code()
+            if code is grpc.StatusCode.OK:
+                raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish") from None
+            raise self._broken(code, await self.call.details()) from None
         finally:
             self.waiting_since = self.waiter = None
+
+    def _broken(self, code: grpc.StatusCode, details: str | None) -> StreamBroken:
+        """The stream failed underneath, with this status. UNAVAILABLE is a connection gone (the
+        server killed or restarted, the network cut), which its details do not say plainly."""
+        what = f"{code.name}: {details}"
+        if code is grpc.StatusCode.UNAVAILABLE:
+            what = f"the server went away or the connection was lost ({what})"
+        return StreamBroken(self.mw.name, self.spec.name, what)
 
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
         """The middleware's next message of this invocation. Messages of finished invocations on this
@@ -784,7 +797,7 @@ class HookCall:
                 what = f"{exc.code().name}: {exc.details()}"
                 if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
                     raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
-                raise StreamBroken(self.mw.name, self.spec.name, what) from None
+                raise self._broken(exc.code(), exc.details()) from None
             finally:
                 self.waiting_since = self.waiter = None
             if msg is grpc.aio.EOF:

@@ -26,7 +26,8 @@ Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting eve
 (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
 JSON list of ToolDescriptor objects served by ListTools; each tool streams chunks without end, but
 one named ``huge`` sends one chunk of 3 MB), ``--done-with-inner`` and ``--cacheable``
-(declare every hook so), ``--default-mode observe`` (every item observed).
+(declare every hook so), ``--default-mode observe`` (every item observed), ``--describe-delay S``
+(Describe answers after S seconds: a server that answers, slowly).
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         cacheable: bool = False,
         default_mode: int = 0,
         key: str = "Evil",
+        delay: float = 0.0,
     ) -> None:
+        self.delay = delay
         self.description = hooks_pb2.MiddlewareDescription(key=key, protocol_version="v1", provides_tools=tools)
         for hook in hooks:
             self.description.hooks.add(
@@ -179,6 +182,7 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
             )
 
     async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription:
+        await asyncio.sleep(self.delay)
         return self.description
 
 
@@ -222,6 +226,7 @@ async def main() -> None:
     parser.add_argument("--cacheable", action="store_true")
     parser.add_argument("--default-mode", choices=("intercept", "observe"), default="intercept")
     parser.add_argument("--key", default="Evil")
+    parser.add_argument("--describe-delay", type=float, default=0.0)
     args = parser.parse_args()
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
     server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
@@ -237,6 +242,7 @@ async def main() -> None:
         cacheable=args.cacheable,
         default_mode=mode,
         key=args.key,
+        delay=args.describe_delay,
     )
     await serve_raw("evil middleware", args.address, describe, handlers, server)
 

@@ -8,7 +8,9 @@ tests/host_util.py), ``python -m clients.admin`` and ``python -m clients.chat`` 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 import urllib.request
@@ -241,20 +243,26 @@ def test_example_middleware_contributes_a_tool(setup: tuple[Procs, ServerProcess
 
 
 def test_status_shows_a_hung_fail_open_middleware_skipped(setup: tuple[Procs, ServerProcess, ServerProcess]) -> None:
-    """A fail_open middleware that hangs: the reply goes on without it after its timeout (5 s), and
-    the operator sees that every reply skips it for a while (the next 5 s)."""
+    """A fail_open middleware that hangs (SIGSTOP: connected, silent): the reply goes on without it
+    after its timeout (5 s); a Describe then gets no answer either (5 s more), and the operator
+    sees that every reply skips it for a while (the next 5 s: time for two CLI runs)."""
     _procs, host, _recorder = setup
-    sleeper = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+    hung = middleware_server("tests.conformance_mw:Marker").start()
     try:
-        attach = agentmw(
-            host, "middleware", "attach", sleeper.address, "--name", "slow", "--fail-open", "--timeout", "5"
-        )
+        attach = agentmw(host, "middleware", "attach", hung.address, "--name", "slow", "--fail-open", "--timeout", "5")
         assert attach.returncode == 0, attach.stdout + attach.stderr
+        os.kill(hung.pid, signal.SIGSTOP)
         done = chat(host.address, "--message", "hello")
         assert done.returncode == 0 and "You said: hello" in done.stdout, done.stdout + done.stderr
-        (slow,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
-        assert 0 < float(slow["skipped_for"]) <= 5 and "no answer within 5s" in slow["last_error"]
-        status = agentmw(host, "status")
+        deadline = time.monotonic() + 10
+        while True:  # until the Describe after the hang has had no answer either (bounded)
+            status = agentmw(host, "status")
+            if "skipped by every reply for" in status.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert "skipped by every reply for" in status.stdout, status.stdout
+        (slow,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
+        assert 0 < float(slow["skipped_for"]) <= 5 and "no answer within 5s" in slow["last_error"], slow
     finally:
-        sleeper.stop()
+        os.kill(hung.pid, signal.SIGCONT)
+        hung.stop()

@@ -159,44 +159,56 @@ async def test_middleware_that_never_answers_times_out(fail_open: bool) -> None:
         proc.stop()
 
 
-async def test_a_fail_open_middleware_that_hangs_is_waited_for_once_then_skipped_for_a_while() -> None:
-    """It hangs in all its hooks. A reply waits for its first hook call, then goes on without it
-    for the rest of the reply (each hook call waited the timeout again: on_reasoning and
-    on_model_call at every step). The replies after it skip it at once for its timeout, then one
-    tries it again, and the pause doubles."""
-    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+async def until(condition: Callable[[], object], seconds: float = 5.0) -> None:
+    """Until ``condition()`` holds (bounded): e.g. the Describe after a hang has had its answer."""
+    async with asyncio.timeout(seconds):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_a_fail_open_middleware_that_hangs_is_waited_for_once_then_skipped_for_a_while(
+    marker: ServerProcess,
+) -> None:
+    """It hangs as a whole (SIGSTOP: connected, silent). A reply waits for its first hook call,
+    then goes on without it for the rest of the reply (each hook call waited the timeout again:
+    on_reasoning and on_model_call at every step). A Describe then gets no answer either, so the
+    replies after it skip it at once for its timeout; then one tries it again, and the pause
+    doubles."""
+    remote = await RemoteMiddleware(marker.address, policy=Policy(fail_open=True, timeout=1)).connect()
+
+    async def errors() -> list[str]:
+        agent = make_agent(remote, script=[{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]}])
+        items = await reply(agent, "add")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+        assert items[-1].text == "Done: add returned 3."
+        assert all_calls_answered(agent)
+        return [f"{b.value['hook']}: {b.value['error']}" for b in bypasses(items)]
+
+    os.kill(marker.pid, signal.SIGSTOP)
     try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=1)).connect()
-
-        async def errors() -> list[str]:
-            agent = make_agent(remote, script=[{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]}])
-            items = await reply(agent, "add")
-            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
-            assert items[-1].text == "Done: add returned 3."
-            assert all_calls_answered(agent)
-            return [f"{b.value['hook']}: {b.value['error']}" for b in bypasses(items)]
-
-        (waited,) = await errors()  # waits 1 s, then skips it for 1 s
+        (waited,) = await errors()  # waits 1 s; the Describe after it waits 1 s more, then skips it for 1 s
         assert waited.startswith("on_reply: ") and "no answer within 1s (timeout)" in waited
+        await until(remote.skipped)
         (skipped,) = await errors()  # at once: no wait for it
         assert "skipped for" in skipped and "after: no answer within 1s" in skipped
-        await asyncio.sleep(1.1)  # the pause is over: the next reply tries it again
-        (waited,) = await errors()  # waits 1 s, then skips it for 2 s
-        assert "no answer within 1s (timeout)" in waited
+        await until(lambda: not remote.skipped())  # the pause is over: the next reply tries it again
+        (waited,) = await errors()  # waits 1 s (its Describe), then skips it for 2 s
+        assert "no answer within 1s" in waited
         await asyncio.sleep(1.1)  # still skipped: the pause doubled
         (skipped,) = await errors()
         assert "skipped for" in skipped
-        await remote.close()
     finally:
-        proc.stop()
+        os.kill(marker.pid, signal.SIGCONT)
+    await remote.close()
 
 
 async def test_a_fail_closed_middleware_that_hangs_fails_calls_at_once_until_it_answers_again(
     marker: ServerProcess,
 ) -> None:
     """Required (fail_closed) and hung (SIGSTOP: connected, silent): the reply that finds it so
-    fails after its timeout; the next reply's hook call fails at once, saying why (before, each
-    waited the timeout again). A Describe asks it every second; once it answers, replies use it."""
+    fails after its timeout; a Describe then gets no answer either, and the next reply's hook call
+    fails at once, saying why (before, each waited the timeout again). A Describe asks it every
+    second; once it answers, replies use it."""
     remote = await RemoteMiddleware(marker.address, policy=Policy(fail_open=False, timeout=1)).connect()
     agent = make_agent(remote)
     assert end_of(await reply(agent, "first")).finished_reason == ReplyFinishedReason.COMPLETED
@@ -205,6 +217,7 @@ async def test_a_fail_closed_middleware_that_hangs_fails_calls_at_once_until_it_
         end = end_of(await reply(agent, "it hangs"))
         assert end.finished_reason == ReplyFinishedReason.ERROR
         assert "no answer within 1s (timeout)" in end.error.message
+        await until(lambda: remote.unresponsive)  # the Describe after it: no answer within 1 s either
         end = end_of(await reply(agent, "still hanging"))
         assert end.finished_reason == ReplyFinishedReason.ERROR
         assert "not called until it answers again after: no answer within 1s at" in end.error.message
@@ -219,17 +232,38 @@ async def test_a_fail_closed_middleware_that_hangs_fails_calls_at_once_until_it_
     await remote.close()
 
 
-async def test_replies_that_wait_on_the_same_hang_together_count_it_once() -> None:
-    """Concurrent replies all time out on a middleware that hangs: one hang, so one pause of its
-    timeout (counted per reply, eight replies had paused it for the 5-minute maximum)."""
-    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+async def test_replies_that_wait_on_the_same_hang_together_count_it_once(marker: ServerProcess) -> None:
+    """Concurrent replies all time out on a middleware that hangs (SIGSTOP): one hang, so one
+    Describe to confirm it and one pause of its timeout (counted per reply, eight replies had
+    paused it for the 5-minute maximum)."""
+    remote = await RemoteMiddleware(marker.address, policy=Policy(fail_open=True, timeout=2)).connect()
+    os.kill(marker.pid, signal.SIGSTOP)
     try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=2)).connect()
         replies = [reply(make_agent(remote), f"reply {i}") for i in range(8)]
         for items in await asyncio.gather(*replies):
             assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+        await until(remote.skipped)
         assert remote.hangs == 1
         assert 0 < metrics.middleware_status(remote)["skipped_for"] <= 2
+    finally:
+        os.kill(marker.pid, signal.SIGCONT)
+    await remote.close()
+
+
+async def test_a_middleware_that_answers_describe_but_hangs_in_its_hooks_stays_in_service() -> None:
+    """Every hook call hangs, but the server answers a Describe (a hook's backend is stuck): each
+    reply waits one timeout for it and goes on without it (fail_open); it is not taken for hung
+    as a whole, as a tool merely slower than the timeout is not: never skipped for a while."""
+    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=1)).connect()
+        for text in ("one", "two"):
+            items = await reply(make_agent(remote), text)
+            assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
+            assert "no answer within 1s (timeout)" in bypasses(items)[0].value["error"]
+            assert remote.confirming is not None
+            await remote.confirming  # its Describe: answered
+            assert not remote.skipped() and remote.hangs == 0
         await remote.close()
     finally:
         proc.stop()

@@ -389,9 +389,10 @@ async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_a
     procs: Procs, tmp_path: Path
 ) -> None:
     """Required (fail_closed) and hung (SIGSTOP: connected, silent): the reply that finds it so fails
-    after its timeout; the replies after it are refused at once (UNAVAILABLE, saying which
-    middleware and why, nothing stored) and the health check says NOT_SERVING, instead of each
-    waiting the timeout in it. Once it answers again (SIGCONT), replies run with it."""
+    after its timeout; once a Describe gets no answer either (within the timeout), the replies
+    after it are refused at once (UNAVAILABLE, saying which middleware and why, nothing stored)
+    and the health check says NOT_SERVING, instead of each waiting the timeout in it. Once it
+    answers again (SIGCONT), replies run with it."""
     port = unused_port()
     recorder = serve_at(procs, port)
     host = host_with(procs, tmp_path, port, "timeout: 1")
@@ -403,6 +404,10 @@ async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_a
         _, items = await _reply(host.address, "before", UserMsg("are you there?"))
         end = _end(items)
         assert end.finished_reason == ReplyFinishedReason.ERROR and "no answer within 1s" in end.error.message
+        for _ in range(50):  # the Describe that confirms the hang: bounded wait
+            if await _health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            await asyncio.sleep(0.1)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await _reply(host.address, "held", UserMsg("hello"))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

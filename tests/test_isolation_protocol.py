@@ -222,6 +222,42 @@ async def test_replies_beyond_what_the_server_admits_end_within_the_timeout(evil
     await remote.close()
 
 
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_a_hang_in_one_session_leaves_the_middleware_to_every_other(
+    evil: Any, scripts: Path, fail_open: bool
+) -> None:
+    """The middleware's calls hang for one session only (a per-user slow path) while it serves
+    every other session. The hung call fails alone, after its timeout (fail_open: bypassed); the
+    Describe that follows is answered, so the replies of the other sessions, running meanwhile
+    and started after it, keep using the middleware. Before, that one timeout took it away from
+    every session: fail_open skipped it for its timeout (doubling at each further one), fail_closed
+    failed the others' hook calls at once (and the host refused their replies) until a Describe
+    answered (here after half the timeout)."""
+    proc = evil("--describe-delay", str(TIMEOUT / 2))
+    remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=fail_open, timeout=TIMEOUT)).connect()
+    hung = make_agent(remote)
+    script(scripts, hung, stop_reading=True)
+    hanging = asyncio.create_task(reply(hung, "hi"))
+    served = 0
+    async with asyncio.timeout(20):
+        while not hanging.done() or served < 10:  # others meanwhile, and after it
+            items = await reply(make_agent(remote), "hi")
+            end = end_of(items)
+            assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+            assert not [i for i in items if isinstance(i, CustomEvent) and i.name == "middleware_bypassed"]
+            served += hanging.done()
+    items = hanging.result()
+    end, why = end_of(items), "middleware 'Evil' failed in on_reply: no answer within 1s (timeout)"
+    if fail_open:
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED
+        assert [i.value["error"] for i in items if isinstance(i, CustomEvent)] == [why]
+    else:
+        assert end.finished_reason == ReplyFinishedReason.ERROR and why in end.error.message, end.error
+    assert remote.confirming is not None and remote.confirming.done()  # the Describe after it: answered
+    assert not remote.skipped() and not remote.unresponsive and remote.hangs == 0
+    await remote.close()
+
+
 async def test_a_middleware_killed_mid_call_is_reported_as_gone(evil: Any, scripts: Path) -> None:
     """Its server exits after call_next (killed mid-call); the host's next write on the stream
     fails: the error says the server went away or the connection was lost, with the status (a

@@ -168,11 +168,11 @@ class RemoteMiddleware:
         self.background: set[asyncio.Task[None]] = set()  # detached hooks' deliveries and Describe
         self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
         self.outage: str | None = None  # why the server could not be reached, until it can again
-        self.hangs = 0  # fail_open: timeouts since it last answered (see stopped_answering)
+        self.hangs = 0  # fail_open: hangs (no_answer) since it last answered (see stopped_answering)
         self.suspended_until = 0.0  # time.monotonic() until which it is skipped
         self.last_hang = ""
         self.unresponsive = ""  # fail_closed: why its calls fail at once until a Describe answers
-        self.confirming: asyncio.Task[None] | None = None  # the Describe after a tool call hung
+        self.confirming: asyncio.Task[None] | None = None  # the Describe after a call got no answer
         # fail_open: the agents whose current reply goes on without it (see bypass_rest_of_reply)
         self.bypassing: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
@@ -393,7 +393,7 @@ class RemoteMiddleware:
             return False
 
     def stopped_answering(self) -> None:
-        """After it did not answer in time, a middleware that hangs must not cost every reply its
+        """It hangs as a whole (see no_answer): a middleware that hangs must not cost every reply its
         timeout. fail_open: every reply skips it at once for its timeout, doubled at each further
         timeout up to MAX_SUSPENSION, then tries it again (one that answers is no longer counted).
         fail_closed: no reply can run without it, so its calls fail at once and the host refuses
@@ -425,21 +425,32 @@ class RemoteMiddleware:
             self.unresponsive = ""
             return
 
-    def tool_call_hung(self) -> None:
-        """A tool call had no answer in time, the connection up: a tool slower than the timeout, or
-        a server that hangs. A Describe in the background tells which (within the timeout): one that
-        gets no answer either counts as a hook call's hang (stopped_answering), so the next tool
-        calls fail at once instead of each after the timeout; one that answers changes nothing."""
-        if self.confirming is None or self.confirming.done():
+    def no_answer(self, call: str) -> None:
+        """``call`` (a hook, CallTool, Describe, ListTools) got no answer within the timeout, the
+        connection up. The call itself fails (or is bypassed) per its policy; whether the middleware
+        hangs as a whole is another question: a hook or tool call may be slow for one session only
+        (one tenant's slow backend, one long tool) while the server answers every other. A Describe
+        in the background tells (within the timeout): one that gets no answer either is a hang
+        (stopped_answering: every reply skips it, or is refused); one that answers leaves it in
+        service for everyone else. A Describe that got no answer is that check already. Calls
+        that time out together share one check."""
+        if call == "Describe":
+            self.stopped_answering()
+        elif self.confirming is None or self.confirming.done():
             self.confirming = self.in_background(self._confirm_hang())
 
     async def _confirm_hang(self) -> None:
+        """A bare Describe: whether the server answers at all (describing it again is the next
+        call's business), without waiting for a connection (one that is down is no hang)."""
+        request = hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION)
         try:
-            await self.connect(timeout=self.policy.timeout)
-        except NoAnswer:
-            self.stopped_answering()
-        except MiddlewareFailure:  # down, or broken: the calls that follow find out themselves
-            pass
+            await self._describe_stub.Describe(
+                request, timeout=self.policy.timeout, wait_for_ready=False, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.stopped_answering()
+            # else down, or broken: the calls that follow find out themselves
 
     def skipped(self) -> str:
         """Why its hook calls fail (fail_closed) or are bypassed (fail_open) at once, without
@@ -636,7 +647,7 @@ class RemoteTool(Tool):
                     if mw.channel.get_state() is not grpc.ChannelConnectivity.READY:  # it waited for a connection
                         what = mw._down(f"cannot connect to {mw.address} (waited {mw.policy.timeout:g}s)")
                     else:
-                        mw.tool_call_hung()
+                        mw.no_answer("CallTool")
                     raise MiddlewareFailure(mw.name, "CallTool", what) from None
                 mw.outage, mw.hangs = None, 0  # it answers (fail_open: a later hang pauses it afresh)
                 if msg is grpc.aio.EOF or msg is None:

@@ -175,8 +175,8 @@ class HookCall:
             except MiddlewareFailure as exc:
                 if exc.middleware != self.mw.name:  # an inner middleware's, raised through this one (from_inner)
                     raise
-                if isinstance(exc, NoAnswer):
-                    self.mw.stopped_answering()
+                if isinstance(exc, NoAnswer):  # this call's alone, unless the middleware hangs as a whole
+                    self.mw.no_answer(exc.hook)
                 self.mw.failed()
                 table = self.mw.tables.get(self.spec.name)
                 watcher = table is not None and table.detached  # as last described
@@ -257,7 +257,7 @@ class HookCall:
         credits, run the inner pipeline to its next intercepted item (``advance``); read the
         middleware's next message, apply its actions in order, obey its command."""
         mw, spec = self.mw, self.spec
-        skipped = mw.skipped()  # it hung lately (RemoteMiddleware.stopped_answering)
+        skipped = mw.skipped()  # it hung lately (RemoteMiddleware.no_answer)
         if skipped:
             raise Suspended(mw.name, spec.name, skipped)
         await mw.ensure_described()

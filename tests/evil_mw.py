@@ -24,8 +24,9 @@ on_check_permission the inner decision). A script is a JSON object:
 Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting everything),
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
 (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
-JSON list of ToolDescriptor objects served by ListTools; each tool streams chunks without end, but
-one named ``huge`` sends one chunk of 3 MB), ``--done-with-inner`` and ``--cacheable``
+JSON list of ToolDescriptor objects served by ListTools, read at each call; while ``FILE.hang``
+exists, ListTools never answers; each tool streams chunks without end, but one named ``huge`` sends
+one chunk of 3 MB), ``--done-with-inner`` and ``--cacheable``
 (declare every hook so), ``--default-mode observe`` (every item observed), ``--describe-delay S``
 (Describe answers after S seconds: a server that answers, slowly).
 """
@@ -191,6 +192,8 @@ class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
         self.path = path
 
     async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList:
+        while self.path.with_suffix(".hang").exists():  # a tool source still warming up
+            await asyncio.sleep(0.05)
         out = types_pb2.ToolDescriptorList()
         for raw in json.loads(self.path.read_text()):
             json_format.ParseDict(raw, out.tools.add())

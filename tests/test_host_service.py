@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -383,6 +384,58 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     session, items = await _reply(host.address, "held", UserMsg("hello again"))
     assert items[-1].finished_reason == ReplyFinishedReason.COMPLETED
     assert (await get_session(host.address, session))[2][KEY]["starts"] == 1  # it took part
+
+
+async def _listed(address: str) -> dict[str, host_pb2.MiddlewareInfo]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        found = await stub(channel).ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=10)
+    return {m.name: m for m in found.middleware}
+
+
+async def _until_listed(
+    address: str, name: str, ok: Callable[[host_pb2.MiddlewareInfo], bool], what: str
+) -> host_pb2.MiddlewareInfo:
+    """ListMiddleware's entry for ``name`` once ``ok(entry)`` holds (bounded)."""
+    for _ in range(150):
+        info = (await _listed(address)).get(name)
+        if info is not None and ok(info):
+            return info
+        await asyncio.sleep(0.1)
+    pytest.fail(f"{what}: {info}")
+
+
+async def test_a_middleware_whose_tools_do_not_answer_at_start_is_waited_for(procs: Procs, tmp_path: Path) -> None:
+    """It answers Describe but not ListTools (a tool source still warming up). As one that is down
+    or silent, it does not stop the host: the host starts without it, says why (naming ListTools),
+    and attaches it once ListTools answers, however many tries that takes. Before, the host did
+    not start ('Describe failed: DEADLINE_EXCEEDED', fail_open or not), and once started without
+    it, gave up on it for good after one ListTools timeout."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "t", "inputSchema": {"type": "object"}}]))
+    tools.with_suffix(".hang").write_text("")
+    tm = procs.start("tm", ["-m", "tests.evil_mw", "--tools", str(tools), "--address", "127.0.0.1:0"])
+    host = host_with(procs, tmp_path, int(tm.address.rsplit(":", 1)[1]), "fail_open: true, timeout: 1", name="tm")
+    pending = (await _listed(host.address))["tm"]
+    assert pending.pending and pending.last_error.startswith("ListTools: no answer within 1s"), pending
+    await asyncio.sleep(2.5)  # it is tried again meanwhile, and still does not answer
+    assert (await _listed(host.address))["tm"].pending
+    tools.with_suffix(".hang").unlink()
+    attached = await _until_listed(host.address, "tm", lambda m: not m.pending, "not attached once it answered")
+    assert list(attached.tools) == ["tm__t"], attached
+
+
+def test_a_middleware_whose_tools_are_refused_at_start_says_listtools(procs: Procs, tmp_path: Path) -> None:
+    """A ListTools answer that cannot be attached (a tool name no model takes) stops the start, as a
+    wrong Describe does, and the error names the call that failed (it said 'Describe failed')."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "has space"}]))
+    bad = procs.start("bad", ["-m", "tests.evil_mw", "--tools", str(tools), "--address", "127.0.0.1:0"])
+    refused = run_cli(
+        "agent_host", "--db", str(tmp_path / "x.db"), "--listen", "127.0.0.1:0", "--middleware", f"tm={bad.address}"
+    )
+    assert refused.returncode == 1
+    line = refused.stderr.strip().splitlines()[-1]
+    assert f"tm at {bad.address}: ListTools failed: protocol violation: tool 'has space'" in line, line
 
 
 async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_again(

@@ -259,8 +259,7 @@ class RemoteMiddleware:
         does not wait fails at once with the channel's own reason when it cannot connect (connection
         refused, a name that does not resolve, a TLS handshake refused)."""
         if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
-            cls = Unreachable if exc.code() is grpc.StatusCode.UNAVAILABLE else MiddlewareFailure
-            return cls(self.name, "Describe", self._failure(exc))
+            return self._rpc_failed("Describe", exc, waited)
         if self.channel.get_state() is not grpc.ChannelConnectivity.READY:  # else connected: it hangs
             try:
                 await self._describe_stub.Describe(
@@ -271,6 +270,14 @@ class RemoteMiddleware:
                     why = self._down(self._cannot_connect(probe.details(), f" (waited {waited:g}s)"))
                     return Unreachable(self.name, "Describe", why)
         return NoAnswer(self.name, "Describe", _no_answer(exc, waited))
+
+    def _rpc_failed(self, call: str, exc: grpc.aio.AioRpcError, waited: float) -> MiddlewareFailure:
+        """A unary call's failure, of the kind the host acts on: no answer in time (it may hang),
+        unreachable (it may come back: at start the host waits for it), or anything else."""
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return NoAnswer(self.name, call, _no_answer(exc, waited))
+        cls = Unreachable if exc.code() is grpc.StatusCode.UNAVAILABLE else MiddlewareFailure
+        return cls(self.name, call, self._failure(exc))
 
     def _failure(self, exc: grpc.aio.AioRpcError) -> str:
         """A call's failure in words; one that could not connect marks an outage (see connect)."""
@@ -568,7 +575,7 @@ class RemoteMiddleware:
                 hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as exc:
-            raise MiddlewareFailure(self.name, "ListTools", self._failure(exc)) from None
+            raise self._rpc_failed("ListTools", exc, self.policy.timeout) from None
         return self._checked_tools(reply.tools)
 
     def _checked_tools(self, descriptors: Any) -> list[Tool]:

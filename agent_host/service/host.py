@@ -626,7 +626,7 @@ class Host:
         connections: _attach_later). Meanwhile replies go on without a fail_open one (as when it
         fails) and are refused while a required (fail_closed) one is missing: UNAVAILABLE, and the
         health check says NOT_SERVING. A cluster restarted in any order comes up with no crash loop."""
-        pending = Pending(mc, why.what)
+        pending = Pending(mc, _not_attached(why))
         if mc.fail_open:
             level, meanwhile = logging.WARNING, "is fail_open and cannot be reached (%s): starting without it"
         else:
@@ -634,7 +634,7 @@ class Host:
                 logging.ERROR,
                 "is required (fail_closed) and cannot be reached (%s): replies are refused",
             )
-        log.log(level, f"middleware %s at %s {meanwhile} until it answers", pending.name, mc.address, why.what)
+        log.log(level, f"middleware %s at %s {meanwhile} until it answers", pending.name, mc.address, pending.why)
         self.pending[pending.name] = pending
         pending.task = asyncio.get_running_loop().create_task(self._attach_later(pending))
 
@@ -677,7 +677,7 @@ class Host:
                     await self.attach(mc, position)
                     return
                 except WAIT_FOR as exc:  # still not answering
-                    pending.why = exc.what
+                    pending.why = _not_attached(exc)
                     await asyncio.sleep(1.0)  # connected and silent: no busy loop
                 except (MiddlewareFailure, ValueError) as exc:  # it answered, and cannot be attached as configured
                     log.error("middleware %s at %s cannot be attached: %s", pending.name, mc.address, exc)
@@ -745,6 +745,12 @@ class Host:
             await a.remote.close()
         await self.models.aclose()  # the model clients' connection pools (else "Unclosed client session")
         await self.store.aclose()
+
+
+def _not_attached(exc: MiddlewareFailure) -> str:
+    """Why a middleware is not attached yet: what failed, naming the call after Describe that did
+    (a Describe's failure says what it is: cannot connect to ..., no answer within ...)."""
+    return exc.what if exc.hook == "Describe" else f"{exc.hook}: {exc.what}"
 
 
 def _valid_session_id(sid: str) -> bool:

@@ -428,7 +428,7 @@ class HostHealth(health.aio.HealthServicer):
 
 
 class StartupError(RuntimeError):
-    """The host cannot start as configured (e.g. a middleware address does not answer Describe)."""
+    """The host cannot start as configured (e.g. a middleware refuses the host's token)."""
 
 
 async def build_host(config: HostConfig) -> Host:
@@ -449,7 +449,7 @@ async def build_host(config: HostConfig) -> Host:
                 if isinstance(exc, WAIT_FOR):  # down or silent, not wrong: the host starts without it
                     host.attach_when_it_answers(mc, exc)
                     continue
-                raise StartupError(f"{mc.source}: {label}: Describe failed: {exc.what}") from None
+                raise StartupError(f"{mc.source}: {label}: {exc.hook} failed: {exc.what}") from None
             except ValueError as exc:
                 raise ConfigError(f"{mc.source}: {label}: {exc}") from None
     except BaseException:

@@ -213,6 +213,13 @@ def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool) -> No
         log.warning("middleware %s at %s is failing, %s until it is back: %s", mw.name, mw.address, then, exc)
 
 
+def middleware_error(mw: Any, call: str, what: str) -> None:
+    """A failure of the middleware outside a hook call (its tools refused when listed again):
+    its last error, shown by ListMiddleware, without counting a failed hook call."""
+    h = health(mw)
+    h.last_error, h.last_error_at = f"middleware {mw.name!r} failed in {call}: {what}", now()
+
+
 @functools.lru_cache(maxsize=1024)
 def _hook_seconds(name: str, hook: str) -> Any:
     """HOOK_SECONDS' child of a middleware and hook: labels() takes a lock and builds a key on
@@ -259,6 +266,7 @@ __all__ = [
     "hook_ended",
     "hook_failed",
     "hook_started",
+    "middleware_error",
     "middleware_status",
     "model_attempt_failed",
     "quiet_failure",

@@ -135,11 +135,16 @@ async def middleware_tools(middleware: Any, name: str | None = None) -> dict[str
     ``<name>__<tool>``. ``name`` defaults to the middleware key; the prefix keeps tools of
     different middleware apart and uses only characters every model API accepts in a function name."""
     prefix = name or await middleware.get_middleware_key()
-    tools = {}
-    for t in await middleware.list_tools():
+    return registered_tools(await middleware.list_tools(), prefix)
+
+
+def registered_tools(tools: list[Tool], prefix: str) -> dict[str, Tool]:
+    """``tools`` of the middleware ``prefix``, by their registered name ``<prefix>__<tool>``."""
+    named = {}
+    for t in tools:
         t.descriptor.owner = prefix
-        tools[f"{prefix}__{t.name}"] = t
-    return tools
+        named[f"{prefix}__{t.name}"] = t
+    return named
 
 
 async def add_middleware_tools(toolkit: Toolkit, middleware: Any, name: str | None = None) -> list[str]:

@@ -63,6 +63,25 @@ class RecorderMiddleware(MiddlewareBase):
             yield event
 
 
+def _echo(name: str) -> Any:
+    @tool(name=name, description=f"Say the text back, as {name}.")
+    def echo(text: str) -> str:
+        return f"{name}:{text}"
+
+    return echo
+
+
+class ToolSetMiddleware(MiddlewareBase):
+    """Tools only: one per name in the environment variable TOOLSET (comma-separated), each saying
+    its name and the text. Served again with another TOOLSET, it is a new version of the server."""
+
+    async def get_middleware_key(self) -> str:
+        return os.environ.get("TOOLSET_KEY", "toolset")
+
+    async def list_tools(self) -> list[Any]:
+        return [_echo(name) for name in os.environ.get("TOOLSET", "").split(",") if name]
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes.
 
@@ -74,8 +93,10 @@ class Procs:
         self.log_dir = log_dir
         self.procs: list[ServerProcess] = []
 
-    def start(self, name: str, argv: list[str], timeout: float = 20.0) -> ServerProcess:
-        proc = ServerProcess(argv, name=name, log_dir=self.log_dir, startup=timeout, new_session=True)
+    def start(
+        self, name: str, argv: list[str], timeout: float = 20.0, env: dict[str, str] | None = None
+    ) -> ServerProcess:
+        proc = ServerProcess(argv, name=name, env=env, log_dir=self.log_dir, startup=timeout, new_session=True)
         self.procs.append(proc)
         return proc.start()
 

@@ -438,6 +438,55 @@ def test_a_middleware_whose_tools_are_refused_at_start_says_listtools(procs: Pro
     assert f"tm at {bad.address}: ListTools failed: protocol violation: tool 'has space'" in line, line
 
 
+async def test_a_restarted_middleware_is_offered_with_its_tools_as_listed_again(procs: Procs, tmp_path: Path) -> None:
+    """A middleware with tools only, restarted at its address as a new version with other tools:
+    the host describes it again once its channel reconnects (no hook call would) and lists its
+    tools again, so the next replies are offered the new tool and not the removed one, and
+    ListMiddleware shows them. A version whose tools clash with another middleware's is refused as
+    at attach: it contributes none (its old ones are not kept), its last error says why, and the
+    next version that lists acceptable tools is offered again. Before, its tools were listed once,
+    at attach: the model was offered the removed tool (NOT_FOUND when called), never the new one."""
+
+    def toolset(name: str, key: str, tools: str) -> ServerProcess:
+        argv = ["-m", "agentmw.sdk", "tests.host_util:ToolSetMiddleware", "--address", "127.0.0.1:{port}"]
+        return procs.start(name, argv, env={"TOOLSET": tools, "TOOLSET_KEY": key})
+
+    tm, other = toolset("tm", "tm", "alpha"), toolset("tm__x", "tmx", "y")
+    config = tmp_path / "host.yaml"
+    config.write_text(
+        f"middleware:\n  - {{name: tm, address: {tm.address}, timeout: 2}}\n"
+        f"  - {{name: tm__x, address: {other.address}, timeout: 2}}\n"
+    )
+    host = procs.host(tmp_path / "sessions.db", "--config", str(config))
+
+    async def call(tool: str) -> str:
+        _, items = await _reply(host.address, "", UserMsg(f"call {tool} text=hi"))
+        assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.COMPLETED
+        return items[-1].text
+
+    async def new_version(
+        tools: str, ok: Callable[[host_pb2.MiddlewareInfo], bool], what: str
+    ) -> host_pb2.MiddlewareInfo:
+        tm.kill()
+        tm.env["TOOLSET"] = tools
+        await asyncio.to_thread(tm.start)  # the same port
+        return await _until_listed(host.address, "tm", ok, what)
+
+    assert "alpha:hi" in await call("tm__alpha")
+    await new_version("beta", lambda m: list(m.tools) == ["tm__beta"], "its new tools were not listed")
+    assert "beta:hi" in await call("tm__beta")
+    assert "You said: call tm__alpha" in await call("tm__alpha")  # no longer offered
+
+    refused = await new_version("x__y,gamma", lambda m: not m.tools, "clashing tools were kept")
+    assert "failed in ListTools: its tools as listed again are refused" in refused.last_error, refused
+    assert "'tm__x__y' is already registered" in refused.last_error, refused
+    assert list((await _listed(host.address))["tm__x"].tools) == ["tm__x__y"]  # the other keeps its own
+    assert "You said: call tm__gamma" in await call("tm__gamma")
+
+    await new_version("gamma", lambda m: list(m.tools) == ["tm__gamma"], "acceptable tools were not offered again")
+    assert "gamma:hi" in await call("tm__gamma")
+
+
 async def test_a_required_middleware_that_hangs_holds_replies_until_it_answers_again(
     procs: Procs, tmp_path: Path
 ) -> None:

@@ -722,9 +722,9 @@ async def test_tool_descriptors_are_checked_at_attach(evil: Any, tmp_path: Path,
     path = tmp_path / "tools.json"
     path.write_text(json.dumps(tools))
     proc = evil("--tools", str(path))
-    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    remote = RemoteMiddleware(proc.address, policy=Policy(timeout=5))
     with pytest.raises(Exception, match="middleware 'Evil' failed in ListTools") as info:
-        await remote.list_tools()
+        await remote.connect()  # describing it lists its tools
     assert f"tool {tools[-1]['name']!r}" in str(info.value) and error in str(info.value), info.value
     await remote.close()
 

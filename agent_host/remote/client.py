@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -157,7 +157,16 @@ class RemoteMiddleware:
         self.key = ""
         self.tables: dict[str, SubscriptionTable] = {}
         self.provides_tools = False
+        self.tools: list[Tool] = []  # as listed when it was last described
+        self.listing = b""  # that ListTools answer, serialized: a new one that differs is news
+        # Called when a Describe after attach finds another tool list (the host offers it from then on).
+        self.tools_changed: Callable[[RemoteMiddleware], None] | None = None
         self.described = False
+        # Times the connection dropped (see _follow_connection), and that count as of the last
+        # Describe: a server may have restarted in between, with other hooks or tools.
+        self.drops = 0
+        self.described_drops = 0
+        self.follower: asyncio.Task[None] | None = None
         self.bypasses = 0  # fail_open skips, for inspection
         self.stale_messages = 0  # messages of ended invocations, dropped (hooks.proto, INVOCATION IDS)
         self._invocation = 0  # the last invocation id handed out (see new_invocation)
@@ -186,7 +195,9 @@ class RemoteMiddleware:
     # -- handshake ------------------------------------------------------------------------------
 
     async def connect(self, *, timeout: float | None = None) -> RemoteMiddleware:
-        """Describe the server (on attach, and again after any failure). Raises MiddlewareFailure.
+        """Describe the server (on attach, and again after any failure or a dropped connection):
+        Describe, then ListTools when it provides tools (a restarted server may list others: the
+        host is told, tools_changed). Raises MiddlewareFailure.
 
         Waits for the server to come up (a restarted one is still reconnecting), for up to
         ``timeout``: ``connect_timeout`` on attach, the hook timeout when a hook call re-describes.
@@ -196,6 +207,7 @@ class RemoteMiddleware:
         a restart. (Detached hooks never wait for a Describe: detached.py runs theirs aside.)
         """
         attach = not self.key
+        drops = self.drops  # a drop from here on is after this Describe: it describes again
         request = hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION)
         limit = self.policy.connect_timeout if timeout is None else timeout
         try:
@@ -244,11 +256,19 @@ class RemoteMiddleware:
             missing = [hook for hook in tables if not await self._serves(hook, limit)]
             if missing:
                 raise ProtocolError(self.name, "Describe", f"declares {', '.join(missing)} but does not serve it")
-        self.key, self.tables, self.provides_tools = desc.key, tables, desc.provides_tools
-        self.described = True
+        self.key = desc.key  # its tools are registered under the name it gives
+        tools, listing = await self._list_tools() if desc.provides_tools else ([], b"")
+        self.tables, self.provides_tools = tables, desc.provides_tools
+        self.described, self.described_drops = True, drops
         self.outage = None
         self.prompt_cache.clear()  # answers of the server as it was described before
         self._drop_idle()  # streams of an earlier connection are of no use
+        changed = listing != self.listing and not attach
+        self.tools, self.listing = tools, listing
+        if changed and self.tools_changed is not None:
+            self.tools_changed(self)
+        if self.follower is None:  # from its first Describe on
+            self.follower = asyncio.get_running_loop().create_task(self._follow_connection())
         return self
 
     async def _describe_failed(
@@ -359,17 +379,36 @@ class RemoteMiddleware:
         return self.key
 
     def needs_describe(self) -> bool:
-        """The last Describe may be out of date: the last call failed, or the connection was
-        re-established since (a server restarted between replies may implement other hooks now;
-        its idle streams have ended then, even when the channel is READY again by the time the
-        next call comes)."""
-        if not self.described or self.channel.get_state() != grpc.ChannelConnectivity.READY:
+        """The last Describe may be out of date: the last call failed, or the connection dropped
+        since (a server restarted between replies may implement other hooks or list other tools
+        now, even when the channel is READY again by the time the next call comes)."""
+        if not self.described or self.drops != self.described_drops:
+            return True
+        if self.channel.get_state() != grpc.ChannelConnectivity.READY:
             return True
         for idle in self.idle.values():  # loops, not any() over a generator: once per hook call
             for call in idle:
                 if call.done():
                     return True
         return False
+
+    async def _follow_connection(self) -> None:
+        """Count the connection's drops (needs_describe), and describe it again as soon as it is
+        connected again (the channel reconnects by itself): the next call would, but a middleware
+        with tools only has no hook call to do it, and its tools are offered before any of them is
+        called. Runs from attach to close."""
+        ready = grpc.ChannelConnectivity.READY
+        state = self.channel.get_state()
+        while True:
+            await self.channel.wait_for_state_change(state)
+            was, state = state, self.channel.get_state()
+            if was is ready:
+                self.drops += 1
+            if state is ready and self.needs_describe():
+                try:
+                    await self.connect(timeout=self.policy.timeout)
+                except MiddlewareFailure as exc:  # the calls that follow find out themselves
+                    log.debug("describing %s again after a reconnection: %s", self.name, exc)
 
     async def ensure_described(self) -> None:
         if self.needs_describe():
@@ -516,8 +555,9 @@ class RemoteMiddleware:
                 idle.pop().cancel()
 
     async def close(self) -> None:
-        for task in list(self.background):
-            task.cancel()
+        for task in [*self.background, self.follower]:
+            if task is not None:
+                task.cancel()
         self._drop_idle()
         await self.channel.close()
 
@@ -568,15 +608,18 @@ class RemoteMiddleware:
     # -- tools -------------------------------------------------------------------------------------
 
     async def list_tools(self) -> list[Tool]:
-        if not self.provides_tools:
-            return []
+        """Its tools as listed when it was last described (connect)."""
+        return list(self.tools)
+
+    async def _list_tools(self) -> tuple[list[Tool], bytes]:
+        """ListTools (part of describing it): the tools, and the answer as bytes to compare."""
         try:
             reply = await self._tools_stub.ListTools(
                 hooks_pb2.ListToolsRequest(), timeout=self.policy.timeout, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_failed("ListTools", exc, self.policy.timeout) from None
-        return self._checked_tools(reply.tools)
+        return self._checked_tools(reply.tools), reply.SerializeToString(deterministic=True)
 
     def _checked_tools(self, descriptors: Any) -> list[Tool]:
         """Refuse at attach what a model provider would refuse later, or what would clash."""

@@ -46,7 +46,7 @@ from agentmw.data import (
 from agentmw.data.state import AgentState
 from agentmw.hooks import HOOKS
 from agentmw.security import channel
-from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools
+from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools, registered_tools
 
 from .. import metrics, tracing
 from ..agent import CUT_OFF, Agent, InputRefused
@@ -573,6 +573,7 @@ class Host:
                 ),
                 access=self._access(mc),
             )
+            remote.tools_changed = self._tools_changed  # once it is attached, a new tool list is news
             try:
                 await remote.connect()
                 if any(a.name == remote.name for a in self.middleware):
@@ -703,6 +704,31 @@ class Host:
                 await found.remote.close()
             log.info("detached middleware %s", name)
             return found
+
+    def _tools_changed(self, remote: RemoteMiddleware) -> None:
+        """A Describe after attach (a restarted or upgraded server) found another tool list: the
+        next replies are offered it, checked as at attach. Refused (a name clash, too many tools
+        together): the middleware contributes no tools until it lists acceptable ones; its old ones
+        are not kept (its server may no longer serve them), and its last error says why."""
+        found = next((a for a in self.middleware if a.remote is remote), None)
+        if found is None:  # detached meanwhile
+            return
+        before, found.tools = found.tools, registered_tools(remote.tools, remote.name)
+        try:
+            self._set_middleware(list(self.middleware))
+        except ValueError as exc:  # a clash with another's tools (or the host's), or TooManyTools
+            found.tools = {}
+            self._set_middleware(list(self.middleware))  # fewer tools than before: cannot fail
+            why = f"its tools as listed again are refused ({exc}); it contributes no tools until it lists others"
+            metrics.middleware_error(remote, "ListTools", why)
+            log.error("middleware %s: %s", remote.name, why)
+            return
+        log.info(
+            "middleware %s lists other tools now: %s (before: %s)",
+            remote.name,
+            ", ".join(found.tools) or "none",
+            ", ".join(before) or "none",
+        )
 
     def _set_middleware(self, middleware: list[Attached]) -> None:
         toolkit = Toolkit(self.tools)

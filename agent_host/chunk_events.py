@@ -3,14 +3,18 @@ reply's block events (docs/behaviour.md#reasoning and #acting)."""
 
 from __future__ import annotations
 
+import copy
+import time
 from typing import Any
 
 from agentmw.data import (
     ChatResponse,
+    ChatUsage,
     DataBlock,
     DataBlockDeltaEvent,
     DataBlockEndEvent,
     DataBlockStartEvent,
+    FinishedReason,
     TextBlock,
     TextBlockDeltaEvent,
     TextBlockEndEvent,
@@ -43,9 +47,31 @@ class ChunkConverter:
         self.reply_id = reply_id
         self.open_ids: dict[str, str | None] = {"text": None, "thinking": None}
         self.tool_ids: list[str] = []
+        self.tool_names: dict[str, str] = {}
         self.open_tools: set[str] = set()
         self.tool_args: dict[str, list[str]] = {}  # call id -> its argument pieces, for the end event
         self.data_ids: set[str] = set()
+        # What was streamed, as text: each text / thinking block's pieces in order, and the latest
+        # usage. Strings, not the chunks: a long answer's 25k chunks kept alive cost collections
+        # of the garbage collector that stalled the loop (tests/test_linear.py).
+        self.streamed: list[tuple[str, list[str]]] = []
+        self.open_pieces: dict[str, list[str]] = {}
+        self.usage: ChatUsage | None = None
+
+    def so_far(self, finished: FinishedReason, started: float) -> ChatResponse:
+        """The response the converted deltas make up: what to save when a stream ends without its
+        own (interrupted while the reasoning was suspended between items, or failed)."""
+        content: list[Any] = [
+            TextBlock(text="".join(pieces)) if kind == "text" else ThinkingBlock(thinking="".join(pieces))
+            for kind, pieces in self.streamed
+        ]
+        content += [
+            ToolCallBlock(id=i, name=self.tool_names[i], input="".join(self.tool_args.get(i, [])))
+            for i in self.tool_ids
+        ]
+        usage = copy.copy(self.usage) if self.usage is not None else ChatUsage()
+        usage.time = usage.time or round(time.monotonic() - started, 6)
+        return ChatResponse(content=content, usage=usage, finished_reason=finished)
 
     def _textual(self, kind: str, piece: str, has_data: bool, out: list[Any]) -> None:
         start, delta, end = self._TEXTUAL[kind]
@@ -57,6 +83,10 @@ class ChunkConverter:
             if block_id is None:
                 block_id = self.open_ids[kind] = new_id()
                 out.append(start(reply_id=self.reply_id, block_id=block_id))
+                pieces: list[str] = []
+                self.open_pieces[kind] = pieces
+                self.streamed.append((kind, pieces))
+            self.open_pieces[kind].append(piece)
             out.append(delta(reply_id=self.reply_id, block_id=block_id, delta=piece))
         elif block_id is not None and not has_data:  # a chunk without this kind closes it
             out.append(end(reply_id=self.reply_id, block_id=block_id))
@@ -65,6 +95,8 @@ class ChunkConverter:
     def convert(self, chunk: ChatResponse) -> list[Any]:
         rid = self.reply_id
         out: list[Any] = []
+        if chunk.usage is not None:
+            self.usage = chunk.usage
         has_data = any(isinstance(b, DataBlock) for b in chunk.content)
         thinking = "".join(b.thinking for b in chunk.content if isinstance(b, ThinkingBlock))
         self._textual("thinking", thinking, has_data, out)
@@ -75,6 +107,7 @@ class ChunkConverter:
             if isinstance(block, ToolCallBlock):
                 if block.id not in self.open_tools and block.id not in self.tool_ids:
                     self.tool_ids.append(block.id)
+                    self.tool_names[block.id] = block.name
                     self.open_tools.add(block.id)
                     out.append(ToolCallStartEvent(reply_id=rid, tool_call_id=block.id, tool_call_name=block.name))
                 if block.input:

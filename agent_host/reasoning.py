@@ -30,7 +30,6 @@ from agentmw.data import (
 from . import metrics
 from .agent_base import AgentBase, ReplyError
 from .chunk_events import ChunkConverter
-from .models import Accumulator
 from .models.retry import Failure, call_with_fallback
 from .reply_grammar import blame_of
 
@@ -53,11 +52,10 @@ class Reasoning(AgentBase):
         messages, tools = await self.prepare_model_input(tool_choice)
         completed: ChatResponse | None = None
         converter = ChunkConverter(reply_id)
-        # The deltas streamed so far: the response to save if the stream ends without one. It does
-        # when cut while it awaits the model (its partial as the last chunk), but not when the
+        # What the converter saw streamed is the response to save if the stream ends without one. It
+        # does when cut while it awaits the model (its partial as the last chunk), but not when the
         # interrupt came while this generator was suspended between items (a slow client or
         # on_reply middleware), nor through every on_model_call middleware.
-        streamed: list[ChatResponse] = []
         began = time.monotonic()
         used = self.model.id
         started = False
@@ -80,7 +78,6 @@ class Reasoning(AgentBase):
                         if chunk.is_last:
                             completed = chunk
                             continue
-                        streamed.append(chunk)
                         for event in converter.convert(chunk):
                             yield event
                         count += 1
@@ -91,7 +88,7 @@ class Reasoning(AgentBase):
             if not self._interrupt_requested:  # not an interruption (the host is stopping): propagate
                 raise
             if completed is None:
-                completed = _so_far(streamed, FinishedReason.INTERRUPTED, began)
+                completed = converter.so_far(FinishedReason.INTERRUPTED, began)
             if not started:
                 yield ModelCallStartEvent(reply_id=reply_id, model_name=used, metadata=self._call_metadata(used))
         except Exception as exc:
@@ -101,7 +98,7 @@ class Reasoning(AgentBase):
             failure = exc
             attempt = 1 + sum(f["model"] == used for f in self._model_failures)
             metrics.model_attempt_failed(Failure(used, exc, attempt, None))  # the reply's error follows
-            completed = getattr(exc, "partial", None) or _so_far(streamed, FinishedReason.ERROR, began)
+            completed = getattr(exc, "partial", None) or converter.so_far(FinishedReason.ERROR, began)
             completed.finished_reason = FinishedReason.ERROR
         for event in converter.close_all():
             yield event
@@ -236,11 +233,3 @@ class Reasoning(AgentBase):
         model, parameters = self.models.for_call(current_model, parameters)
         self._models_used.append(model.id)
         return await model(messages, tools, tool_choice, parameters)
-
-
-def _so_far(deltas: list[ChatResponse], finished: FinishedReason, started: float) -> ChatResponse:
-    """The response the streamed ``deltas`` make up, as the model client accumulates it."""
-    acc = Accumulator()
-    for delta in deltas:
-        acc.add(delta)
-    return acc.result(finished, started)

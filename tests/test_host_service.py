@@ -438,6 +438,39 @@ def test_a_middleware_whose_tools_are_refused_at_start_says_listtools(procs: Pro
     assert f"tm at {bad.address}: ListTools failed: protocol violation: tool 'has space'" in line, line
 
 
+async def test_listing_tools_again_never_holds_up_or_fails_a_hook_call(procs: Procs, tmp_path: Path) -> None:
+    """A middleware with hooks and tools whose ListTools stops answering. One session's own hook
+    call hangs (so the middleware is described again at the next call), and then its server is
+    restarted (ListTools is asked again, aside): every other reply still completes, and the tools
+    as last listed stay on offer until the new listing answers. Before (2e289cd), the hook call that
+    re-described also waited for ListTools, and every reply of every session failed after a timeout."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "t1", "description": "a tool"}]))
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "slow.json").write_text(json.dumps({"stop_reading": True}))
+    port = unused_port()
+    argv = ["-m", "tests.evil_mw", "--hooks", "on_reply", "--tools", str(tools), "--scripts", str(scripts)]
+    argv += ["--address", f"127.0.0.1:{port}"]
+    ev = procs.start("ev", argv)
+    host = host_with(procs, tmp_path, port, "timeout: 1", name="ev")
+    tools.with_suffix(".hang").write_text("")  # the tool source does not answer from now on
+    _, items = await _reply(host.address, "slow", UserMsg("hello"))
+    assert _end(items).finished_reason == ReplyFinishedReason.ERROR  # its own hang (fail_closed)
+    await asyncio.sleep(1.2)  # the Describe that checks for a hang of the whole middleware answered
+    for restart in (False, True):
+        if restart:
+            ev.stop()
+            ev = procs.start("ev2", argv)
+        for i in range(2):
+            _, items = await _reply(host.address, f"s{restart}{i}", UserMsg("hello"))
+            assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED, (restart, i, items[-1])
+    assert list((await _listed(host.address))["ev"].tools) == ["ev__t1"]  # as last listed
+    tools.write_text(json.dumps([{"name": "t2", "description": "a tool"}]))
+    tools.with_suffix(".hang").unlink()  # ListTools answers again, with another tool
+    await _until_listed(host.address, "ev", lambda m: list(m.tools) == ["ev__t2"], "not listed again")
+
+
 async def test_a_restarted_middleware_is_offered_with_its_tools_as_listed_again(procs: Procs, tmp_path: Path) -> None:
     """A middleware with tools only, restarted at its address as a new version with other tools:
     the host describes it again once its channel reconnects (no hook call would) and lists its

@@ -11,12 +11,47 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentmw.data import ModelRef
-from agentmw.errors import UnknownModelError  # re-exported: the registry raises it
+from agentmw.data import ErrorType, ModelRef
+from agentmw.errors import ModelError, UnknownModelError  # re-exported: the registry raises it
 from agentmw.security import read_secret
 
 from .base import ChatModel
 from .retry import RetryPolicy
+
+# What the parameters of one call (on_model_call's, a middleware's) may not set, in the request or
+# in its extra_body: the model (choosing one takes set_model), the input (the call's own kwargs),
+# and the transport: endpoint, headers, query, credentials, timeouts. Both SDKs would take them
+# (openai's create() keywords, dashscope's call arguments), redirecting a request or its key.
+RESERVED_PARAMETERS = frozenset(
+    {
+        "model", "messages", "input", "tools", "tool_choice", "stream", "stream_options",
+        "extra_headers", "extra_query", "headers", "timeout", "max_retries", "api_key", "base_url",
+        "url", "http_client", "workspace", "extra_url_parameters", "session", "task", "api_protocol",
+        "customized_model_id",
+    }
+)  # fmt: skip
+
+
+def check_call_parameters(parameters: Mapping[str, Any], configured: Mapping[str, Any]) -> None:
+    """Refuse (ModelError, invalid_request, not retried) what a call's parameters set, or change
+    from the model's configuration, among RESERVED_PARAMETERS: the operator's own configured
+    ones (host.yaml ``parameters``) pass unchanged."""
+
+    def changed(given: Mapping[str, Any], have: Any) -> set[str]:
+        have = have if isinstance(have, Mapping) else {}
+        return {k for k in given.keys() & RESERVED_PARAMETERS if k not in have or have[k] != given[k]}
+
+    bad = sorted(changed(parameters, configured))
+    body = parameters.get("extra_body")
+    if isinstance(body, Mapping):
+        bad += sorted(f"extra_body.{k}" for k in changed(body, configured.get("extra_body")))
+    if bad:
+        raise ModelError(
+            f"a call's parameters may not set {', '.join(bad)}: the model, its input and the transport "
+            "are the host's (choose a model with set_model)",
+            error_type=ErrorType.INVALID_REQUEST,
+            retryable=False,
+        )
 
 
 @dataclass
@@ -218,6 +253,8 @@ class ModelRegistry:
         resolved = self.resolve(model)
         if isinstance(model, ModelRef) and model.parameters:
             parameters = {**model.parameters, **(parameters or {})}
+        if parameters:
+            check_call_parameters(parameters, resolved.parameters)
         return resolved, parameters
 
     @classmethod

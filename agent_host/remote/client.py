@@ -31,6 +31,7 @@ from agentmw.transport import HOST_KEEPALIVE_MS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 from agentmw.wire import EMITTABLE
 
+from .. import metrics
 from ..config import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ITEM_BYTES,
@@ -40,7 +41,15 @@ from ..config import (
     check_seconds,
 )
 from ..security import TlsFiles, bearer_metadata, channel, tls_hint
-from .errors import MiddlewareFailure, NoAnswer, OutputLimitExceeded, ProtocolError, Unreachable
+from .errors import (
+    MiddlewareFailure,
+    NoAnswer,
+    OutputLimitExceeded,
+    ProtocolError,
+    StreamBroken,
+    Unreachable,
+    broken_stream,
+)
 from .protocol import HookCall
 
 log = logging.getLogger("agentmw.remote")
@@ -65,6 +74,7 @@ MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
 PROBE_EVERY = 1.0  # seconds between the Describes that ask a fail_closed one that hung whether it is back
+RELIST_PAUSE_MAX = 30.0  # seconds at most between ListTools asked again of a server that does not answer it
 
 
 @dataclass
@@ -182,6 +192,7 @@ class RemoteMiddleware:
         self.last_hang = ""
         self.unresponsive = ""  # fail_closed: why its calls fail at once until a Describe answers
         self.confirming: asyncio.Task[None] | None = None  # the Describe after a call got no answer
+        self.relisting: asyncio.Task[None] | None = None  # ListTools after a re-Describe (_relist)
         # fail_open: the agents whose current reply goes on without it (see bypass_rest_of_reply)
         self.bypassing: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
@@ -257,19 +268,59 @@ class RemoteMiddleware:
             if missing:
                 raise ProtocolError(self.name, "Describe", f"declares {', '.join(missing)} but does not serve it")
         self.key = desc.key  # its tools are registered under the name it gives
-        tools, listing = await self._list_tools() if desc.provides_tools else ([], b"")
+        # At attach the tools are listed here (a listing refused refuses the attach). Afterwards
+        # they are listed aside (_relist), when the server may have restarted (the connection
+        # dropped since it was last described) or newly provides tools: the hook call that
+        # re-described (after any failure, in any session) never waits for, or fails with, them.
+        relist = desc.provides_tools and not attach and (drops != self.described_drops or not self.provides_tools)
+        if attach and desc.provides_tools:
+            self.tools, self.listing = await self._list_tools()
         self.tables, self.provides_tools = tables, desc.provides_tools
         self.described, self.described_drops = True, drops
         self.outage = None
         self.prompt_cache.clear()  # answers of the server as it was described before
         self._drop_idle()  # streams of an earlier connection are of no use
-        changed = listing != self.listing and not attach
-        self.tools, self.listing = tools, listing
-        if changed and self.tools_changed is not None:
-            self.tools_changed(self)
+        if not desc.provides_tools and self.listing:  # it no longer provides any
+            self._tools_are([], b"")
+        if relist and (self.relisting is None or self.relisting.done()):
+            self.relisting = self.in_background(self._relist())
         if self.follower is None:  # from its first Describe on
             self.follower = asyncio.get_running_loop().create_task(self._follow_connection())
         return self
+
+    async def _relist(self) -> None:
+        """ListTools after attach, aside from any hook call. Not answered (a restarting server):
+        the tools as last listed stay on offer, and it asks again, waiting longer each time. A
+        listing refused (malformed, an invalid tool): it contributes no tools until it lists
+        acceptable ones (the next time it is described after a drop), and its last error says why."""
+        pause = self.policy.timeout
+        while True:
+            try:
+                tools, listing = await self._list_tools()
+            except (NoAnswer, Unreachable) as exc:
+                log.warning(
+                    "middleware %s: its tools could not be listed again (asking again in %gs): %s",
+                    self.name,
+                    pause,
+                    exc,
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RELIST_PAUSE_MAX)
+                continue
+            except MiddlewareFailure as exc:
+                why = f"its tools as listed again are refused ({exc.what}); it contributes none until it lists others"
+                metrics.middleware_error(self, "ListTools", why)
+                log.error("middleware %s: %s", self.name, why)
+                tools, listing = [], b""
+            if listing != self.listing:
+                self._tools_are(tools, listing)
+            return
+
+    def _tools_are(self, tools: list[Tool], listing: bytes) -> None:
+        """A new tool list (after attach): the host offers it from the next reply on."""
+        self.tools, self.listing = tools, listing
+        if self.tools_changed is not None:
+            self.tools_changed(self)
 
     async def _describe_failed(
         self, exc: grpc.aio.AioRpcError, request: hooks_pb2.DescribeRequest, waited: float
@@ -409,6 +460,8 @@ class RemoteMiddleware:
                     await self.connect(timeout=self.policy.timeout)
                 except MiddlewareFailure as exc:  # the calls that follow find out themselves
                     log.debug("describing %s again after a reconnection: %s", self.name, exc)
+                except Exception:  # a bug of ours: say so, and keep following the connection
+                    log.exception("describing %s again after a reconnection", self.name)
 
     async def ensure_described(self) -> None:
         if self.needs_describe():
@@ -684,6 +737,7 @@ class RemoteTool(Tool):
             if slot is not None:
                 json_to_value(slot, request.context.slot)
         # Reads are timed below. As for Describe, no wait for a server known to be down.
+        connected = mw.channel.get_state() is grpc.ChannelConnectivity.READY  # so a drop is no "cannot connect"
         call = mw._tools_stub.CallTool(request, timeout=None, wait_for_ready=mw.outage is None, metadata=mw.metadata)
         items = size = 0  # bounded as a hook call's output is (Policy): a tool that streams without end fails
         try:
@@ -723,6 +777,8 @@ class RemoteTool(Tool):
                     return
         except grpc.aio.AioRpcError as exc:
             mw.failed()
+            if connected or items:  # the connection was there, and went
+                raise StreamBroken(mw.name, "CallTool", broken_stream(exc.code(), exc.details())) from None
             raise MiddlewareFailure(mw.name, "CallTool", mw._failure(exc)) from None
         finally:
             call.cancel()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from agentmw.data import ErrorType
 from agentmw.errors import clipped
 
@@ -19,6 +21,7 @@ __all__ = [
     "StreamBroken",
     "Suspended",
     "Unreachable",
+    "broken_stream",
 ]
 
 
@@ -35,6 +38,14 @@ class MiddlewareFailure(RuntimeError):
 
 class StreamBroken(MiddlewareFailure):
     """The stream failed underneath: connection lost, server gone, stream ended early."""
+
+
+def broken_stream(code: grpc.StatusCode, details: str | None) -> str:
+    """Why a call that had its stream (a hook call, a tool call) failed, with this status.
+    UNAVAILABLE is a connection gone (the server killed or restarted, the network cut), which its
+    details do not say plainly ("Socket closed" is no TLS mismatch once the call was connected)."""
+    what = f"{code.name}: {details}"
+    return f"the server went away or the connection was lost ({what})" if code is grpc.StatusCode.UNAVAILABLE else what
 
 
 class Unreachable(MiddlewareFailure):

@@ -47,6 +47,7 @@ from .errors import (
     RemoteMiddlewareError,
     StreamBroken,
     Suspended,
+    broken_stream,
 )
 
 if TYPE_CHECKING:
@@ -775,10 +776,7 @@ class HookCall:
     def _broken(self, code: grpc.StatusCode, details: str | None) -> StreamBroken:
         """The stream failed underneath, with this status. UNAVAILABLE is a connection gone (the
         server killed or restarted, the network cut), which its details do not say plainly."""
-        what = f"{code.name}: {details}"
-        if code is grpc.StatusCode.UNAVAILABLE:
-            what = f"the server went away or the connection was lost ({what})"
-        return StreamBroken(self.mw.name, self.spec.name, what)
+        return StreamBroken(self.mw.name, self.spec.name, broken_stream(code, details))
 
     async def _read(self) -> hooks_pb2.MiddlewareMessage:
         """The middleware's next message of this invocation. Messages of finished invocations on this

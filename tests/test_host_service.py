@@ -257,6 +257,25 @@ async def test_a_reply_cancelled_while_it_waits_for_its_session_ends_at_once(pro
     assert [m.text for m in state.context if m.role.value == "user"] == ["hello", "word " * 60]
 
 
+async def test_a_tool_call_cut_by_its_servers_crash_says_the_server_went_away(procs: Procs, tmp_path: Path) -> None:
+    """A middleware's tool is running when its server is killed: the call's error result says the
+    server went away, not "cannot connect ... TLS may be the cause" (the connection was there)."""
+    recorder = procs.recorder()
+    host = procs.host(tmp_path / "sessions.db", "--middleware", f"rec={recorder.address}")
+    items: list[object] = []
+    async with HostClient(host.address) as client:
+        call = client.reply("", UserMsg("call rec__nap seconds=30"))
+        async with asyncio.timeout(20):
+            async for item in call:
+                items.append(item)
+                if isinstance(item, ToolResultStartEvent):
+                    await asyncio.sleep(0.3)  # the tool runs
+                    recorder.kill()
+    results = [i.delta for i in items if type(i).__name__ == "ToolResultTextDeltaEvent"]
+    assert len(results) == 1 and "the server went away or the connection was lost" in results[0], results
+    assert "cannot connect" not in results[0] and "TLS" not in results[0]
+
+
 async def test_attach_and_detach_between_replies(procs: Procs, tmp_path: Path) -> None:
     config = tmp_path / "host.yaml"
     config.write_text(SLOW_MODEL)

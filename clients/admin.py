@@ -211,7 +211,7 @@ def _text(command: str, result: Any) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    common = argparse.ArgumentParser(add_help=False)
+    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     common.add_argument(
         "--host",
         default=argparse.SUPPRESS,
@@ -219,7 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     add_security_arguments(common)
-    parser = argparse.ArgumentParser(prog="agentmw", description="Operate a running agentmw host.", parents=[common])
+    parser = argparse.ArgumentParser(
+        prog="agentmw", description="Operate a running agentmw host.", parents=[common], allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("status", parents=[common], help="host health and attached middleware")
 

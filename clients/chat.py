@@ -360,7 +360,9 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agent-chat", description="Chat with a running agentmw host.")
+    parser = argparse.ArgumentParser(
+        prog="agent-chat", description="Chat with a running agentmw host.", allow_abbrev=False
+    )
     parser.add_argument(
         "--host",
         default=os.environ.get("AGENTMW_HOST", DEFAULT_HOST),

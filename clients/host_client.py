@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_host.security import TlsFiles, client_channel, read_secret, tls_hint
+from agent_host.security import SecurityError, TlsFiles, client_channel, read_secret, tls_hint
 from agentmw.codec import codec
 from agentmw.data import (
     ExternalExecutionResultEvent,
@@ -42,6 +42,17 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tls-key", default=hidden, help="its private key (env AGENTMW_TLS_CLIENT_KEY)")
     group.add_argument("--tls-server-name", default=hidden, help="the name the host's certificate carries")
     group.add_argument("--token-file", default=hidden, help="a file holding the bearer token (else env AGENTMW_TOKEN)")
+    # A token given on the command line is refused without being repeated (it would be in the
+    # error, as argparse quotes what it does not take; an abbreviation would read it as a file).
+    group.add_argument("--token", nargs="?", action=_NoTokenHere, default=hidden, help=hidden)
+
+
+class _NoTokenHere(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        parser.error(
+            "--token: a token is never given on the command line (others can read it): "
+            "use --token-file FILE or the environment variable AGENTMW_TOKEN"
+        )
 
 
 def credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
@@ -60,7 +71,11 @@ def credentials(args: argparse.Namespace) -> tuple[TlsFiles, str]:
     )
     token_file = flag("token_file")
     token = read_secret(file=token_file, where="--token-file") if token_file else ""
-    return tls, token or os.environ.get("AGENTMW_TOKEN", "")
+    token = token or os.environ.get("AGENTMW_TOKEN", "")
+    if token and not (token.isascii() and token.isprintable() and " " not in token):  # else "Invalid metadata"
+        where = "--token-file" if token_file else "AGENTMW_TOKEN"
+        raise SecurityError(f"{where}: the token has characters a header cannot carry (one line, no spaces)")
+    return tls, token
 
 
 def tls_note(exc: Any, args: argparse.Namespace, form: str = " ({})") -> str:

@@ -861,3 +861,20 @@ async def test_a_calls_parameters_cannot_set_the_model_or_the_transport(how: str
         items = [item async for item in Agent(model="m", models=models).reply_stream(UserMsg("hi"))]
         assert isinstance(items[-1], Msg) and items[-1].text == "hello"
         assert model.requests[0].headers.get("x-team") == "ops"
+
+
+def test_a_token_on_the_command_line_is_refused_without_being_repeated(tmp_path: Path) -> None:
+    """`--token SECRET` (there is no such flag: a token is never an argument) is refused and the
+    secret is not printed back; before, argparse took it for --token-file and said it could not
+    read the file SECRET. A token file of two lines is one clear error, not INTERNAL 'Invalid
+    metadata' from the first call."""
+    secret = "ops-TOKEN-4242"
+    for module in ("clients.admin", "clients.chat"):
+        for given in (["--token", secret], [f"--token={secret}"]):
+            out = run_cli(module, *given, "--host", "127.0.0.1:1", *(["status"] if module == "clients.admin" else []))
+            assert out.returncode == 2, (module, given, out.stderr)
+            assert secret not in out.stdout + out.stderr, (module, given, out.stderr)
+    two_lines = tmp_path / "token"
+    two_lines.write_text("first\nsecond\n")
+    out = run_cli("clients.admin", "--token-file", str(two_lines), "--host", "127.0.0.1:1", "status")
+    assert out.returncode == 2 and "the token has characters a header cannot carry" in out.stderr, out.stderr

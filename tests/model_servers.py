@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import pytest
+
 
 @dataclass
 class Reply:
@@ -309,3 +311,36 @@ async def run_reply(agent: Any, text: str) -> tuple[list[Any], Any]:
 
 def of_type(events: list[Any], cls: type) -> list[Any]:
     return [e for e in events if isinstance(e, cls)]
+
+
+# -- model-client tests' shared setup -------------------------------------------------------------
+
+FAST = {"initial_delay": 0.02, "max_delay": 2.0, "deadline": 20.0}  # a model's retry: waits, short
+
+
+@pytest.fixture(autouse=True)
+async def close_sdk_session() -> Any:
+    """Autouse in a module that imports it: the dashscope SDK's shared aiohttp session, closed
+    after each test (it belongs to that test's event loop)."""
+    yield
+    import dashscope
+
+    await dashscope.close_shared_aio_session()
+
+
+def spec(server: ScriptedServer, provider: str = "openai", **extra: Any) -> dict[str, Any]:
+    """A host.yaml model entry for ``server``, as ``provider`` speaks to it."""
+    base = f"{server.url}/v1" if provider == "openai" else f"{server.url}/api/v1"
+    return {"provider": provider, "model_name": "m", "base_url": base, "api_key": "sk-x", "retry": FAST, **extra}
+
+
+async def reply(reg: Any, text: str = "hi", **agent_kw: Any) -> tuple[list[Any], Any, Any]:
+    """One reply of an agent on ``reg``'s default model: (events, final Msg, agent)."""
+    from agent_host.agent import Agent
+
+    agent = Agent(models=reg, model=reg.default, **agent_kw)
+    try:
+        events, final = await run_reply(agent, text)
+    finally:
+        await reg.aclose()
+    return events, final, agent

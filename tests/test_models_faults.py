@@ -14,11 +14,9 @@ import itertools
 import json
 from typing import Any
 
-import dashscope
 import pytest
 from dashscope.api_entities import aio_session
 
-from agent_host.agent import Agent
 from agent_host.models import ModelError, ModelRegistry
 from agent_host.models.dashscope import DashScopeChatModel
 from agent_host.models.openai_compat import OpenAICompatibleModel
@@ -52,31 +50,9 @@ from tests.model_servers import (
     openai_error,
     openai_stream,
     openai_tool_fragment,
-    run_reply,
+    reply,
+    spec,
 )
-
-FAST = {"initial_delay": 0.02, "max_delay": 2.0, "deadline": 20.0}
-
-
-@pytest.fixture(autouse=True)
-async def _close_sdk_session() -> Any:
-    yield
-    await dashscope.close_shared_aio_session()
-
-
-def spec(server: ScriptedServer, provider: str = "openai", **extra: Any) -> dict[str, Any]:
-    base = f"{server.url}/v1" if provider == "openai" else f"{server.url}/api/v1"
-    return {"provider": provider, "model_name": "m", "base_url": base, "api_key": "sk-x", "retry": FAST, **extra}
-
-
-async def reply(reg: ModelRegistry, text: str = "hi", **agent_kw: Any) -> tuple[list[Any], Any, Agent]:
-    agent = Agent(models=reg, model=reg.default, **agent_kw)
-    try:
-        events, final = await run_reply(agent, text)
-    finally:
-        await reg.aclose()
-    return events, final, agent
-
 
 calls: list[str] = []
 

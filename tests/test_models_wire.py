@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import dashscope
 import pytest
 from prometheus_client import REGISTRY
 
@@ -43,36 +42,16 @@ from tests.model_servers import (
     openai_chunk,
     openai_stream,
     openai_tool_fragment,
+    reply,
     run_reply,
+    spec,
 )
 
 pytestmark = pytest.mark.timeout(60)
 
-FAST = {"initial_delay": 0.02, "max_delay": 2.0, "deadline": 20.0}
-
-
-@pytest.fixture(autouse=True)
-async def _close_sdk_session() -> Any:
-    yield
-    await dashscope.close_shared_aio_session()
-
-
-def spec(server: ScriptedServer, provider: str = "openai", **extra: Any) -> dict[str, Any]:
-    base = f"{server.url}/v1" if provider == "openai" else f"{server.url}/api/v1"
-    return {"provider": provider, "model_name": "m", "base_url": base, "api_key": "sk-x", "retry": FAST, **extra}
-
 
 def registry(server: ScriptedServer, provider: str = "openai", **extra: Any) -> ModelRegistry:
     return ModelRegistry.from_config({"default": "a", "models": {"a": spec(server, provider, **extra)}})
-
-
-async def reply(reg: ModelRegistry, text: str = "hi", **agent_kw: Any) -> tuple[list[Any], Any, Agent]:
-    agent = Agent(models=reg, model=reg.default, **agent_kw)
-    try:
-        events, final = await run_reply(agent, text)
-    finally:
-        await reg.aclose()
-    return events, final, agent
 
 
 def stream(provider: str, parts: list[dict[str, Any]], finish: str = "stop") -> Reply:

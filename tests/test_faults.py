@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from agent_host import metrics
 from agent_host.agent import Agent
 from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
+from agent_host.remote.client import HANG_SESSIONS
 from agent_host.remote.errors import MiddlewareFailure
 from agentmw.data import (
     CustomEvent,
@@ -267,6 +269,49 @@ async def test_a_middleware_that_answers_describe_but_hangs_in_its_hooks_stays_i
         await remote.close()
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_hooks_that_hang_for_several_sessions_suspend_the_middleware_though_describe_answers(
+    fail_open: bool,
+) -> None:
+    """Every hook call hangs, but the server answers a Describe: once hook calls of HANG_SESSIONS
+    sessions in a row got no answer, it hangs for everyone. Before, every reply of every session
+    waited its timeout for it, for good; now the next reply skips it at once (fail_open) or fails
+    at once saying why (fail_closed), until the suspension ends and it is tried again."""
+    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
+    try:
+        policy = Policy(fail_open=fail_open, timeout=1)
+        remote = await RemoteMiddleware(proc.address, policy=policy).connect()
+        for n in range(HANG_SESSIONS):  # a new session each (make_agent)
+            started = time.monotonic()
+            items = await reply(make_agent(remote), f"session {n}")
+            assert time.monotonic() - started >= 1  # it waited the timeout
+            assert "no answer within 1s (timeout)" in _failure(items, fail_open)
+            assert not remote.skipped() if n < HANG_SESSIONS - 1 else remote.skipped()
+        started = time.monotonic()
+        items = await reply(make_agent(remote), "the next session")
+        assert time.monotonic() - started < 1  # at once
+        why = _failure(items, fail_open)
+        assert "skipped for" in why and f"hook calls of {HANG_SESSIONS} sessions in a row" in why, why
+        assert remote.hangs == 1
+        await until(lambda: not remote.skipped())  # then tried again: it waits once more
+        started = time.monotonic()
+        items = await reply(make_agent(remote), "after the pause")
+        assert time.monotonic() - started >= 1 and "(timeout)" in _failure(items, fail_open)
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+def _failure(items: list, fail_open: bool) -> str:
+    """Why the middleware was left out of a reply: its bypass (fail_open) or the reply's error."""
+    end = end_of(items)
+    if fail_open:
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED
+        return bypasses(items)[0].value["error"]
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    return end.error.message
 
 
 async def test_timeout_is_paused_while_the_inner_pipeline_runs(marker: ServerProcess) -> None:

@@ -74,6 +74,9 @@ MAX_TOOL_DESCRIPTOR_BYTES = 256 * 1024
 
 MAX_SUSPENSION = 300.0  # seconds at most that a fail_open middleware that hangs is skipped
 PROBE_EVERY = 1.0  # seconds between the Describes that ask a fail_closed one that hung whether it is back
+# Hook calls of this many sessions in a row got no answer (none answered in between): the middleware
+# hangs for everyone even though its Describe answers (see no_answer). One session's hang never is.
+HANG_SESSIONS = 3
 RELIST_PAUSE_MAX = 30.0  # seconds at most between ListTools asked again of a server that does not answer it
 
 
@@ -187,7 +190,8 @@ class RemoteMiddleware:
         self.background: set[asyncio.Task[None]] = set()  # detached hooks' deliveries and Describe
         self.outbox: Any = None  # detached.py: its finished detached invocations held for one send
         self.outage: str | None = None  # why the server could not be reached, until it can again
-        self.hangs = 0  # fail_open: hangs (no_answer) since it last answered (see stopped_answering)
+        self.hangs = 0  # suspensions (no_answer) since it last answered (see _suspend)
+        self.hung_sessions: set[str] = set()  # sessions whose hook calls got no answer since one did
         self.suspended_until = 0.0  # time.monotonic() until which it is skipped
         self.last_hang = ""
         self.unresponsive = ""  # fail_closed: why its calls fail at once until a Describe answers
@@ -493,17 +497,22 @@ class RemoteMiddleware:
 
     def stopped_answering(self) -> None:
         """It hangs as a whole (see no_answer): a middleware that hangs must not cost every reply its
-        timeout. fail_open: every reply skips it at once for its timeout, doubled at each further
-        timeout up to MAX_SUSPENSION, then tries it again (one that answers is no longer counted).
-        fail_closed: no reply can run without it, so its calls fail at once and the host refuses
-        new replies (Host.required_unavailable) until it answers a Describe again, asked in the
-        background every PROBE_EVERY seconds: it is back for the first reply after that."""
+        timeout. fail_open: every reply skips it for a while (_suspend). fail_closed: no reply can
+        run without it, so its calls fail at once and the host refuses new replies
+        (Host.required_unavailable) until it answers a Describe again, asked in the background
+        every PROBE_EVERY seconds: it is back for the first reply after that."""
         hang = f"no answer within {self.policy.timeout:g}s at {time.strftime('%H:%M:%SZ', time.gmtime())}"
         if not self.policy.fail_open:
             if not self.unresponsive:  # calls that were waiting together: one hang, one probe
                 self.unresponsive = hang
                 self.in_background(self._probe())
             return
+        self._suspend(hang)
+
+    def _suspend(self, hang: str) -> None:
+        """Skip it (fail_open: bypassed; fail_closed: its calls fail at once) for its timeout,
+        doubled at each further suspension up to MAX_SUSPENSION, then try it again; one that
+        answers a hook call is no longer counted."""
         now = time.monotonic()
         if now < self.suspended_until:  # calls that were waiting together: one hang, counted once
             return
@@ -511,6 +520,11 @@ class RemoteMiddleware:
         pause = min(self.policy.timeout * 2 ** (self.hangs - 1), MAX_SUSPENSION)
         self.suspended_until = now + pause
         self.last_hang = hang
+
+    def answered(self) -> None:
+        """A hook call got its answer: whatever hung before is over."""
+        self.hangs = 0
+        self.hung_sessions.clear()
 
     async def _probe(self) -> None:
         """Describe it until it answers (each within its timeout), then let calls through again."""
@@ -524,7 +538,7 @@ class RemoteMiddleware:
             self.unresponsive = ""
             return
 
-    def no_answer(self, call: str) -> None:
+    def no_answer(self, call: str, session: str | None = None) -> None:
         """``call`` (a hook, CallTool, Describe, ListTools) got no answer within the timeout, the
         connection up. The call itself fails (or is bypassed) per its policy; whether the middleware
         hangs as a whole is another question: a hook or tool call may be slow for one session only
@@ -532,10 +546,24 @@ class RemoteMiddleware:
         in the background tells (within the timeout): one that gets no answer either is a hang
         (stopped_answering: every reply skips it, or is refused); one that answers leaves it in
         service for everyone else. A Describe that got no answer is that check already. Calls
-        that time out together share one check."""
+        that time out together share one check. A server whose hooks hang while its Describe
+        answers (a stuck backend behind every hook) is told by ``session``, the hook call's: when
+        hook calls of HANG_SESSIONS different sessions got no answer in a row, it is suspended
+        (_suspend), whatever its policy, instead of costing every reply its timeout."""
         if call == "Describe":
             self.stopped_answering()
-        elif self.confirming is None or self.confirming.done():
+            return
+        if session is not None:
+            self.hung_sessions.add(session)
+            if len(self.hung_sessions) >= HANG_SESSIONS:
+                self.hung_sessions.clear()
+                when = time.strftime("%H:%M:%SZ", time.gmtime())
+                self._suspend(
+                    f"no answer within {self.policy.timeout:g}s to hook calls of {HANG_SESSIONS} sessions"
+                    f" in a row (its Describe answers), at {when}"
+                )
+                return
+        if self.confirming is None or self.confirming.done():
             self.confirming = self.in_background(self._confirm_hang())
 
     async def _confirm_hang(self) -> None:

@@ -59,7 +59,7 @@ class NoAnswer(MiddlewareFailure):
 
 class Suspended(MiddlewareFailure):
     """A middleware that hung is not called for a while: a fail_open one is skipped, a
-    fail_closed one's calls fail at once (RemoteMiddleware.stopped_answering)."""
+    fail_closed one's calls fail at once (RemoteMiddleware.no_answer)."""
 
 
 class OutputLimitExceeded(MiddlewareFailure):

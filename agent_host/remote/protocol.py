@@ -172,12 +172,12 @@ class HookCall:
                 async with aclosing(self._run()) as run:
                     async for item in run:
                         yield item
-                self.mw.hangs = 0  # it answered
+                self.mw.answered()
             except MiddlewareFailure as exc:
                 if exc.middleware != self.mw.name:  # an inner middleware's, raised through this one (from_inner)
                     raise
                 if isinstance(exc, NoAnswer):  # this call's alone, unless the middleware hangs as a whole
-                    self.mw.no_answer(exc.hook)
+                    self.mw.no_answer(exc.hook, self.agent.state.session_id)
                 self.mw.failed()
                 table = self.mw.tables.get(self.spec.name)
                 watcher = table is not None and table.detached  # as last described

@@ -534,6 +534,13 @@ async def test_a_restarted_middleware_is_offered_with_its_tools_as_listed_again(
     assert "'tm__x__y' is already registered" in refused.last_error, refused
     assert list((await _listed(host.address))["tm__x"].tools) == ["tm__x__y"]  # the other keeps its own
     assert "You said: call tm__gamma" in await call("tm__gamma")
+    # The middleware it clashed with leaves: the refused tools fit now, and are offered (before,
+    # they stayed refused until the server listed them again, which nothing asked it to).
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        await stub(channel).DetachMiddleware(host_pb2.DetachMiddlewareRequest(name="tm__x"), timeout=5)
+    offered = lambda m: sorted(m.tools) == ["tm__gamma", "tm__x__y"]  # noqa: E731
+    await _until_listed(host.address, "tm", offered, "refused tools not offered after the clash left")
+    assert "gamma:hi" in await call("tm__gamma")
 
     await new_version("gamma", lambda m: list(m.tools) == ["tm__gamma"], "acceptable tools were not offered again")
     assert "gamma:hi" in await call("tm__gamma")

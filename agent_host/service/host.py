@@ -123,6 +123,7 @@ class Attached:
     tools: dict[str, Tool]
     users: int = 0  # replies using it now
     detached: bool = False
+    tools_refused: bool = False  # its tools as last listed clashed (Host._tools_changed): none offered
 
     @property
     def name(self) -> str:
@@ -703,6 +704,7 @@ class Host:
             if found.users == 0:
                 await found.remote.close()
             log.info("detached middleware %s", name)
+            self._offer_refused_tools()  # what clashed with its tools may fit now
             return found
 
     def _tools_changed(self, remote: RemoteMiddleware) -> None:
@@ -718,17 +720,36 @@ class Host:
             self._set_middleware(list(self.middleware))
         except ValueError as exc:  # a clash with another's tools (or the host's), or TooManyTools
             found.tools = {}
+            found.tools_refused = True
             self._set_middleware(list(self.middleware))  # fewer tools than before: cannot fail
-            why = f"its tools as listed again are refused ({exc}); it contributes no tools until it lists others"
+            why = f"its tools as listed again are refused ({exc}); it contributes no tools until they fit"
             metrics.middleware_error(remote, "ListTools", why)
             log.error("middleware %s: %s", remote.name, why)
             return
+        found.tools_refused = False
         log.info(
             "middleware %s lists other tools now: %s (before: %s)",
             remote.name,
             ", ".join(found.tools) or "none",
             ", ".join(before) or "none",
         )
+        if len(found.tools) < len(before) or set(found.tools) != set(before):
+            self._offer_refused_tools()  # it gave up names (or room) another's refused tools need
+
+    def _offer_refused_tools(self) -> None:
+        """Offer again the tools refused from a middleware (a clash, too many together) once the
+        middleware they clashed with left or gave them up; each as at attach, all or none."""
+        for a in self.middleware:
+            if not a.tools_refused:
+                continue
+            a.tools = registered_tools(a.remote.tools, a.remote.name)
+            try:
+                self._set_middleware(list(self.middleware))
+            except ValueError:
+                a.tools = {}  # still refused: its last error says why
+                continue
+            a.tools_refused = False
+            log.info("middleware %s: its tools are offered now: %s", a.name, ", ".join(a.tools) or "none")
 
     def _set_middleware(self, middleware: list[Attached]) -> None:
         toolkit = Toolkit(self.tools)

@@ -33,7 +33,7 @@ from agentmw.codec import codec
 from agentmw.commandline import non_negative
 from agentmw.security import CLIENT_MAX_MESSAGE, SecurityError, TlsFiles, bearer_metadata
 from agentmw.v1 import host_pb2, host_pb2_grpc
-from clients.host_client import add_security_arguments, credentials, tls_note
+from clients.host_client import CommandLine, add_security_arguments, credentials, tls_note
 
 DEFAULT_HOST = "127.0.0.1:50070"
 TIMEOUT = 10.0
@@ -211,7 +211,7 @@ def _text(command: str, result: Any) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    common = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    common = CommandLine(add_help=False)
     common.add_argument(
         "--host",
         default=argparse.SUPPRESS,
@@ -219,9 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
     add_security_arguments(common)
-    parser = argparse.ArgumentParser(
-        prog="agentmw", description="Operate a running agentmw host.", parents=[common], allow_abbrev=False
-    )
+    parser = CommandLine(prog="agentmw", description="Operate a running agentmw host.", parents=[common])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("status", parents=[common], help="host health and attached middleware")
 

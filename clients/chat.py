@@ -50,6 +50,7 @@ from agentmw.v1 import host_pb2
 from clients.chat_view import Player, View
 from clients.host_client import (
     DEFAULT_HOST,
+    CommandLine,
     ConfirmAnswer,
     ExternalAnswer,
     HostClient,
@@ -360,9 +361,7 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="agent-chat", description="Chat with a running agentmw host.", allow_abbrev=False
-    )
+    parser = CommandLine(prog="agent-chat", description="Chat with a running agentmw host.")
     parser.add_argument(
         "--host",
         default=os.environ.get("AGENTMW_HOST", DEFAULT_HOST),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,47 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     # A token given on the command line is refused without being repeated (it would be in the
     # error, as argparse quotes what it does not take; an abbreviation would read it as a file).
     group.add_argument("--token", nargs="?", action=_NoTokenHere, default=hidden, help=hidden)
+
+
+class CommandLine(argparse.ArgumentParser):
+    """agent-chat's and agentmw's parser (their subcommands' too): no abbreviations (``--tok``
+    is not ``--token-file``), and an error never repeats what followed an option that looks like
+    the token's (argparse quotes what it does not take: ``unrecognized arguments: --tok SECRET``,
+    ``invalid choice: 'SECRET'``)."""
+
+    argv: list[str] = []  # the whole command line under way, for error() of whichever parser fails
+    parsing = False  # a subcommand's parser runs inside its parent's parse
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if CommandLine.parsing:
+            return super().parse_known_args(args, namespace)
+        CommandLine.argv, CommandLine.parsing = list(sys.argv[1:] if args is None else args), True
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            CommandLine.parsing = False
+
+    def error(self, message: str) -> Any:
+        for secret in _secrets(CommandLine.argv):
+            message = message.replace(secret, "***")
+        super().error(message)
+
+
+def _secrets(argv: list[str]) -> list[str]:
+    """Words that may be a token: the value of any option spelt like a part of ``--token``."""
+    found = []
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if len(name) > 2 and "--token".startswith(name):
+            if eq:
+                found.append(value)
+            elif i + 1 < len(argv):
+                found.append(argv[i + 1])
+    return [f for f in found if f]
 
 
 class _NoTokenHere(argparse.Action):

@@ -869,11 +869,18 @@ def test_a_token_on_the_command_line_is_refused_without_being_repeated(tmp_path:
     read the file SECRET. A token file of two lines is one clear error, not INTERNAL 'Invalid
     metadata' from the first call."""
     secret = "ops-TOKEN-4242"
+    # Misspelt too (--tok, --toke=): argparse quotes what it does not take ('unrecognized
+    # arguments: --tok SECRET', or "invalid choice: 'SECRET'" where agentmw expects its command).
+    spellings = (["--token", secret], [f"--token={secret}"], ["--tok", secret], [f"--toke={secret}"])
     for module in ("clients.admin", "clients.chat"):
-        for given in (["--token", secret], [f"--token={secret}"]):
-            out = run_cli(module, *given, "--host", "127.0.0.1:1", *(["status"] if module == "clients.admin" else []))
-            assert out.returncode == 2, (module, given, out.stderr)
-            assert secret not in out.stdout + out.stderr, (module, given, out.stderr)
+        for given in spellings:
+            for where in ("first", "last"):
+                args = [*given, "--host", "127.0.0.1:1"]
+                if module == "clients.admin":
+                    args = [*args, "status"] if where == "first" else ["status", *args]
+                out = run_cli(module, *args)
+                assert out.returncode == 2, (module, given, out.stderr)
+                assert secret not in out.stdout + out.stderr, (module, args, out.stderr)
     two_lines = tmp_path / "token"
     two_lines.write_text("first\nsecond\n")
     out = run_cli("clients.admin", "--token-file", str(two_lines), "--host", "127.0.0.1:1", "status")

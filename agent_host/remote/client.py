@@ -555,13 +555,15 @@ class RemoteMiddleware:
             return
         if session is not None:
             self.hung_sessions.add(session)
-            if len(self.hung_sessions) >= HANG_SESSIONS:
-                self.hung_sessions.clear()
+            # A hang after a suspension, with no answer since: the trial call after the pause
+            # failed, so the pause resumes (doubled) at once, as a circuit breaker's half-open does.
+            if self.hangs or len(self.hung_sessions) >= HANG_SESSIONS:
                 when = time.strftime("%H:%M:%SZ", time.gmtime())
                 self._suspend(
-                    f"no answer within {self.policy.timeout:g}s to hook calls of {HANG_SESSIONS} sessions"
-                    f" in a row (its Describe answers), at {when}"
+                    f"no answer within {self.policy.timeout:g}s to hook calls of {len(self.hung_sessions)}"
+                    f" session(s) in a row (its Describe answers), at {when}"
                 )
+                self.hung_sessions.clear()
                 return
         if self.confirming is None or self.confirming.done():
             self.confirming = self.in_background(self._confirm_hang())

@@ -1,5 +1,5 @@
 """The host's error types that cross the wire by name: a middleware raises them (or sees them raised
-by the host's pipeline) and the SDK maps them to and from HookError (KNOWN_ERRORS). They live in the
+by the host's pipeline) and the host and the SDK rebuild them by name (agentmw.wire.KNOWN_ERRORS). They live in the
 core so that a middleware server needs no host; the host's modules import them from here."""
 
 from __future__ import annotations

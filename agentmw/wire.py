@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from agentmw.v1 import hooks_pb2
 
 from .codec import CodecError, codec
 from .data import ChatResponse, ErrorType, ModelRef, Msg, PermissionDecision, ToolChunk, ToolResponse
+from .errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError
 from .hooks import HookSpec
-from .tools import Tool
+from .tools import Tool, ToolInputError
 
 _ERROR_TYPES = codec.enums["agentmw.v1.ErrorType"]  # ErrorType <-> its proto enum number
 
@@ -105,6 +109,52 @@ def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
         with contextlib.suppress(ValueError):  # not an ErrorType value: as if it had none
             out.error_type = _ERROR_TYPES.to_number[ErrorType(error_type)]
     return out
+
+
+# The classes an exception that crossed the wire is rebuilt as, by name: builtins and agentmw's own.
+KNOWN_ERRORS: dict[str, type[BaseException]] = {
+    name: obj
+    for name, obj in vars(builtins).items()
+    if isinstance(obj, type) and issubclass(obj, Exception) and not name.startswith("_")
+}
+KNOWN_ERRORS.update(
+    {
+        cls.__name__: cls
+        for cls in (ModelError, UnknownModelError, CodecError, ConfigError, ToolInputError, ReplyGrammarError)
+    }
+)
+_rebuilt: dict[tuple[type, str], type[Any]] = {}
+_E = TypeVar("_E", bound=BaseException)
+
+
+def rebuilt_error(base: type[_E], type_name: str, message: str, init: Callable[[_E], None]) -> _E:
+    """The exception an encoded one (``encode_error``) is on this side: of a class named
+    ``type_name``, a subclass of ``base`` and, when the name is known here (a builtin, one of
+    agentmw's), of that class too, so that ``except ValueError`` or ``except ModelError`` catch it
+    as in-process; ``init`` runs ``base``'s ``__init__`` on it. Its ``args`` are the message, as
+    the exception had (a KeyError's message is its key's repr, as ``str(KeyError)`` is: the key)."""
+    known = KNOWN_ERRORS.get(type_name)
+    cls = _rebuilt.get((base, type_name))
+    if cls is None:
+        name = type_name.replace("\0", "?") or "Exception"  # any other text may name a class
+        try:
+            cls = type(name, (base, known) if known else (base,), {"__module__": base.__module__})
+        except TypeError:  # an incompatible instance layout (e.g. OSError's): the name is kept
+            cls = type(name, (base,), {"__module__": base.__module__})
+        _rebuilt[(base, type_name)] = cls
+    exc: _E = cast(Any, cls).__new__(cls)
+    if known is not None and issubclass(cls, known):
+        with contextlib.suppress(Exception):  # the class's own attributes (ModelError.error_type, ...)
+            exc.__dict__.update(vars(known(message)))
+    init(exc)
+    arg: Any = message
+    if isinstance(exc, KeyError):
+        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+            key = ast.literal_eval(message)
+            if isinstance(key, (str, int, float)) and repr(key) == message:
+                arg = key
+    exc.args = (arg,)
+    return exc
 
 
 def decode_error_attributes(error: hooks_pb2.Fail | hooks_pb2.InnerError) -> dict[str, Any]:

@@ -902,6 +902,31 @@ class CatchInnerRuntimeError(MiddlewareBase):
             return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
 
 
+class RaisesKeyError(MiddlewareBase):
+    """on_model_call raises a KeyError of its own."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        raise KeyError("user_42")
+
+
+class CatchInnerByClass(MiddlewareBase):
+    """Catches the inner pipeline's exception by a class it is (a KeyError is a LookupError), notes
+    what it saw of it, then answers itself."""
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        try:
+            return await next_handler()
+        except LookupError as exc:
+            seen = {
+                "class": type(exc).__name__,
+                "args": list(exc.args),
+                "str": str(exc),
+                "runtime": isinstance(exc, RuntimeError),
+            }
+            agent.state.middle_context[await self.get_middleware_key()] = seen
+            return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
+
+
 class SharedCounter(MiddlewareBase):
     """Counts intercepted text deltas in a slot shared by every instance (one key)."""
 
@@ -973,6 +998,8 @@ MIDDLEWARE.update(
             CatchModelError,
             BreaksModelCall,
             CatchInnerRuntimeError,
+            RaisesKeyError,
+            CatchInnerByClass,
             SharedCounter,
             SlotFromTwoHooks,
             ObserveDeltasInterceptEnd,

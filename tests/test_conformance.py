@@ -378,17 +378,18 @@ async def test_same_in_process_and_remote(scenario: Scenario, check: Check, serv
     if inspect.isawaitable(checked):
         await checked
     if scenario.id == "middleware_raises":  # remotely, the error also says which middleware raised
-        assert "middleware 'Raises' raised ValueError in on_reasoning" in remote_events[-2]["error"]["message"]
+        message = remote_events[-2]["error"]["message"]
+        assert "ValueError: budget service says no (raised by middleware 'Raises' in on_reasoning)" in message
 
 
-WRAPPED = re.compile(r"RemoteMiddlewareError: middleware '[^']*' raised (\w+) in \w+: ")
+WHERE = re.compile(r" \(raised by middleware '[^']*' in \w+\)")
 
 
 def unwrapped(value: Any) -> Any:
     """``value`` with a remote exception's text, where it became a tool's error result, as the
-    in-process one's: "T: message" (remotely, the text also names the middleware, hooks.md)."""
+    in-process one's: "T: message" (remotely, the text also says where it was raised, hooks.md)."""
     if isinstance(value, str):
-        return WRAPPED.sub(r"\1: ", value)
+        return WHERE.sub("", value)
     if isinstance(value, dict):
         return {k: unwrapped(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -856,6 +857,7 @@ MODEL_OVERRIDE = Scenario(
     [Layer("OverrideModel"), Layer("ModelSeen")],
     models={"main": {}, "backup": {"reply_template": "B: {parameters}", "parameters": {"top_p": 0.3}}},
 )
+CATCH_BY_CLASS = Scenario("catch_by_class", [Layer("CatchInnerByClass"), Layer("RaisesKeyError")])
 SLOT_AFTER_YIELD = Scenario(
     "slot_after_yield",
     [Layer("SlotAfterYield"), Layer("ReadsOuterSlot")],
@@ -883,6 +885,7 @@ def sdk_fidelity_servers():
             SLOT_AFTER_YIELD,
             Scenario("raises", [Layer("Raises")]),
             MODEL_OVERRIDE,
+            CATCH_BY_CLASS,
         ]
     )
     yield started
@@ -913,6 +916,21 @@ async def test_a_layer_inside_an_override_of_current_model_sees_the_models_snaps
     assert state["middle_context"]["ModelSeen"] == ["ModelRef", "backup", {"temperature": 0.2, "top_p": 0.3}]
     assert final_text(events) == 'B: {"temperature": 0.2, "top_p": 0.3}'
     assert all(result == results[0] for result in results[1:])
+
+
+async def test_a_layer_catches_an_inner_layers_exception_by_class_in_every_placement(
+    sdk_fidelity_servers: Servers,
+) -> None:
+    """An inner layer raises KeyError("user_42"); the outer one catches it as a LookupError and
+    sees its class, its args (the key, not its repr) and its text as in-process, whichever of the
+    two runs remotely. Before, an in-process layer around a remote one got a RuntimeError
+    (RemoteMiddlewareError) its ``except LookupError`` missed, and a remote one got the key quoted."""
+    placements = [["local", "local"], ["local", "remote"], ["remote", "local"], ["remote", "remote"]]
+    results = [await run(CATCH_BY_CLASS, placement, sdk_fidelity_servers) for placement in placements]
+    for placement, (events, state) in zip(placements, results, strict=True):
+        seen = state["middle_context"].get("CatchInnerByClass")
+        assert seen == {"class": "KeyError", "args": ["user_42"], "str": "'user_42'", "runtime": False}, placement
+        assert final_text(events) == "caught it", placement
 
 
 async def test_a_slot_set_after_a_yield_reaches_inner_layers_before_the_next_item(

@@ -622,7 +622,7 @@ async def test_an_observer_that_raises_is_reported_as_its_exception() -> None:
         end = end_of(await reply(agent, "hi"))
         # Its own exception propagates as in-process (no protocol violation, no silent bypass).
         assert end.finished_reason == ReplyFinishedReason.ERROR
-        assert "raised ValueError in on_reply: observer gave up at 40" in end.error.message
+        assert "ValueError: observer gave up at 40 (raised by middleware" in end.error.message
         await remote.close()
     finally:
         proc.stop()

@@ -564,10 +564,14 @@ async def test_a_fail_message_reaches_the_client_clipped(evil: Any, scripts: Pat
     script(scripts, agent, messages=[{"fail": {"type": "T" * 1000, "message": MB5}}])
     items = await reply(agent, "hi")
     end = end_of(items)
-    assert "middleware 'Evil' raised " in end.error.message
-    assert end.error.message.endswith(" more characters)"), end.error.message[-80:]
+    # Where it was raised is kept at the end of the clipped text (8192 characters, saying how much
+    # more there was).
+    assert end.error.message.endswith(" more characters) (raised by middleware 'Evil' in on_reply)"), end.error.message[
+        -80:
+    ]
     assert len(end.error.message) <= 8192 + 40  # what a reply's error keeps, and how much more there was
-    assert "T" * 257 not in end.error.message  # the type name: 256 characters kept
+    assert end.error.message.startswith("T" * 256 + "... (744 more characters): ")  # its type name, clipped
+    assert "T" * 257 not in end.error.message
     await remote.close()
 
 
@@ -608,7 +612,8 @@ async def test_an_unknown_error_type_in_a_fail_is_as_if_none(evil: Any, scripts:
     agent = make_agent(remote)
     script(scripts, agent, messages=[{"fail": {"type": "Oops", "message": "no", "errorType": 999}}])
     end = end_of(await reply(agent, "hi"))
-    assert end.error.type.value == "internal" and "middleware 'Evil' raised Oops in on_reply: no" in end.error.message
+    assert end.error.type.value == "internal"
+    assert "Oops: no (raised by middleware 'Evil' in on_reply)" in end.error.message
     await remote.close()
 
 

@@ -9,6 +9,7 @@ import grpc
 
 from agentmw.data import ErrorType
 from agentmw.errors import clipped
+from agentmw.wire import rebuilt_error
 
 MAX_TYPE_NAME = 256  # characters of an exception class name a middleware reports
 
@@ -22,6 +23,7 @@ __all__ = [
     "Suspended",
     "Unreachable",
     "broken_stream",
+    "remote_error",
 ]
 
 
@@ -73,15 +75,28 @@ class ProtocolError(MiddlewareFailure):
         super().__init__(middleware, hook, f"protocol violation: {what}")
 
 
-class RemoteMiddlewareError(RuntimeError):
-    """The middleware's own code raised; propagated as an in-process middleware's exception would.
-    ``retryable`` and ``error_type`` are set only when that exception had them (hooks.proto, Fail),
-    so that whoever reads them with a default (retries, a failed reply's ErrorInfo) gets what it
-    would get from the exception in-process."""
+class RemoteMiddlewareError(Exception):
+    """The middleware's own code raised; propagated as an in-process middleware's exception would:
+    of the class it raised, by name (``remote_error``: a subclass of this one and, when the host
+    knows the name, of that class, so that an in-process layer around it catches it by class), with
+    its message. ``retryable`` and ``error_type`` are set only when that exception had them
+    (hooks.proto, Fail), so that whoever reads them with a default (retries, a failed reply's
+    ErrorInfo) gets what it would get from the exception in-process. ``raised_in`` says where, for
+    the texts the host makes of it (a failed reply's error)."""
 
     def __init__(self, middleware: str, hook: str, type_name: str, message: str, **attributes: Any) -> None:
-        # Clipped, as a failure's text is: the middleware chose them, and they reach the client.
-        type_name, message = clipped(type_name, MAX_TYPE_NAME), clipped(message)
-        super().__init__(f"middleware {middleware!r} raised {type_name} in {hook}: {message}")
+        super().__init__(message)
         self.middleware, self.hook, self.type_name, self.raised_message = middleware, hook, type_name, message
+        self.raised_in = f"raised by middleware {middleware!r} in {hook}"
         self.__dict__.update(attributes)
+
+
+def remote_error(middleware: str, hook: str, type_name: str, message: str, **attributes: Any) -> RemoteMiddlewareError:
+    """What the host raises for a middleware's Fail: ``RemoteMiddlewareError`` of its class."""
+    # Clipped, as a failure's text is: the middleware chose them, and they reach the client.
+    type_name, message = clipped(type_name, MAX_TYPE_NAME), clipped(message)
+
+    def init(exc: RemoteMiddlewareError) -> None:
+        RemoteMiddlewareError.__init__(exc, middleware, hook, type_name, message, **attributes)
+
+    return rebuilt_error(RemoteMiddlewareError, type_name, message, init)

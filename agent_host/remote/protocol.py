@@ -48,6 +48,7 @@ from .errors import (
     StreamBroken,
     Suspended,
     broken_stream,
+    remote_error,
 )
 
 if TYPE_CHECKING:
@@ -381,7 +382,7 @@ class HookCall:
                     raise asyncio.CancelledError(
                         f"middleware {mw.name!r} raised CancelledError in {spec.name}: {clipped(fail.message)}"
                     )
-                raise RemoteMiddlewareError(
+                raise remote_error(
                     mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
                 )
 

@@ -25,9 +25,10 @@ from agentmw.middleware import (
     subscribe,
 )
 from agentmw.tools import FunctionTool, Tool, tool
+from agentmw.wire import KNOWN_ERRORS
 
 from .server import ServeSecurity, describe, serve, serve_async, start
-from .session import KNOWN_ERRORS, InnerPipelineError
+from .session import InnerPipelineError
 from .view import ContextEditError
 
 __all__ = [

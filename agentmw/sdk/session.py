@@ -15,7 +15,6 @@ as the grant runs out, with ``answers_seq`` so a refill never answers an interce
 from __future__ import annotations
 
 import asyncio
-import builtins
 import contextlib
 import logging
 import traceback
@@ -26,11 +25,10 @@ from typing import Any
 import grpc
 
 from agentmw.chain import prepend
-from agentmw.codec import CodecError, codec, json_to_value
+from agentmw.codec import codec, json_to_value
 from agentmw.data import ChatResponse, ErrorType
-from agentmw.errors import MAX_TEXT, ConfigError, ModelError, ReplyGrammarError, UnknownModelError
+from agentmw.errors import MAX_TEXT
 from agentmw.hooks import HookSpec, Kind, check_result
-from agentmw.tools import ToolInputError
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
@@ -41,6 +39,7 @@ from agentmw.wire import (
     encode_kwargs,
     encode_result,
     model_override,
+    rebuilt_error,
 )
 
 from .snapshot import same_fields, scalar_fields
@@ -55,8 +54,8 @@ TRACEBACK_LIMIT = MAX_TEXT  # bytes of a traceback sent in Fail (its tail: where
 class InnerPipelineError(Exception):
     """The host's inner pipeline raised. ``type_name`` is its exception class name; ``str()`` its
     message, as in-process. The SDK raises a subclass named after the type that is also the host's
-    own class when it knows the name (see ``KNOWN_ERRORS``), so ``except RuntimeError`` or ``except
-    ModelError`` match as they would in-process."""
+    own class when it knows the name (``agentmw.wire.rebuilt_error``), so ``except RuntimeError``
+    or ``except ModelError`` match as they would in-process."""
 
     def __init__(
         self, type_name: str, message: str, retryable: bool | None, error_type: ErrorType | None = None
@@ -69,41 +68,16 @@ class InnerPipelineError(Exception):
             self.error_type = error_type
 
 
-# Exception classes raised in the author's code by name: builtins and the host's own errors.
-KNOWN_ERRORS: dict[str, type[BaseException]] = {
-    name: obj
-    for name, obj in vars(builtins).items()
-    if isinstance(obj, type) and issubclass(obj, Exception) and not name.startswith("_")
-}
-KNOWN_ERRORS.update(
-    {
-        cls.__name__: cls
-        for cls in (ModelError, UnknownModelError, CodecError, ConfigError, ToolInputError, ReplyGrammarError)
-    }
-)
-_error_classes: dict[str, type[InnerPipelineError]] = {}
-
-
 def inner_error(
     type_name: str, message: str, retryable: bool | None = None, error_type: ErrorType | None = None
 ) -> InnerPipelineError:
     """The inner pipeline's exception as the author's code would see it in-process (as near as
-    the SDK can tell from its name)."""
-    cls = _error_classes.get(type_name)
-    known = KNOWN_ERRORS.get(type_name)
-    if cls is None:
-        name = type_name if type_name.isidentifier() else "InnerError"
-        try:
-            cls = type(name, (InnerPipelineError, known) if known else (InnerPipelineError,), {"__module__": __name__})
-        except TypeError:  # an incompatible instance layout (e.g. OSError): the name is kept
-            cls = type(name, (InnerPipelineError,), {"__module__": __name__})
-        _error_classes[type_name] = cls
-    exc = cls.__new__(cls)
-    if known is not None and issubclass(cls, known):
-        with contextlib.suppress(Exception):  # the class's own attributes (ModelError.error_type, ...)
-            exc.__dict__.update(vars(known(message)))
-    InnerPipelineError.__init__(exc, type_name, message, retryable, error_type)
-    return exc
+    the SDK can tell from its name: ``rebuilt_error``)."""
+
+    def init(exc: InnerPipelineError) -> None:
+        InnerPipelineError.__init__(exc, type_name, message, retryable, error_type)
+
+    return rebuilt_error(InnerPipelineError, type_name, message, init)
 
 
 class HostGone(Exception):

@@ -275,19 +275,45 @@ class ReplyGrammar:
         """End events for every block still open (the reply failed in the middle of them), so the
         client's view stays balanced. Tool results end as ERROR."""
         rid = self.reply_id or ""
-        out: list[Any] = []
-        for block_id in self.open[_TEXT]:
-            out.append(TextBlockEndEvent(reply_id=rid, block_id=block_id))
-        for block_id in self.open[_THINKING]:
-            out.append(ThinkingBlockEndEvent(reply_id=rid, block_id=block_id))
-        for block_id in self.open[_DATA]:
-            out.append(DataBlockEndEvent(reply_id=rid, block_id=block_id))
-        for call_id in self.open[_TOOL_CALL]:
-            out.append(ToolCallEndEvent(reply_id=rid, tool_call_id=call_id))
-        for call_id in self.open[_TOOL_RESULT]:
-            out.append(ToolResultEndEvent(reply_id=rid, tool_call_id=call_id, state=ToolResultState.ERROR))
+        out = [end_event(kind, rid, key) for kind, open_ in enumerate(self.open) for key in open_]
         for open_ in self.open:
             open_.clear()
+        return out
+
+
+def end_event(kind: int, reply_id: str, key: str) -> Any:
+    """The event that ends block ``key`` of ``kind`` (one left open: a tool result ends as ERROR)."""
+    if kind == _TOOL_RESULT:
+        return ToolResultEndEvent(reply_id=reply_id, tool_call_id=key, state=ToolResultState.ERROR)
+    if kind == _TOOL_CALL:
+        return ToolCallEndEvent(reply_id=reply_id, tool_call_id=key)
+    end = (TextBlockEndEvent, ThinkingBlockEndEvent, DataBlockEndEvent)[kind]
+    return end(reply_id=reply_id, block_id=key)
+
+
+class OpenedBlocks:
+    """The blocks a stream of items started and has not ended yet (a middleware's own emits): what
+    must be closed if it stops half-way and the reply goes on without it."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open: dict[tuple[int, str], str] = {}  # (kind, key) -> reply id, in start order
+
+    def see(self, item: Any) -> None:
+        rule = _BLOCK_EVENTS.get(type(item))
+        if rule is None or rule[2] == _DELTA:
+            return
+        kind, attr, op = rule
+        if op == _START:
+            self.open[(kind, getattr(item, attr))] = item.reply_id
+        else:
+            self.open.pop((kind, getattr(item, attr)), None)
+
+    def closing_events(self) -> list[Any]:
+        """End events for the blocks still open, the latest first; then none is."""
+        out = [end_event(kind, rid, key) for (kind, key), rid in reversed(self.open.items())]
+        self.open.clear()
         return out
 
 
@@ -301,4 +327,4 @@ def blame_of(layers: list[Any], hook: str = "on_reply") -> str:
     return f"one of the {hook} middleware " + ", ".join(repr(n) for n in names)
 
 
-__all__ = ["ReplyGrammar", "ReplyGrammarError", "blame_of"]
+__all__ = ["OpenedBlocks", "ReplyGrammar", "ReplyGrammarError", "blame_of", "end_event"]

@@ -11,6 +11,8 @@ from agentmw.data import (
     AssistantMsg,
     ChatResponse,
     CustomEvent,
+    DataBlockDeltaEvent,
+    DataBlockStartEvent,
     ErrorType,
     HintBlock,
     ModelCallEndEvent,
@@ -927,6 +929,25 @@ class CatchInnerByClass(MiddlewareBase):
             return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
 
 
+class DiesMidBlock(MiddlewareBase):
+    """After the text block ends it starts a block of its own (audio, as the TTS server does),
+    sends part of it, and then its process dies: a TTS server killed while it speaks."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        import os
+
+        async for item in next_handler():
+            yield item
+            if isinstance(item, TextBlockEndEvent):
+                audio = {"reply_id": item.reply_id, "block_id": "audio-1", "media_type": "audio/pcm"}
+                yield DataBlockStartEvent(**audio)
+                yield DataBlockDeltaEvent(**audio, data="AAAA")
+                await asyncio.sleep(0.3)  # they went out
+                os._exit(1)
+
+
 class SharedCounter(MiddlewareBase):
     """Counts intercepted text deltas in a slot shared by every instance (one key)."""
 
@@ -1000,6 +1021,7 @@ MIDDLEWARE.update(
             CatchInnerRuntimeError,
             RaisesKeyError,
             CatchInnerByClass,
+            DiesMidBlock,
             SharedCounter,
             SlotFromTwoHooks,
             ObserveDeltasInterceptEnd,

@@ -121,6 +121,27 @@ async def test_middleware_killed_mid_reply(marker: ServerProcess, fail_open: boo
     await remote.close()
 
 
+async def test_a_fail_open_middleware_that_dies_mid_block_leaves_a_completed_reply() -> None:
+    """It had started a block of its own (audio, as the TTS server does) when its process died:
+    the host goes on without it and ends that block for it, so the reply completes with its answer.
+    Before, the reply failed: 'ReplyEndEvent with blocks still open: data block', blamed on it."""
+    proc = middleware_server("tests.conformance_mw:DiesMidBlock").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=5)).connect()
+        agent = make_agent(remote)
+        items = await reply(agent, "hi")
+        end = end_of(items)
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+        assert items[-1].text == ANSWER
+        audio = [i for i in items if getattr(i, "block_id", None) == "audio-1"]
+        assert [type(i).__name__ for i in audio] == ["DataBlockStartEvent", "DataBlockDeltaEvent", "DataBlockEndEvent"]
+        (bypass,) = bypasses(items)
+        assert bypass.value["middleware"] == "DiesMidBlock"
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 def all_calls_answered(agent: Agent) -> bool:
     blocks = [b for m in agent.state.context for b in m.content]
     calls = [b.id for b in blocks if isinstance(b, ToolCallBlock)]

@@ -38,6 +38,7 @@ from agentmw.wire import (
 )
 
 from .. import metrics, tracing
+from ..reply_grammar import OpenedBlocks
 from .detached import Watch
 from .errors import (
     MiddlewareFailure,
@@ -93,6 +94,7 @@ class HookCall:
     reused: bool = False  # the stream carried earlier invocations (their late messages may follow)
     unlabelled: int = 0  # messages without an invocation id dropped on a reused stream
     emitted: int = 0  # new items the middleware emitted, against policy.max_items
+    opened: OpenedBlocks | None = None  # blocks its emits started and did not end (closed on bypass)
     received_bytes: int = 0  # bytes of its messages, against policy.max_bytes
     read_bytes: int = sys.maxsize  # bytes of the last message read (no part of it is larger)
     flusher: asyncio.Task[None] | None = None  # the task writing the observed copies queued (copies)
@@ -218,6 +220,9 @@ class HookCall:
         if self.spec.kind is Kind.TRANSFORM:
             self.result = self.input_kwargs["prompt"]
             return
+        if self.opened is not None:  # blocks it started and never ended (a TTS audio block cut off)
+            for end in self.opened.closing_events():
+                yield end
         for held in (self.in_hand, self.pending):  # nothing the host took from the inner pipeline is lost
             if held is not None:
                 yield held
@@ -557,6 +562,9 @@ class HookCall:
                 item.id = new_id()
             if getattr(item, "created_at", None) == "":
                 item.created_at = now()
+            if self.opened is None:
+                self.opened = OpenedBlocks()
+            self.opened.see(item)
             return item
         raise self._violation("an empty emit")
 

@@ -81,6 +81,7 @@ class Stack:
     mem0: ServerProcess
     host: ServerProcess
     isolated: bool  # the mem0 server has no network at all
+    address: str  # the mem0 server's, as the host reaches it
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             address = mem0.address
         config = str(host_config(tmp))
         host = procs.host(tmp / "sessions.db", "--config", config, "--middleware", f"mem0={address}")
-        yield Stack(procs, mem0, host, isolated)
+        yield Stack(procs, mem0, host, isolated, address)
 
 
 async def say(address: str, text: str, user: str, session: str = "") -> Turn:
@@ -139,6 +140,38 @@ async def test_a_fact_told_in_one_session_is_recalled_in_the_next(stack: Stack) 
     # Memory is the user's own: another user is told nothing of it.
     other = await say(stack.host.address, "What is my favourite colour?", "bob")
     assert "teal" not in other.final.text and await memory_hints(stack.host.address, other.session_id) == []
+
+
+async def test_with_authentication_a_user_reaches_only_their_own_memories(stack: Stack, tmp_path: Path) -> None:
+    """On a host with authentication a session's memories are its owner's (agent.state.owner):
+    another user reaches them neither by naming the owner in a message (metadata user_id) nor by
+    plain messages. Before, plain messages of every user shared the --user-id memory, and a
+    message could name any user."""
+    from agent_host.config import DEFAULT_MODELS
+
+    models = copy.deepcopy(DEFAULT_MODELS)
+    models["models"]["offline"]["rules"].append(RECALL)
+    users = [{"name": n, "role": "user", "token_env": f"{n.upper()}_TOKEN"} for n in ("alice", "bob")]
+    config = tmp_path / "auth.yaml"
+    config.write_text(yaml.safe_dump({"models": models, "security": {"users": users}}))
+    tokens = {"ALICE_TOKEN": "alice-token-1234", "BOB_TOKEN": "bob-token-5678"}
+    argv = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "s.db"), "--config", str(config)]
+    host = stack.procs.start("auth-host", [*argv, "--middleware", f"mem0={stack.address}"], env=tokens)
+
+    async def say_as(token: str, text: str, **metadata: str) -> str:
+        async with HostClient(host.address, token=token) as client:
+            turn = await converse(client, "", UserMsg(text, metadata=metadata))
+        assert turn.end is not None and turn.end.finished_reason == ReplyFinishedReason.COMPLETED, turn.items[-3:]
+        assert not errors(turn)
+        return turn.final.text
+
+    await say_as(tokens["BOB_TOKEN"], "My favourite parrot is Kiwi.")
+    await say_as(tokens["BOB_TOKEN"], "My favourite boat is Nautilus.", user_id="bob")
+    assert "Kiwi" in await say_as(tokens["BOB_TOKEN"], "What is my favourite parrot?")  # his own, recalled
+    for question in ("What is my favourite parrot?", "What is my favourite boat?"):
+        for claimed in ({}, {"user_id": "bob"}):
+            answer = await say_as(tokens["ALICE_TOKEN"], question, **claimed)
+            assert "Kiwi" not in answer and "Nautilus" not in answer, (question, claimed, answer)
 
 
 async def test_the_model_calls_the_memory_tools_which_run_in_the_mem0_server(stack: Stack) -> None:

@@ -585,6 +585,7 @@ class HookCall:
         ctx.agent_name = agent.name
         ctx.agent_description = agent.description
         ctx.session_id = state.session_id
+        ctx.session_owner = state.owner
         ctx.reply_id = state.reply_id
         ctx.cur_iter = state.cur_iter
         ctx.max_iters = agent.max_iters

@@ -146,7 +146,8 @@ class ReplyRun:
 
     def __init__(self, session_id: str, owner: str = "") -> None:
         self.session_id = session_id
-        self.owner = owner
+        self.owner = owner  # who asks for the reply
+        self.session_owner = owner  # whom the session belongs to (_check_access): agent.state.owner
         self.queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
         self.agent: Agent | None = None
         self.interrupted = False
@@ -370,6 +371,7 @@ class Host:
                 a.users += 1
             try:
                 agent = self._agent(journal.state, setup, journal)
+                agent.state.owner = run.session_owner
                 self._check_inputs(agent, inputs)
                 if _is_retry(journal.state, inputs):  # the client retries a reply its host stopped during
                     inputs = None  # continue the stored turn: its message is not stored twice
@@ -411,6 +413,7 @@ class Host:
         if (record is None and not may_create) or not self._visible(record, caller):
             what = f"no session {sid!r}" + ("" if isinstance(inputs, Msg) else " to resume")
             raise ReplyRejected(grpc.StatusCode.NOT_FOUND, what)
+        run.session_owner = record.owner if record is not None else run.owner  # an admin may reply in it
         if not caller.name:  # no authentication: one anonymous owner, no per-owner limits
             return
         limits = self.config.security

@@ -89,6 +89,8 @@ class AgentState(ReplyFields):
     version: int = 0
     # Ids of user messages dropped by compression (the latest MAX_DROPPED_IDS): they were answered.
     dropped_user_ids: list[str] = field(default_factory=list)
+    # Whom the session belongs to (the authenticated user who created it; "" without authentication).
+    owner: str = ""
 
     def _cur_iter_changed(self, value: int) -> None:
         self.version += 1

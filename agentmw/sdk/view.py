@@ -1,7 +1,7 @@
 """The ``agent`` a remote middleware receives: a view of host state whose changes become Mutations.
 
 It offers the same names as the host's Agent, so middleware code runs unchanged in either place:
-``agent.name``, ``agent.state.session_id / reply_id / cur_iter``, ``agent.state.middle_context``
+``agent.name``, ``agent.state.session_id / owner / reply_id / cur_iter``, ``agent.state.middle_context``
 (this middleware's own slot only), ``agent.state.context`` and ``agent.state.summary`` (readable
 when the hook subscribed with ``wants_context``; ``append`` and ``summary = text`` always work),
 ``agent.state.append_context(name, blocks)``, ``agent.state.append_to_last_assistant(name,
@@ -366,6 +366,7 @@ class StateView(ReplyFields):
     def __init__(self, session: HookSession, key: str) -> None:
         self._session = session
         self.session_id = ""
+        self.owner = ""  # whom the session belongs to (authenticated hosts), as agent.state.owner
         self._summary = ""
         self.reply_context = ReplyContextView()
         self.middle_context = SlotDict(key)
@@ -500,7 +501,7 @@ class AgentView:
         if ctx.trace_context:
             self.trace_context = dict(ctx.trace_context)
         state = self.state
-        state.session_id = ctx.session_id
+        state.session_id, state.owner = ctx.session_id, ctx.session_owner
         state.reply_context.reply_id = ctx.reply_id
         state.reply_context.structured_output_pending = ctx.structured_output_pending
         if ctx.model_ids:

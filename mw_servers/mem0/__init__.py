@@ -192,9 +192,12 @@ class Mem0Middleware(MiddlewareBase):
         return results
 
     def scope(self, agent: Any, inputs: Any) -> dict[str, str]:
+        """Whose memories: the session's owner on a host with authentication (what a message
+        claims never counts there: a user could read another's); else the user message's
+        ``metadata["user_id"]``, its name unless generic, or ``--user-id``."""
+        user_id = getattr(agent.state, "owner", "") or self.user_id
         user = next((m for m in _messages(inputs) if m.role == Role.USER), None)
-        user_id = self.user_id
-        if user is not None:
+        if user is not None and not getattr(agent.state, "owner", ""):
             named = user.name if user.name not in ("", "user") else None
             user_id = str(user.metadata.get("user_id") or named or self.user_id)
         return {"user_id": user_id, "agent_id": self.agent_id or getattr(agent, "name", "") or ""}

@@ -55,6 +55,7 @@ class DashScopeTTSServer:
         self.events: list[dict[str, Any]] = []  # client events on the sockets
         self.headers: list[dict[str, str]] = []  # each socket's handshake headers
         self.fail: str = ""  # the next request fails with this message
+        self.stall = 0.0  # seconds each HTTP request waits, its response begun, before any audio
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -107,6 +108,8 @@ class DashScopeTTSServer:
             return web.json_response(error, status=500)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream;charset=UTF-8"})
         await response.prepare(request)
+        if self.stall:  # a service that took the request and stalled
+            await asyncio.sleep(self.stall)
         text = body["input"]["text"]
         pieces = _pieces(speech(text))
         for i, piece in enumerate(pieces, 1):

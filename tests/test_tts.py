@@ -22,7 +22,7 @@ import pytest
 
 from agent_host.agent import Agent
 from agent_host.models.offline import OfflineRuleModel
-from agent_host.remote import RemoteMiddleware
+from agent_host.remote import Policy, RemoteMiddleware
 from agentmw.data import (
     CustomEvent,
     DataBlockDeltaEvent,
@@ -68,9 +68,10 @@ def tts_server(procs: Procs, *args: str, env: dict[str, str] | None = None) -> S
     return proc.start()
 
 
-async def reply(address: str, script: list[dict[str, Any]], delay: float = 0.0) -> list[Any]:
-    """Every item of one reply of an Agent (offline model playing ``script``) with the server attached."""
-    rm = await RemoteMiddleware(address).connect()
+async def reply(address: str, script: list[dict[str, Any]], delay: float = 0.0, timeout: float = 10.0) -> list[Any]:
+    """Every item of one reply of an Agent (offline model playing ``script``) with the server
+    attached (``timeout``: the host's per-message timeout for it)."""
+    rm = await RemoteMiddleware(address, policy=Policy(timeout=timeout)).connect()
     try:
         agent = Agent(model=OfflineRuleModel(script=script, delay=delay), toolkit=Toolkit([lookup]), middlewares=[rm])
         return [item async for item in agent.reply_stream(UserMsg("hi"))]
@@ -267,6 +268,25 @@ async def test_engine_error_is_an_event_and_the_text_arrives_whole(
     (error,) = [x for x in items if isinstance(x, CustomEvent)]
     assert error.name == "tts_error" and "the synthesizer is on fire" in error.value["message"]
     assert error.value["engine"] == engine and error.value["reply_id"] == end.reply_id
+
+
+async def test_a_stalled_service_costs_the_speech_not_the_reply(procs: Procs, dashscope: DashScopeTTSServer) -> None:
+    """The DashScope endpoint takes the request and then sends nothing: the block's speech is given
+    up after --timeout (a tts_error naming the endpoint) and the text arrives whole, within the
+    host's timeout for the server. Before, only the SDK's per-read timeout bounded it: retried, it
+    held a block ~16 s with the default 8, past the host's default 10 s, which failed the whole
+    reply; and its error (SocketTimeoutError) did not say where."""
+    dashscope.stall = 30.0
+    args = ["--engine", "dashscope", "--url", dashscope.http_url, "--timeout", "2"]
+    server = tts_server(procs, *args, env=dashscope_env())
+    items = await reply(server.address, [{"text": SHORT}], timeout=3.5)  # the SDK alone: 2 x 2 s and more
+
+    end = next(x for x in items if isinstance(x, ReplyEndEvent))
+    assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+    assert isinstance(items[-1], Msg) and items[-1].text == SHORT
+    (error,) = [x for x in items if isinstance(x, CustomEvent)]
+    assert error.name == "tts_error" and error.value["error"] == "EngineError"
+    assert error.value["message"] == f"dashscope qwen3-tts-flash at {dashscope.http_url}: no audio within 2s"
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,7 @@ class TTSMiddleware(MiddlewareBase):
                         for out in self._audio(block, chunk):
                             yield out
             elif "".join(block.text).strip():
-                async for chunk in self.engine.synthesize("".join(block.text)):
+                async for chunk in self._speech("".join(block.text)):
                     for out in self._audio(block, chunk):
                         yield out
         except Exception as exc:
@@ -143,6 +143,27 @@ class TTSMiddleware(MiddlewareBase):
                 await block.utterance.aclose()
         if block.audio_id:
             yield DataBlockEndEvent(reply_id=block.reply_id, block_id=block.audio_id)
+
+    async def _speech(self, text: str) -> AsyncIterator[bytes]:
+        """The engine's audio of ``text``, each piece within the engine's timeout (the SDKs' own
+        timeouts are per read and retried: a stalled service held a block past the host's timeout,
+        which then failed the whole reply)."""
+        engine = self.engine
+        stream = aiter(engine.synthesize(text))
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(engine.timeout):
+                        chunk = await anext(stream, None)
+                except TimeoutError:
+                    raise EngineError(f"{engine.where()}: no audio within {engine.timeout:g}s") from None
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     async def _chunk_result(self, block: _Block, task: asyncio.Future[bytes | None]) -> AsyncIterator[Any]:
         try:
@@ -172,6 +193,8 @@ class TTSMiddleware(MiddlewareBase):
 
     def _error(self, block: _Block, exc: Exception) -> CustomEvent:
         message = str(exc) or type(exc).__name__
+        if not isinstance(exc, EngineError):  # a library's own error: say which engine, and where
+            message = f"{self.engine.where()}: {message}"
         return CustomEvent(
             name=ERROR_EVENT,
             value={

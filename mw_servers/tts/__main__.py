@@ -1,4 +1,4 @@
-"""``python -m mw_servers.tts --address HOST:PORT [--engine E] [--voice V] [--language L] [--realtime]``
+"""``python -m mw_servers.tts --address HOST:PORT [--engine E] [--voice V] [--language L] [--realtime] [--timeout S]``
 
 Serves TTSMiddleware (docs/tts.md). Engines: espeak (default; embedded, offline), piper (the
 ``piper`` extra), dashscope (qwen3-tts-flash over HTTP), dashscope-realtime (WebSocket; implies
@@ -30,7 +30,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="", help="DashScope: the model name")
     parser.add_argument("--url", default="", help="DashScope: HTTP base URL, or the realtime WebSocket URL")
     parser.add_argument("--realtime", action="store_true", help="speak text as it streams, not after each block")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=8.0,
+        help="seconds to wait for each piece of audio before a block's speech is given up (tts_error); "
+        "keep it below the host's timeout for this server (default 10)",
+    )
     args = parser.parse_args(argv)
+    if not 0 < args.timeout < float("inf"):
+        parser.error(f"--timeout {args.timeout:g}: give a number of seconds above 0")
     options: dict[str, Any] = {}
     if args.engine.startswith("dashscope"):
         options = {"language": args.language, **({"model": args.model} if args.model else {})}
@@ -46,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = make_engine(args.engine, args.voice, **options)
     except EngineError as exc:
         parser.error(str(exc))
+    engine.timeout = args.timeout
     serve(TTSMiddleware(engine, realtime=True if args.realtime else None), args.address)
 
 

@@ -119,6 +119,14 @@ class Engine(ABC):
     name: ClassVar[str] = ""
     realtime: ClassVar[bool] = False  # takes streaming text itself (push / flush)
     media_type: str = "audio/pcm;rate=22050"
+    # Seconds the middleware waits for each next piece of audio before it gives the block up
+    # (tts_error): below the host's timeout for this middleware (10 s by default), so that a
+    # stalled engine costs the reply its speech, never the reply.
+    timeout: float = 8.0
+
+    def where(self) -> str:
+        """What it is and where it synthesizes, for errors."""
+        return self.name
 
     @abstractmethod
     def synthesize(self, text: str) -> AsyncIterator[bytes]:
@@ -330,10 +338,18 @@ class DashScopeEngine(Engine):
         self.api_key, self.base_url, self.timeout = api_key, base_url, timeout
         self.media_type = f"audio/pcm;rate={DASHSCOPE_RATE}"
 
+    def where(self) -> str:
+        import dashscope
+
+        return f"{self.name} {self.model} at {self._endpoint(dashscope)}"
+
+    def _endpoint(self, dashscope: Any) -> str:
+        return self.base_url or os.environ.get("DASHSCOPE_HTTP_BASE_URL") or dashscope.base_http_api_url
+
     async def synthesize(self, text: str) -> AsyncIterator[bytes]:
         import dashscope
 
-        endpoint = self.base_url or os.environ.get("DASHSCOPE_HTTP_BASE_URL") or dashscope.base_http_api_url
+        endpoint = self._endpoint(dashscope)
         responses = await dashscope.AioMultiModalConversation.call(
             model=self.model,
             text=text,
@@ -342,7 +358,8 @@ class DashScopeEngine(Engine):
             api_key=api_key(self.api_key),
             stream=True,
             base_address=endpoint,
-            request_timeout=self.timeout,
+            # A backstop: the middleware's own wait for each piece (Engine.timeout) comes first.
+            request_timeout=self.timeout + 5,
         )
         try:
             async for response in responses:  # type: ignore[union-attr]  # dashscope types the stream as sync

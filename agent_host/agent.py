@@ -174,6 +174,7 @@ class Agent(Reasoning, Acting, Compression):
         # the reply interrupted first) needs one.
         self.results_started: set[str] = set()
         self._interrupt_requested = False
+        self.interrupted_at: float | None = None  # time.monotonic() of this reply's interrupt()
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
         self._tool_tasks: set[asyncio.Task] = set()  # concurrent tool calls in flight (see _concurrently)
@@ -300,6 +301,7 @@ class Agent(Reasoning, Acting, Compression):
                 self.state.reply_context.model_id = None
         finally:
             self._interrupt_requested = False
+            self.interrupted_at = None
             self._bypassed = None
 
     def record_bypass(self, middleware: str, hook: str, error: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 from typing import Any, Protocol
 
 from agentmw.chain import Chain, Layer, transform
@@ -102,6 +103,7 @@ class AgentBase:
     layers: dict[str, list[Layer]]
     results_started: set[str]  # tool results with a ToolResultStartEvent in this reply (Agent.__init__)
     _interrupt_requested: bool
+    interrupted_at: float | None  # time.monotonic() of the reply's interrupt() (remote layers cut late emits)
     _core_tasks: set[asyncio.Task]
     _cancelled_tasks: set[asyncio.Task]
     _tool_tasks: set[asyncio.Task]
@@ -138,6 +140,8 @@ class AgentBase:
         open tool calls and end with ReplyEndEvent(INTERRUPTED), which flows out through every on_reply
         middleware (remote ones too) like any other event."""
         self._interrupt_requested = True
+        if self.interrupted_at is None:
+            self.interrupted_at = time.monotonic()
         for task in self._core_tasks - self._cancelled_tasks:
             self._cancelled_tasks.add(task)
             task.cancel()

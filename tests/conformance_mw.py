@@ -12,6 +12,7 @@ from agentmw.data import (
     ChatResponse,
     CustomEvent,
     DataBlockDeltaEvent,
+    DataBlockEndEvent,
     DataBlockStartEvent,
     ErrorType,
     HintBlock,
@@ -948,6 +949,24 @@ class DiesMidBlock(MiddlewareBase):
                 os._exit(1)
 
 
+class SpeaksOn(MiddlewareBase):
+    """After the text block ends it speaks (an audio block of its own) and does not stop by itself:
+    a TTS server reading out a very long text."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if isinstance(item, TextBlockEndEvent):
+                audio = {"reply_id": item.reply_id, "block_id": "speech", "media_type": "audio/pcm"}
+                yield DataBlockStartEvent(**audio)
+                for _ in range(100_000):  # bounded all the same
+                    yield DataBlockDeltaEvent(**audio, data="AAAA")
+                    await asyncio.sleep(0.02)
+                yield DataBlockEndEvent(**audio)
+
+
 class SharedCounter(MiddlewareBase):
     """Counts intercepted text deltas in a slot shared by every instance (one key)."""
 
@@ -1022,6 +1041,7 @@ MIDDLEWARE.update(
             RaisesKeyError,
             CatchInnerByClass,
             DiesMidBlock,
+            SpeaksOn,
             SharedCounter,
             SlotFromTwoHooks,
             ObserveDeltasInterceptEnd,

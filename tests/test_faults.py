@@ -24,8 +24,10 @@ from agent_host.models import OfflineRuleModel
 from agent_host.remote import Policy, RemoteMiddleware
 from agent_host.remote.client import HANG_SESSIONS
 from agent_host.remote.errors import MiddlewareFailure
+from agent_host.remote.protocol import STOP_AFTER_INTERRUPT
 from agentmw.data import (
     CustomEvent,
+    DataBlockDeltaEvent,
     Msg,
     ReplyEndEvent,
     ReplyFinishedReason,
@@ -137,6 +139,42 @@ async def test_a_fail_open_middleware_that_dies_mid_block_leaves_a_completed_rep
         assert [type(i).__name__ for i in audio] == ["DataBlockStartEvent", "DataBlockDeltaEvent", "DataBlockEndEvent"]
         (bypass,) = bypasses(items)
         assert bypass.value["middleware"] == "DiesMidBlock"
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
+async def test_a_middleware_that_keeps_emitting_after_an_interrupt_is_left_behind(fail_open: bool) -> None:
+    """The reply is interrupted while a middleware speaks on (audio deltas without end, as a TTS
+    server reading a long text): STOP_AFTER_INTERRUPT later the reply ends without it, well formed
+    (fail_open: its audio block ended for it, the bypass recorded; fail_closed: an error naming
+    it). Before, the reply went on as long as the middleware did (a host cut it off after 5 s with
+    no end at all)."""
+    proc = middleware_server("tests.conformance_mw:SpeaksOn").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=fail_open, timeout=5)).connect()
+        agent = make_agent(remote)
+        items: list[Any] = []
+        interrupted = 0.0
+        async with asyncio.timeout(20):
+            async for item in agent.reply_stream(UserMsg("hi")):
+                items.append(item)
+                if isinstance(item, DataBlockDeltaEvent) and not interrupted:
+                    agent.interrupt()
+                    interrupted = time.monotonic()
+        assert time.monotonic() - interrupted < STOP_AFTER_INTERRUPT + 1.5
+        end = end_of(items)
+        speech = [type(i).__name__ for i in items if getattr(i, "block_id", None) == "speech"]
+        assert speech[-1] == "DataBlockEndEvent" and speech.count("DataBlockEndEvent") == 1
+        said = f"it still sent items {STOP_AFTER_INTERRUPT:g}s after the reply was interrupted"
+        if fail_open:
+            assert end.finished_reason != ReplyFinishedReason.ERROR, end.error
+            (bypass,) = bypasses(items)
+            assert bypass.value["middleware"] == "SpeaksOn" and said in bypass.value["error"]
+        else:
+            assert end.finished_reason == ReplyFinishedReason.ERROR and said in end.error.message
+            assert "middleware 'SpeaksOn' failed in on_reply" in end.error.message
         await remote.close()
     finally:
         proc.stop()

@@ -1,10 +1,12 @@
 """A client's cancel stops a reply whose middleware would keep it going forever.
 
 An interrupted reply still flows out through every on_reply middleware (its end is theirs to see),
-so a middleware that keeps emitting could keep it, and the host, busy until the output limit. The
-host gives an interrupted reply a grace period to wind down, then cuts it off: the middleware's
-stream is cancelled, the client's call ends with a clear error, and the session keeps a closed
-reply. Real processes: a host, and tests/evil_mw.py flooding on_reply for one session.
+so a middleware that keeps emitting could keep it, and the host, busy until the output limit. A
+remote one that still sends items STOP_AFTER_INTERRUPT after the cancel is left behind (its
+policy decides how the reply ends); a reply still not ended INTERRUPT_GRACE after the cancel is
+cut off: the middleware's stream is cancelled, the client's call ends with a clear error, and the
+session keeps a closed reply. Real processes: a host, and tests/evil_mw.py (flooding on_reply, or
+silent) for one session.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
+from agent_host.remote.protocol import STOP_AFTER_INTERRUPT
 from agent_host.service.host import INTERRUPT_GRACE
 from agentmw.data import CustomEvent, ReplyEndEvent, ReplyFinishedReason, Role, UserMsg
 from clients.chat import HostClient
@@ -26,7 +29,10 @@ from .host_util import get_session, processes
 pytestmark = pytest.mark.timeout(90)
 
 
-async def test_a_cancelled_reply_is_cut_off_when_a_middleware_keeps_it_going(tmp_path: Path) -> None:
+async def test_a_cancelled_reply_leaves_behind_a_middleware_that_keeps_emitting(tmp_path: Path) -> None:
+    """It floods on_reply after the cancel: STOP_AFTER_INTERRUPT later the reply ends without it,
+    well formed (fail_closed: the error names it), its stream cancelled. Before, it kept the reply
+    going until the host cut the whole reply off (ABORTED, no end event)."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "flooded.json").write_text(json.dumps({"flood": {}}))
@@ -35,35 +41,75 @@ async def test_a_cancelled_reply_is_cut_off_when_a_middleware_keeps_it_going(tmp
         host = procs.host(tmp_path / "s.db", "--middleware", f"evil={evil.address}")
         async with HostClient(host.address) as client:
             call = client.reply("flooded", UserMsg("hi"))
-            flood, after_cancel, error = 0, 0, None
+            flood, items = 0, []
             loop = asyncio.get_running_loop()
-            cancelled_at = ended_at = 0.0
-            try:
-                async with asyncio.timeout(INTERRUPT_GRACE * 6):
-                    async for item in call:
-                        if isinstance(item, CustomEvent):
-                            flood += 1
-                            after_cancel += bool(cancelled_at)
-                        if flood == 50 and not cancelled_at:
-                            call.cancel()  # CancelReply: the client still reads
-                            cancelled_at = loop.time()
-            except grpc.aio.AioRpcError as exc:
-                error = exc
+            cancelled_at = 0.0
+            async with asyncio.timeout(INTERRUPT_GRACE * 6):
+                async for item in call:
+                    items.append(item)
+                    if isinstance(item, CustomEvent):
+                        flood += 1
+                    if flood == 50 and not cancelled_at:
+                        call.cancel()  # CancelReply: the client still reads
+                        cancelled_at = loop.time()
             ended_at = loop.time()
             assert cancelled_at, "the middleware never flooded"
-            assert error is not None and error.code() == grpc.StatusCode.ABORTED, error
-            assert "did not end within" in error.details() and "cut off" in error.details()
-            # Cut off after the grace period, not at the output limit (100,000 items).
-            assert ended_at - cancelled_at < INTERRUPT_GRACE * 4
+            assert ended_at - cancelled_at < STOP_AFTER_INTERRUPT + (INTERRUPT_GRACE - STOP_AFTER_INTERRUPT) / 2
+            end = next(i for i in items if isinstance(i, ReplyEndEvent))
+            assert end.finished_reason == ReplyFinishedReason.ERROR
+            assert "middleware 'evil' failed in on_reply: it still sent items" in end.error.message
             assert (scripts / "flooded.cancelled").exists() or await _appears(scripts / "flooded.cancelled")
 
             # The session is consistent and not busy: its reply is closed, and a new one runs.
             info, state, _ = await get_session(host.address, "flooded")
             assert not info.replying and not info.summary.parked
             assert [m.role for m in state.context] == [Role.USER, Role.ASSISTANT]
-            assert state.context[-1].finished_reason == ReplyFinishedReason.INTERRUPTED
+            assert state.context[-1].finished_reason == ReplyFinishedReason.ERROR
             (scripts / "flooded.json").unlink()
-            items: list[Any] = [i async for i in client.reply("flooded", UserMsg("again"))]
+            items = [i async for i in client.reply("flooded", UserMsg("again"))]
+            end = next(i for i in items if isinstance(i, ReplyEndEvent))
+            assert end.finished_reason == ReplyFinishedReason.COMPLETED
+            assert evil.running and host.running
+
+
+async def test_a_cancelled_reply_is_cut_off_when_a_middleware_holds_it(tmp_path: Path) -> None:
+    """It stops reading and never answers, with a timeout longer than the grace: the host cuts the
+    interrupted reply off after INTERRUPT_GRACE (ABORTED, saying so; its stream cancelled) instead
+    of waiting the middleware's timeout; the session keeps a closed reply and answers the next."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "held.json").write_text(json.dumps({"stop_reading": True}))
+    with processes(tmp_path) as procs:
+        evil = procs.start("evil", ["-m", "tests.evil_mw", "--scripts", str(scripts), "--address", "127.0.0.1:0"])
+        config = tmp_path / "host.yaml"
+        config.write_text(f"middleware:\n  - {{name: evil, address: {evil.address}, timeout: 60}}\n")
+        host = procs.host(tmp_path / "s.db", "--config", str(config))
+        async with HostClient(host.address) as client:
+            call = client.reply("held", UserMsg("hi"))
+            loop = asyncio.get_running_loop()
+            cancelled_at, error = 0.0, None
+
+            async def cancel() -> None:  # while the reply waits on the middleware (its on_reply begin)
+                nonlocal cancelled_at
+                await asyncio.sleep(0.5)
+                call.cancel()
+                cancelled_at = loop.time()
+
+            canceller = asyncio.create_task(cancel())
+            try:
+                async with asyncio.timeout(INTERRUPT_GRACE * 6):
+                    _ = [item async for item in call]
+            except grpc.aio.AioRpcError as exc:
+                error = exc
+            await canceller
+            assert error is not None and error.code() == grpc.StatusCode.ABORTED, error
+            assert "did not end within" in error.details() and "cut off" in error.details()
+            assert INTERRUPT_GRACE - 0.5 < loop.time() - cancelled_at < INTERRUPT_GRACE * 3
+
+            info, _, _ = await get_session(host.address, "held")
+            assert not info.replying and not info.summary.parked
+            (scripts / "held.json").unlink()
+            items: list[Any] = [i async for i in client.reply("held", UserMsg("again"))]
             end = next(i for i in items if isinstance(i, ReplyEndEvent))
             assert end.finished_reason == ReplyFinishedReason.COMPLETED
             assert evil.running and host.running

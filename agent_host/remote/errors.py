@@ -14,6 +14,7 @@ from agentmw.wire import rebuilt_error
 MAX_TYPE_NAME = 256  # characters of an exception class name a middleware reports
 
 __all__ = [
+    "KeptGoing",
     "MiddlewareFailure",
     "NoAnswer",
     "OutputLimitExceeded",
@@ -66,6 +67,11 @@ class Suspended(MiddlewareFailure):
 
 class OutputLimitExceeded(MiddlewareFailure):
     """The middleware emitted more than its policy allows in one hook call (a runaway)."""
+
+
+class KeptGoing(MiddlewareFailure):
+    """The reply was interrupted and the middleware still sent items well after (protocol.py
+    STOP_AFTER_INTERRUPT): speech of a long text, say. The reply ends without it."""
 
 
 class ProtocolError(MiddlewareFailure):

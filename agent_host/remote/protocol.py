@@ -41,6 +41,7 @@ from .. import metrics, tracing
 from ..reply_grammar import OpenedBlocks
 from .detached import Watch
 from .errors import (
+    KeptGoing,
     MiddlewareFailure,
     NoAnswer,
     OutputLimitExceeded,
@@ -59,6 +60,9 @@ log = logging.getLogger("agentmw.remote")
 
 MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
 NOTHING = object()  # _apply: the action emitted nothing
+# Seconds a middleware may go on sending items after its reply was interrupted (its end has to flow
+# out through it) before the reply goes on without it: well within the host's INTERRUPT_GRACE.
+STOP_AFTER_INTERRUPT = 2.0
 
 
 class HookCall:
@@ -181,7 +185,8 @@ class HookCall:
                     raise
                 if isinstance(exc, NoAnswer):  # this call's alone, unless the middleware hangs as a whole
                     self.mw.no_answer(exc.hook, self.agent.state.session_id)
-                self.mw.failed()
+                if not isinstance(exc, KeptGoing):  # (that one is sound, only slow to stop)
+                    self.mw.failed()
                 table = self.mw.tables.get(self.spec.name)
                 watcher = table is not None and table.detached  # as last described
                 metrics.hook_failed(self.mw, self.spec.name, exc, bypassed=self.mw.policy.fail_open or watcher)
@@ -821,6 +826,9 @@ class HookCall:
             invocation = msg.invocation
             if invocation == self.invocation:
                 self.applied += 1  # its actions are applied before the host sends anything else
+                interrupted = getattr(self.agent, "interrupted_at", None)
+                if interrupted is not None and time.monotonic() - interrupted > STOP_AFTER_INTERRUPT:
+                    self._stop_after_interrupt(msg)
                 return msg
             # On a reused stream, an unlabelled or older message may be a late one of an earlier
             # invocation: dropped, so it never fails this one. On a new stream it can only be ours.
@@ -842,6 +850,17 @@ class HookCall:
                     clipped(msg.fail.message or msg.fail.type),
                 )
             log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
+
+    def _stop_after_interrupt(self, msg: hooks_pb2.MiddlewareMessage) -> None:
+        """The reply was interrupted a while ago and the middleware still sends items (it speaks a
+        long text, say): the reply ends without it (fail_open: its open blocks ended for it; else
+        the reply fails naming it), instead of the whole reply being cut off with no end at all."""
+        if msg.actions and msg.WhichOneof("command") not in ("finish", "fail"):
+            raise KeptGoing(
+                self.mw.name,
+                self.spec.name,
+                f"it still sent items {STOP_AFTER_INTERRUPT:g}s after the reply was interrupted",
+            )
 
     def _within_item_limit(self, msg: Any, what: str) -> None:
         """One thing the middleware sent that the host stores or shows a client in one piece (an

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ from agentmw.data import (
 from agentmw.tools import Toolkit, tool
 from clients.launch import ROOT, ServerProcess, start_all
 from mw_servers.budget import DEFAULT_HINT, DEFAULT_KEY, EXHAUSTED, ReplyBudget
-from mw_servers.budget.__main__ import settings
+from mw_servers.budget.__main__ import SettingError, settings
 
 ASK = "keep probing db"
 RULES = [{"pattern": r"keep probing (\w+)", "tool": "probe", "input": {"what": "{0}"}, "repeat": True}]
@@ -441,6 +442,16 @@ def test_the_class_refuses_what_the_server_refuses(setting: dict[str, Any], says
     """In-process too (a hint that is not text failed each exhausted reply with a CodecError)."""
     with pytest.raises(ValueError, match=f"^{says}"):
         ReplyBudget(token_budget=1, **setting)
+
+
+def test_a_config_file_named_by_the_environment_is_named_so_in_errors(tmp_path: Path) -> None:
+    """Before, errors from AGENTMW_BUDGET_CONFIG's file blamed --config, a flag never given."""
+    with pytest.raises(SettingError, match=re.escape("AGENTMW_BUDGET_CONFIG /nonexistent.yaml")):
+        settings([], {"AGENTMW_BUDGET_CONFIG": "/nonexistent.yaml"})
+    config = tmp_path / "budget.yaml"
+    config.write_text("token_budget: lots\n")
+    with pytest.raises(SettingError, match=re.escape(f"token_budget in AGENTMW_BUDGET_CONFIG {config} ")):
+        settings([], {"AGENTMW_BUDGET_CONFIG": str(config)})
 
 
 def test_flags_win_over_environment_over_config_file(tmp_path: Path) -> None:

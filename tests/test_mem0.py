@@ -315,11 +315,13 @@ def test_the_server_the_other_tests_use_has_no_network(stack: Stack) -> None:
         (["--store", "{file}"], "--store '{file}' cannot be a directory: File exists"),
         (["--address", "127.0.0.1:99999"], "--address '127.0.0.1:99999' is not HOST:PORT"),
         (["--top-k", "0"], "configuration error: --top-k: top_k must be at least 1, got 0"),
+        (["--user-id", " "], "configuration error: --user-id: user_id must name a user, got ' '"),
     ],
 )
 def test_bad_flags_are_one_line(flags: list[str], says: str, tmp_path: Path) -> None:
-    """Each was a traceback (a file as --store), a port gRPC wraps, or accepted (--top-k 0); each is
-    said before the model loads (--top-k was only once the model had loaded: "cannot start")."""
+    """Each was a traceback (a file as --store), a port gRPC wraps, or accepted (--top-k 0; a blank
+    --user-id, which mem0 then refused at every call of every reply); each is said before the
+    model loads (--top-k was only once the model had loaded: "cannot start")."""
     file = tmp_path / "a-file"
     file.write_text("")
     argv = [str(MEM0_PY), "-m", "mw_servers.mem0", "--store", str(tmp_path / "store"), "--address", "127.0.0.1:0"]

@@ -52,28 +52,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _from_file(path: str) -> dict[str, Any]:
+def _from_file(path: str, given: str) -> dict[str, Any]:
+    """The settings in file ``path``, named by ``given`` (the flag or variable) in errors."""
     try:
         data = read_yaml(path) or {}
     except ConfigError as exc:
-        raise SettingError(f"--config {exc}") from None
+        raise SettingError(f"{given} {exc}") from None
     if not isinstance(data, dict):
-        raise SettingError(f"--config {path}: expected a mapping of settings")
+        raise SettingError(f"{given} {path}: expected a mapping of settings")
     unknown = sorted(set(data) - set(DEFAULTS))
     if unknown:
-        raise SettingError(f"--config {path}: unknown settings {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
+        raise SettingError(f"{given} {path}: unknown settings {', '.join(unknown)} (known: {', '.join(DEFAULTS)})")
     return data
 
 
 def settings(argv: list[str] | None, environ: dict[str, str]) -> dict[str, Any]:
     """The merged, validated settings (flags > environment > config file > defaults)."""
     args = vars(_parser().parse_args(argv))
-    config = args.pop("config") or environ.get(ENV_PREFIX + "CONFIG")
+    flag = args.pop("config")
+    config, given = (flag, "--config") if flag else (environ.get(ENV_PREFIX + "CONFIG"), ENV_PREFIX + "CONFIG")
     merged = dict(DEFAULTS)
     where = {name: f"{name} (default)" for name in DEFAULTS}  # what an error names: where it came from
     if config:
-        for name, value in _from_file(config).items():
-            merged[name], where[name] = value, f"{name} in --config {config}"
+        for name, value in _from_file(config, given).items():
+            merged[name], where[name] = value, f"{name} in {given} {config}"
     for name in DEFAULTS:
         if (value := environ.get(ENV_PREFIX + name.upper())) is not None:
             merged[name], where[name] = value, ENV_PREFIX + name.upper()

@@ -109,6 +109,8 @@ def check_option(name: str, value: Any) -> Any:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {value!r}")
     if name in ("top_k", "workers") and isinstance(value, int) and value < 1:  # (narrowed for mypy)
         raise ValueError(f"{name} must be at least 1, got {value}")
+    if name == "user_id" and isinstance(value, str) and not value.strip():  # mem0 refuses it at every call
+        raise ValueError(f"user_id must name a user, got {value!r}")
     return value
 
 
@@ -198,8 +200,9 @@ class Mem0Middleware(MiddlewareBase):
         user_id = getattr(agent.state, "owner", "") or self.user_id
         user = next((m for m in _messages(inputs) if m.role == Role.USER), None)
         if user is not None and not getattr(agent.state, "owner", ""):
-            named = user.name if user.name not in ("", "user") else None
-            user_id = str(user.metadata.get("user_id") or named or self.user_id)
+            named = user.name if user.name.strip() not in ("", "user") else None
+            claimed = str(user.metadata.get("user_id") or "").strip()  # blank: as if none (mem0 refuses it)
+            user_id = claimed or named or self.user_id
         return {"user_id": user_id, "agent_id": self.agent_id or getattr(agent, "name", "") or ""}
 
     def _failure(self, operation: str, scope: dict[str, str], exc: BaseException) -> CustomEvent:

@@ -521,6 +521,7 @@ async def test_a_tool_chunk_over_the_item_limit_is_an_error_result(evil: Any, tm
 
 
 MB5 = "x" * 5_000_000
+THREE_BLOCKS = [{"text": {"id": f"b{i}", "text": "x" * 1_900_000}} for i in range(3)]  # each within 2 MiB
 USER_MSG = {"id": "m", "name": "user", "role": "ROLE_USER", "content": [{"text": {"id": "b", "text": MB5}}]}
 
 
@@ -534,15 +535,21 @@ USER_MSG = {"id": "m", "name": "user", "role": "ROLE_USER", "content": [{"text":
         ),
         ("on_reply", {"actions": [{"mutate": {"appendMessage": USER_MSG}}]}, "sent a change (append_message) of"),
         ("on_reply", {"callNext": {"overrides": {"onReply": {"message": USER_MSG}}}}, "sent call_next overrides of"),
+        (  # each change within the limit, together not (before: a 5.7 MB session)
+            "on_reply",
+            {"actions": [{"mutate": {"appendBlocks": {"blocks": [block]}}} for block in THREE_BLOCKS]},
+            "its changes of the session in one call add up to",
+        ),
     ],
-    ids=["finish_result", "append_message", "call_next_overrides"],
+    ids=["finish_result", "append_message", "call_next_overrides", "changes_together"],
 )
 async def test_whatever_a_middleware_sends_to_be_stored_is_within_its_item_limit(
     evil: Any, scripts: Path, hook: str, message: dict, says: str
 ) -> None:
-    """Each way of getting content into the session (a returned model response, a context change, a
-    reply's inputs replaced) is held to max_item_bytes, as emitted items are: before, 5 MB went into
-    the session, after which no default client could read it (GetSession, RESOURCE_EXHAUSTED)."""
+    """Each way of getting content into the session (a returned model response, a context change,
+    all of one call's changes together, a reply's inputs replaced) is held to max_item_bytes, as
+    emitted items are: before, 5 MB went into the session, after which no default client could
+    read it (GetSession, RESOURCE_EXHAUSTED)."""
     proc = evil("--hooks", hook)
     remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
     agent = make_agent(remote)
@@ -551,7 +558,8 @@ async def test_whatever_a_middleware_sends_to_be_stored_is_within_its_item_limit
     assert end.finished_reason == ReplyFinishedReason.ERROR
     assert f"middleware 'Evil' failed in {hook}: {says}" in end.error.message, end.error.message
     assert "(limit 2097152)" in end.error.message
-    assert all(codec.encode(m).ByteSize() < 100_000 for m in agent.state.context)  # nothing of it stored
+    # Nothing of it stored beyond the limit (one change of the three may be: within it).
+    assert sum(codec.encode(m).ByteSize() for m in agent.state.context) < 2_097_152 + 100_000
     await remote.close()
 
 

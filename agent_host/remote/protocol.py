@@ -60,6 +60,9 @@ log = logging.getLogger("agentmw.remote")
 
 MISSING_ID = "MiddlewareMessage.invocation is missing (echo the begin's invocation id)"
 NOTHING = object()  # _apply: the action emitted nothing
+# The changes that add to what the session stores: together, one call's stay within max_item_bytes,
+# so that no call of a middleware grows a session past what a client reads in one message.
+_STORED_OPS = frozenset(("append_message", "append_blocks", "append_blocks_to_tail", "set_slot", "set_summary"))
 # Seconds a middleware may go on sending items after its reply was interrupted (its end has to flow
 # out through it) before the reply goes on without it: well within the host's INTERRUPT_GRACE.
 STOP_AFTER_INTERRUPT = 2.0
@@ -99,6 +102,7 @@ class HookCall:
     unlabelled: int = 0  # messages without an invocation id dropped on a reused stream
     emitted: int = 0  # new items the middleware emitted, against policy.max_items
     opened: OpenedBlocks | None = None  # blocks its emits started and did not end (closed on bypass)
+    stored_bytes: int = 0  # what its changes of this call add to the session (_STORED_OPS)
     received_bytes: int = 0  # bytes of its messages, against policy.max_bytes
     read_bytes: int = sys.maxsize  # bytes of the last message read (no part of it is larger)
     flusher: asyncio.Task[None] | None = None  # the task writing the observed copies queued (copies)
@@ -618,6 +622,15 @@ class HookCall:
         op = mutation.WhichOneof("op")
         self.mw.check_mutation(op, self.spec.name)  # its permissions (security: client.py)
         self._within_item_limit(mutation, "set a slot" if op == "set_slot" else f"sent a change ({op})")
+        if op in _STORED_OPS:  # what it adds to the session, all its changes of one call together
+            self.stored_bytes += mutation.ByteSize()
+            limit = self.mw.policy.max_item_bytes
+            if self.stored_bytes > limit:
+                raise OutputLimitExceeded(
+                    self.mw.name,
+                    self.spec.name,
+                    f"its changes of the session in one call add up to {self.stored_bytes} bytes (limit {limit})",
+                )
         try:
             if op == "set_slot":
                 value = value_to_json(mutation.set_slot)

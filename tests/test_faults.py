@@ -167,7 +167,7 @@ async def test_a_middleware_that_keeps_emitting_after_an_interrupt_is_left_behin
         end = end_of(items)
         speech = [type(i).__name__ for i in items if getattr(i, "block_id", None) == "speech"]
         assert speech[-1] == "DataBlockEndEvent" and speech.count("DataBlockEndEvent") == 1
-        said = f"it still sent items {STOP_AFTER_INTERRUPT:g}s after the reply was interrupted"
+        said = f"it still sent items of its own {STOP_AFTER_INTERRUPT:g}s after the reply was interrupted"
         if fail_open:
             assert end.finished_reason != ReplyFinishedReason.ERROR, end.error
             (bypass,) = bypasses(items)

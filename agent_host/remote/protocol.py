@@ -865,14 +865,17 @@ class HookCall:
             log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
 
     def _stop_after_interrupt(self, msg: hooks_pb2.MiddlewareMessage) -> None:
-        """The reply was interrupted a while ago and the middleware still sends items (it speaks a
-        long text, say): the reply ends without it (fail_open: its open blocks ended for it; else
-        the reply fails naming it), instead of the whole reply being cut off with no end at all."""
-        if msg.actions and msg.WhichOneof("command") not in ("finish", "fail"):
+        """The reply was interrupted a while ago and the middleware still sends items of its own
+        (it speaks a long text, say): the reply ends without it (fail_open: its open blocks ended
+        for it; else the reply fails naming it), instead of the whole reply being cut off with no end
+        at all. Passing on what it holds (forward_seq) is letting the interrupted end flow: fine."""
+        if msg.WhichOneof("command") not in ("finish", "fail") and any(
+            action.emit.WhichOneof("what") == "item" for action in msg.actions
+        ):
             raise KeptGoing(
                 self.mw.name,
                 self.spec.name,
-                f"it still sent items {STOP_AFTER_INTERRUPT:g}s after the reply was interrupted",
+                f"it still sent items of its own {STOP_AFTER_INTERRUPT:g}s after the reply was interrupted",
             )
 
     def _within_item_limit(self, msg: Any, what: str) -> None:

@@ -930,28 +930,9 @@ class CatchInnerByClass(MiddlewareBase):
             return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
 
 
-class DiesMidBlock(MiddlewareBase):
-    """After the text block ends it starts a block of its own (audio, as the TTS server does),
-    sends part of it, and then its process dies: a TTS server killed while it speaks."""
-
-    subscriptions = {"on_reply": subscribe(intercept=[TextBlockEndEvent])}
-
-    async def on_reply(self, agent, input_kwargs, next_handler):
-        import os
-
-        async for item in next_handler():
-            yield item
-            if isinstance(item, TextBlockEndEvent):
-                audio = {"reply_id": item.reply_id, "block_id": "audio-1", "media_type": "audio/pcm"}
-                yield DataBlockStartEvent(**audio)
-                yield DataBlockDeltaEvent(**audio, data="AAAA")
-                await asyncio.sleep(0.3)  # they went out
-                os._exit(1)
-
-
-class SpeaksOn(MiddlewareBase):
-    """After the text block ends it speaks (an audio block of its own) and does not stop by itself:
-    a TTS server reading out a very long text."""
+class _SpeaksAfterText(MiddlewareBase):
+    """After the text block ends it starts a block of its own, audio with id "speech" (as the TTS
+    server does), and ``speak``s into it."""
 
     subscriptions = {"on_reply": subscribe(intercept=[TextBlockEndEvent])}
 
@@ -961,10 +942,29 @@ class SpeaksOn(MiddlewareBase):
             if isinstance(item, TextBlockEndEvent):
                 audio = {"reply_id": item.reply_id, "block_id": "speech", "media_type": "audio/pcm"}
                 yield DataBlockStartEvent(**audio)
-                for _ in range(100_000):  # bounded all the same
-                    yield DataBlockDeltaEvent(**audio, data="AAAA")
-                    await asyncio.sleep(0.02)
-                yield DataBlockEndEvent(**audio)
+                async for event in self.speak(audio):
+                    yield event
+
+
+class DiesMidBlock(_SpeaksAfterText):
+    """Sends part of its audio, then its process dies: a TTS server killed while it speaks."""
+
+    async def speak(self, audio):
+        import os
+
+        yield DataBlockDeltaEvent(**audio, data="AAAA")
+        await asyncio.sleep(0.3)  # it went out
+        os._exit(1)
+
+
+class SpeaksOn(_SpeaksAfterText):
+    """Does not stop speaking by itself: a TTS server reading out a very long text."""
+
+    async def speak(self, audio):
+        for _ in range(100_000):  # bounded all the same
+            yield DataBlockDeltaEvent(**audio, data="AAAA")
+            await asyncio.sleep(0.02)
+        yield DataBlockEndEvent(**audio)
 
 
 class SharedCounter(MiddlewareBase):

@@ -135,7 +135,7 @@ async def test_a_fail_open_middleware_that_dies_mid_block_leaves_a_completed_rep
         end = end_of(items)
         assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
         assert items[-1].text == ANSWER
-        audio = [i for i in items if getattr(i, "block_id", None) == "audio-1"]
+        audio = [i for i in items if getattr(i, "block_id", None) == "speech"]
         assert [type(i).__name__ for i in audio] == ["DataBlockStartEvent", "DataBlockDeltaEvent", "DataBlockEndEvent"]
         (bypass,) = bypasses(items)
         assert bypass.value["middleware"] == "DiesMidBlock"

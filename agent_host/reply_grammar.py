@@ -295,20 +295,30 @@ class OpenedBlocks:
     """The blocks a stream of items started and has not ended yet (a middleware's own emits): what
     must be closed if it stops half-way and the reply goes on without it."""
 
-    __slots__ = ("open",)
+    __slots__ = ("inner", "open")
 
     def __init__(self) -> None:
         self.open: dict[tuple[int, str], str] = {}  # (kind, key) -> reply id, in start order
+        self.inner: set[tuple[int, str]] = set()  # blocks the inner pipeline started (handed over)
+
+    def handed(self, item: Any) -> None:
+        """``item`` came from the inner pipeline: a block it starts is the inner pipeline's, which
+        goes on with it (a middleware that passes it on as an emit of its own does not own it)."""
+        rule = _BLOCK_EVENTS.get(type(item))
+        if rule is not None and rule[2] == _START:
+            self.inner.add((rule[0], getattr(item, rule[1])))
 
     def see(self, item: Any) -> None:
+        """``item`` is the middleware's own emit."""
         rule = _BLOCK_EVENTS.get(type(item))
         if rule is None or rule[2] == _DELTA:
             return
         kind, attr, op = rule
-        if op == _START:
-            self.open[(kind, getattr(item, attr))] = item.reply_id
-        else:
-            self.open.pop((kind, getattr(item, attr)), None)
+        key = (kind, getattr(item, attr))
+        if op != _START:
+            self.open.pop(key, None)
+        elif key not in self.inner:
+            self.open[key] = item.reply_id
 
     def closing_events(self) -> list[Any]:
         """End events for the blocks still open, the latest first; then none is."""

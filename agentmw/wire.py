@@ -123,38 +123,61 @@ KNOWN_ERRORS.update(
         for cls in (ModelError, UnknownModelError, CodecError, ConfigError, ToolInputError, ReplyGrammarError)
     }
 )
-_rebuilt: dict[tuple[type, str], type[Any]] = {}
+_rebuilt: dict[tuple[type, str, type | None], type[Any]] = {}  # (base, name, known class) -> class
 _E = TypeVar("_E", bound=BaseException)
 
 
 def rebuilt_error(base: type[_E], type_name: str, message: str, init: Callable[[_E], None]) -> _E:
     """The exception an encoded one (``encode_error``) is on this side: of a class named
     ``type_name``, a subclass of ``base`` and, when the name is known here (a builtin, one of
-    agentmw's), of that class too, so that ``except ValueError`` or ``except ModelError`` catch it
-    as in-process; ``init`` runs ``base``'s ``__init__`` on it. Its ``args`` are the message, as
-    the exception had (a KeyError's message is its key's repr, as ``str(KeyError)`` is: the key)."""
+    agentmw's, that takes a message alone), of that class too, so that ``except ValueError`` or
+    ``except ModelError`` catch it as in-process; ``init`` runs ``base``'s ``__init__`` on it. Its
+    text is the message as the raising side's ``str()`` gave it, whatever the class's ``__str__``
+    would make of its args; its ``args`` are that message (a KeyError's: its key, read back from
+    the repr ``str(KeyError)`` is)."""
     known = KNOWN_ERRORS.get(type_name)
-    cls = _rebuilt.get((base, type_name))
-    if cls is None:
-        name = type_name.replace("\0", "?") or "Exception"  # any other text may name a class
+    sample = None
+    if known is not None:
+        try:  # a class that needs more than a message (UnicodeDecodeError, ExceptionGroup): by name only
+            sample = known(message)
+        except Exception:
+            known = None
+    exc: _E | None = None
+    if known is not None:
         try:
-            cls = type(name, (base, known) if known else (base,), {"__module__": base.__module__})
-        except TypeError:  # an incompatible instance layout (e.g. OSError's): the name is kept
-            cls = type(name, (base,), {"__module__": base.__module__})
-        _rebuilt[(base, type_name)] = cls
-    exc: _E = cast(Any, cls).__new__(cls)
-    if known is not None and issubclass(cls, known):
-        with contextlib.suppress(Exception):  # the class's own attributes (ModelError.error_type, ...)
-            exc.__dict__.update(vars(known(message)))
+            exc = _instance(base, type_name, known)
+        except TypeError:  # a layout or constructor it cannot share with ``base`` (MemoryError)
+            exc = None
+    if exc is None:
+        sample, exc = None, _instance(base, type_name, None)
+    if sample is not None:
+        exc.__dict__.update(vars(sample))  # the class's own attributes (ModelError.error_type, ...)
     init(exc)
     arg: Any = message
     if isinstance(exc, KeyError):
-        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+        with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             key = ast.literal_eval(message)
-            if isinstance(key, (str, int, float)) and repr(key) == message:
+            if repr(key) == message:
                 arg = key
     exc.args = (arg,)
+    exc.__dict__["_sent_text"] = message
     return exc
+
+
+def _instance(base: type[_E], type_name: str, known: type[BaseException] | None) -> _E:
+    """An uninitialised instance of the class named ``type_name`` over ``base`` (and ``known``)."""
+    cls = _rebuilt.get((base, type_name, known))
+    if cls is None:
+        name = type_name.replace("\0", "?") or "Exception"  # any other text may name a class
+        body = {"__module__": base.__module__, "__str__": _as_sent}
+        cls = _rebuilt[(base, type_name, known)] = type(name, (base, known) if known else (base,), body)
+    return cast(_E, cast(Any, cls).__new__(cls))
+
+
+def _as_sent(exc: BaseException) -> str:
+    """A rebuilt exception's text: what the raising side's ``str()`` gave."""
+    text = exc.__dict__.get("_sent_text")
+    return text if isinstance(text, str) else Exception.__str__(exc)
 
 
 def decode_error_attributes(error: hooks_pb2.Fail | hooks_pb2.InnerError) -> dict[str, Any]:

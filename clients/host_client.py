@@ -51,8 +51,8 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
 class CommandLine(argparse.ArgumentParser):
     """agent-chat's and agentmw's parser (their subcommands' too): no abbreviations (``--tok``
     is not ``--token-file``), and an error never repeats what followed an option that looks like
-    the token's (argparse quotes what it does not take: ``unrecognized arguments: --tok SECRET``,
-    ``invalid choice: 'SECRET'``)."""
+    a misspelt token flag (argparse quotes what it does not take: ``unrecognized arguments: --tok
+    SECRET``, ``invalid choice: 'SECRET'``)."""
 
     argv: list[str] = []  # the whole command line under way, for error() of whichever parser fails
     parsing = False  # a subcommand's parser runs inside its parent's parse
@@ -77,11 +77,14 @@ class CommandLine(argparse.ArgumentParser):
 
 
 def _secrets(argv: list[str]) -> list[str]:
-    """Words that may be a token: the value of any option spelt like a part of ``--token``."""
+    """Words that may be a token: the value of any option that looks like a misspelt ``--token``
+    (``--tok``, ``--tokne``, ``-Token``, ``--token_file``: an option whose letters begin with "to"
+    and hold a "k"), given after it or after ``=``."""
     found = []
     for i, word in enumerate(argv):
         name, eq, value = word.partition("=")
-        if len(name) > 2 and "--token".startswith(name):
+        letters = name.lstrip("-").lower()
+        if name.startswith("-") and letters.startswith("to") and "k" in letters:
             if eq:
                 found.append(value)
             elif i + 1 < len(argv):

@@ -24,6 +24,7 @@ from agentmw.data import (
     TextBlock,
     TextBlockDeltaEvent,
     TextBlockEndEvent,
+    TextBlockStartEvent,
     ToolChoice,
     ToolChunk,
     ToolResponse,
@@ -967,6 +968,32 @@ class SpeaksOn(_SpeaksAfterText):
         yield DataBlockEndEvent(**audio)
 
 
+class LagsThenDies(MiddlewareBase):
+    """Passes each text event on one item late (as a sentence splitter does), so what it yields
+    are emits of its own, not forwards of held items; its process dies in the middle of the text
+    block, after passing on the block's start and two deltas."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[TextBlockStartEvent, TextBlockDeltaEvent, TextBlockEndEvent])}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        import os
+
+        held, deltas = None, 0
+        async for item in next_handler():
+            if not isinstance(item, TextBlockStartEvent | TextBlockDeltaEvent | TextBlockEndEvent):
+                yield item
+                continue
+            if held is not None:
+                yield held
+                deltas += isinstance(held, TextBlockDeltaEvent)
+                if deltas == 2:
+                    await asyncio.sleep(0.3)  # what it yielded went out
+                    os._exit(1)
+            held = item
+        if held is not None:
+            yield held
+
+
 class SharedCounter(MiddlewareBase):
     """Counts intercepted text deltas in a slot shared by every instance (one key)."""
 
@@ -1042,6 +1069,7 @@ MIDDLEWARE.update(
             CatchInnerByClass,
             DiesMidBlock,
             SpeaksOn,
+            LagsThenDies,
             SharedCounter,
             SlotFromTwoHooks,
             ObserveDeltasInterceptEnd,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -195,3 +196,36 @@ def test_timestamps_are_what_datetime_now_astimezone_isoformat_gives(monkeypatch
     stamp = datetime.fromisoformat(d.TextBlock(text="x").created_at)
     assert stamp.utcoffset() is not None
     assert before <= stamp <= datetime.now().astimezone()
+
+
+# -- exceptions across the wire: rebuilt by name (agentmw.wire.rebuilt_error) -------------------------
+
+
+@pytest.mark.parametrize(
+    ("type_name", "message", "is_a", "args"),
+    [
+        ("ValueError", "no budget left", ValueError, ("no budget left",)),
+        ("KeyError", "'user_42'", KeyError, ("user_42",)),
+        ("KeyError", "('a', 1)", KeyError, (("a", 1),)),
+        ("UnknownModelError", "unknown model id 'x' (registered: a, b)", KeyError, None),  # its __str__ reads 2 args
+        ("TimeoutError", "slow", TimeoutError, ("slow",)),
+        ("UnicodeDecodeError", "'utf-8' codec can't decode byte 0xff", Exception, None),  # needs 5 args
+        ("ExceptionGroup", "two failed (2 sub-exceptions)", Exception, None),  # needs 2
+        ("MemoryError", "cache full", Exception, None),  # a __new__ of its own
+        ("My Error", "odd name", Exception, ("odd name",)),
+    ],
+)
+def test_an_exception_is_rebuilt_by_name_with_its_text(type_name: str, message: str, is_a: type, args: Any) -> None:
+    """Host and SDK rebuild a middleware's (or the inner pipeline's) exception as its class when
+    they can, its text always as the raising side's str() gave it. Before, UnknownModelError's
+    __str__ raised IndexError on the rebuilt one (the host answered INTERNAL), and classes that need
+    more than a message turned into an unrelated TypeError."""
+    from agent_host.remote.errors import RemoteMiddlewareError, remote_error
+    from agentmw.sdk.session import InnerPipelineError, inner_error
+
+    host, sdk = remote_error("mw", "on_reply", type_name, message), inner_error(type_name, message)
+    for exc, base in ((host, RemoteMiddlewareError), (sdk, InnerPipelineError)):
+        assert isinstance(exc, base) and isinstance(exc, is_a) and type(exc).__name__ == type_name
+        assert str(exc) == message
+        if args is not None:
+            assert exc.args == args

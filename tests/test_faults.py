@@ -123,6 +123,22 @@ async def test_middleware_killed_mid_reply(marker: ServerProcess, fail_open: boo
     await remote.close()
 
 
+async def test_a_fail_open_middleware_that_relays_the_text_and_dies_mid_block_leaves_the_whole_answer() -> None:
+    """It passes the model's text block on as emits of its own (one item late) and dies in the
+    middle of it: the block is the model's, which goes on with it, so the host does not end it for
+    the middleware (a first version of the rule below did, and the model's next delta then broke
+    the reply)."""
+    proc = middleware_server("tests.conformance_mw:LagsThenDies").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=5)).connect()
+        items = await reply(make_agent(remote), "hi")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+        assert items[-1].text == ANSWER and len(bypasses(items)) == 1
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 async def test_a_fail_open_middleware_that_dies_mid_block_leaves_a_completed_reply() -> None:
     """It had started a block of its own (audio, as the TTS server does) when its process died:
     the host goes on without it and ends that block for it, so the reply completes with its answer.

@@ -871,7 +871,15 @@ def test_a_token_on_the_command_line_is_refused_without_being_repeated(tmp_path:
     secret = "ops-TOKEN-4242"
     # Misspelt too (--tok, --toke=): argparse quotes what it does not take ('unrecognized
     # arguments: --tok SECRET', or "invalid choice: 'SECRET'" where agentmw expects its command).
-    spellings = (["--token", secret], [f"--token={secret}"], ["--tok", secret], [f"--toke={secret}"])
+    spellings = (
+        ["--token", secret],
+        [f"--token={secret}"],
+        ["--tok", secret],
+        [f"--toke={secret}"],
+        ["--tokne", secret],
+        ["-Token", secret],
+        ["--tokens", secret],
+    )
     for module in ("clients.admin", "clients.chat"):
         for given in spellings:
             for where in ("first", "last"):

@@ -343,6 +343,7 @@ class HookCall:
                         continue
                     self.seq += 1
                     self.pending, self.held_seq = item, self.seq
+                    (self.opened or self._blocks()).handed(item)  # a block it starts is not the middleware's
                     self.credits = 0
                     await self._write(self._item_message(item, observed=False))
                     break
@@ -571,9 +572,7 @@ class HookCall:
                 item.id = new_id()
             if getattr(item, "created_at", None) == "":
                 item.created_at = now()
-            if self.opened is None:
-                self.opened = OpenedBlocks()
-            self.opened.see(item)
+            (self.opened or self._blocks()).see(item)
             return item
         raise self._violation("an empty emit")
 
@@ -863,6 +862,10 @@ class HookCall:
                     clipped(msg.fail.message or msg.fail.type),
                 )
             log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
+
+    def _blocks(self) -> OpenedBlocks:
+        self.opened = OpenedBlocks()
+        return self.opened
 
     def _stop_after_interrupt(self, msg: hooks_pb2.MiddlewareMessage) -> None:
         """The reply was interrupted a while ago and the middleware still sends items of its own

@@ -214,10 +214,11 @@ class Mem0Middleware(MiddlewareBase):
 
     async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         inputs = input_kwargs.get("inputs")
-        query = "\n".join(m.text for m in _messages(inputs) if m.role == Role.USER and m.text) or None
-        if query is not None:
+        users = [m for m in _messages(inputs) if m.role == Role.USER]
+        query = "\n".join(m.text for m in users if m.text) or None
+        if users:  # a new turn (a resumed reply keeps its scope): the tools act for its user (the slot)
             scope = self.scope(agent, inputs)
-            agent.state.middle_context[KEY] = scope  # the tools act for this user (they get the slot)
+            agent.state.middle_context[KEY] = scope
         if query is None or self.mode == "agent":  # a resumed reply, or the model manages memory itself
             async for item in next_handler():
                 yield item

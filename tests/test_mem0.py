@@ -274,6 +274,10 @@ async def test_two_replicas_share_a_served_store_and_report_its_failure(
         failed = await say(hosts[1].address, "What is my favourite tree?", "frank")
         assert [e["operation"] for e in errors(failed)] == ["search", "add"]
         assert all(e["user_id"] == "frank" and e["error"] for e in errors(failed))
+        for _ in range(100):  # its log line, read from the process's output by another thread (bounded)
+            if "mem0 search failed" in "\n".join(replicas[1]._lines):
+                break
+            await asyncio.sleep(0.1)
         assert "mem0 search failed" in "\n".join(replicas[1]._lines)
 
         # Written in the background, the write-back fails after its reply has ended: the session's

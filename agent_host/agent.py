@@ -47,7 +47,7 @@ from agentmw.data import (
     new_id,
 )
 from agentmw.data.state import AgentState, checked_max_iters
-from agentmw.errors import MAX_TEXT, clipped
+from agentmw.errors import MAX_TEXT, clipped, own_cancellation
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 
@@ -87,12 +87,6 @@ def implements(layer: Layer, hook: str) -> bool:
 
 
 _PROPAGATED = (GeneratorExit, KeyboardInterrupt, SystemExit)
-
-
-def _cancelling() -> bool:
-    """The running task is being cancelled (Task.cancel(), not withdrawn since by uncancel)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def check_input_messages(inputs: Any) -> list[Msg]:
@@ -173,7 +167,6 @@ class Agent(Reasoning, Acting, Compression):
         # confirmed is ALLOWED before its Start, and its error result (its edited input invalid,
         # the reply interrupted first) needs one.
         self.results_started: set[str] = set()
-        self._interrupt_requested = False
         self.interrupted_at: float | None = None  # time.monotonic() of this reply's interrupt()
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
@@ -280,7 +273,7 @@ class Agent(Reasoning, Acting, Compression):
                 # takes its own as an interruption) would read as a cancellation of the caller, the
                 # host's shutdown. The caller's own cancellation, the consumer closing the stream,
                 # and a process exit go on.
-                if isinstance(exc, _PROPAGATED) or (isinstance(exc, asyncio.CancelledError) and _cancelling()):
+                if isinstance(exc, _PROPAGATED) or own_cancellation(exc):
                     raise
                 quiet = metrics.quiet_failure(exc)  # told by the reply's log line; a host bug gets a traceback
                 log.log(
@@ -300,7 +293,6 @@ class Agent(Reasoning, Acting, Compression):
             if not self.awaiting_calls():  # the reply is over (not parked): its choices end with it
                 self.state.reply_context.model_id = None
         finally:
-            self._interrupt_requested = False
             self.interrupted_at = None
             self._bypassed = None
 

@@ -102,7 +102,6 @@ class AgentBase:
     journal: ReplyJournal
     layers: dict[str, list[Layer]]
     results_started: set[str]  # tool results with a ToolResultStartEvent in this reply (Agent.__init__)
-    _interrupt_requested: bool
     interrupted_at: float | None  # time.monotonic() of the reply's interrupt() (remote layers cut late emits)
     _core_tasks: set[asyncio.Task]
     _cancelled_tasks: set[asyncio.Task]
@@ -134,12 +133,15 @@ class AgentBase:
 
     # -- interruption (docs/behaviour.md#interruption) -------------------------------------------
 
+    @property
+    def _interrupt_requested(self) -> bool:
+        return self.interrupted_at is not None
+
     def interrupt(self) -> None:
         """Interrupt the reply in progress. Only the in-flight core work (the model stream, the tool
         run) is cancelled, and core work not yet started is skipped; the reply itself goes on to close
         open tool calls and end with ReplyEndEvent(INTERRUPTED), which flows out through every on_reply
         middleware (remote ones too) like any other event."""
-        self._interrupt_requested = True
         if self.interrupted_at is None:
             self.interrupted_at = time.monotonic()
         for task in self._core_tasks - self._cancelled_tasks:
@@ -153,7 +155,7 @@ class AgentBase:
         waits here and is withdrawn (``uncancel``) on the way out, so it never lands in middleware code
         outside the core and the task is not left cancelled. (A child task per step would do the same
         at ~6 µs per streamed chunk, a third of AgentScope's whole per-reply budget.)"""
-        if self._interrupt_requested:
+        if self.interrupted_at is not None:  # the attribute, not the property: this runs per chunk
             close = getattr(awaitable, "close", None)
             if close is not None:
                 close()

@@ -4,6 +4,8 @@ core so that a middleware server needs no host; the host's modules import them f
 
 from __future__ import annotations
 
+import asyncio
+
 from .data import ChatResponse, ErrorType
 
 MAX_TEXT = 8192  # characters kept of a text another process sent (an error message, a traceback)
@@ -60,4 +62,22 @@ class ReplyGrammarError(RuntimeError):
     error_type = ErrorType.INTERNAL
 
 
-__all__ = ["MAX_TEXT", "ConfigError", "ModelError", "ReplyGrammarError", "UnknownModelError", "clipped"]
+__all__ = [
+    "MAX_TEXT",
+    "ConfigError",
+    "ModelError",
+    "ReplyGrammarError",
+    "UnknownModelError",
+    "clipped",
+    "own_cancellation",
+]
+
+
+def own_cancellation(exc: BaseException) -> bool:
+    """``exc`` cancels the running task (Task.cancel(), not withdrawn since by uncancel), rather
+    than being a CancelledError some code raised itself (say, awaiting a task that was cancelled),
+    which is an exception like any other: the host's reply loop and the SDK tell them apart so."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

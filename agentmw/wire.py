@@ -36,8 +36,9 @@ EMITTABLE: dict[str, frozenset[type]] = {
 def to_wire(value: Any) -> Any:
     """Live objects become references: a model its ModelRef, a tool its descriptor. A model is
     recognised by its ``ref`` (the host's ChatModel, which the core does not import)."""
-    if isinstance(getattr(value, "ref", None), ModelRef):
-        return value.ref
+    ref = getattr(value, "ref", None)  # once: a model's ref is a fresh snapshot each time
+    if isinstance(ref, ModelRef):
+        return ref
     if isinstance(value, Tool):
         return value.descriptor
     return value
@@ -100,7 +101,8 @@ _Encoded = TypeVar("_Encoded", hooks_pb2.Fail, hooks_pb2.InnerError)
 def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
     """An exception as Fail or InnerError: its class name, message, and the attributes whoever
     catches it acts on (``retryable``, ``error_type``), each only when the exception has it."""
-    out.type, out.message = type(exc).__name__, str(exc)
+    # A rebuilt exception (rebuilt_error) goes on under the name it came with: its class's may differ.
+    out.type, out.message = getattr(exc, "__dict__", {}).get("_sent_type") or type(exc).__name__, str(exc)
     retryable = getattr(exc, "retryable", None)
     if retryable is not None:
         out.retryable = bool(retryable)
@@ -160,7 +162,7 @@ def rebuilt_error(base: type[_E], type_name: str, message: str, init: Callable[[
             if repr(key) == message:
                 arg = key
     exc.args = (arg,)
-    exc.__dict__["_sent_text"] = message
+    exc.__dict__["_sent_text"], exc.__dict__["_sent_type"] = message, type_name
     return exc
 
 

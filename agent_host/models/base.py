@@ -49,15 +49,28 @@ class ChatModel:
     def ref(self) -> ModelRef:
         """A snapshot, what on_model_call's ``current_model`` is: its ``parameters`` are a copy, so
         a middleware's edit reaches only the call it passes it to, never this shared model."""
+        return self._ref(copy.deepcopy(self.parameters))
+
+    def peek_ref(self) -> ModelRef:
+        """The ref with this model's own ``parameters`` (no copy): to read or encode at once (a
+        hook context, per message), never to hand out."""
+        return self._ref(self.parameters)
+
+    def _ref(self, parameters: dict[str, Any]) -> ModelRef:
         return ModelRef(
             id=self.id,
             provider=self.provider,
             model_name=self.model_name,
-            base_url=self.base_url,
+            base_url=self.endpoint,  # the endpoint in use, for tracing
             stream=self.stream,
             context_size=self.context_size,
-            parameters=copy.deepcopy(self.parameters),
+            parameters=parameters,
         )
+
+    @property
+    def endpoint(self) -> str:
+        """Where its requests go (a client's default when ``base_url`` is unset)."""
+        return self.base_url
 
     async def __call__(
         self,

@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
 import dashscope
 from dashscope.api_entities import aiohttp_request, http_request
 
-from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ErrorType, Msg, ToolChoice, new_id
 
 from ._format import (
     DeltaBlocks,
@@ -98,10 +97,6 @@ class DashScopeChatModel(ChatModel):
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None  # ours, closed by aclose()
         self._session_loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def ref(self) -> ModelRef:
-        return replace(super().ref, base_url=self.endpoint)  # the endpoint in use, for tracing
 
     @property
     def endpoint(self) -> str:

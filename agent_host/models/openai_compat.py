@@ -19,14 +19,13 @@ import inspect
 import json
 import os
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import openai
 from openai import AsyncOpenAI
 from openai.resources.chat.completions import AsyncCompletions
 
-from agentmw.data import ChatResponse, ChatUsage, ErrorType, ModelRef, Msg, ToolChoice, new_id
+from agentmw.data import ChatResponse, ChatUsage, ErrorType, Msg, ToolChoice, new_id
 
 from ._format import (
     DeltaBlocks,
@@ -87,10 +86,6 @@ class OpenAICompatibleModel(ChatModel):
         self.image_parts = image_parts  # send image DataBlocks as image_url parts (vision models)
         self._client: AsyncOpenAI | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def ref(self) -> ModelRef:
-        return replace(super().ref, base_url=self.endpoint)  # the endpoint in use, for tracing
 
     @property
     def endpoint(self) -> str:

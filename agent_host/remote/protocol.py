@@ -46,7 +46,6 @@ from .errors import (
     NoAnswer,
     OutputLimitExceeded,
     ProtocolError,
-    RemoteMiddlewareError,
     StreamBroken,
     Suspended,
     broken_stream,
@@ -101,7 +100,7 @@ class HookCall:
     reused: bool = False  # the stream carried earlier invocations (their late messages may follow)
     unlabelled: int = 0  # messages without an invocation id dropped on a reused stream
     emitted: int = 0  # new items the middleware emitted, against policy.max_items
-    opened: OpenedBlocks | None = None  # blocks its emits started and did not end (closed on bypass)
+    opened: OpenedBlocks | None = None  # fail_open: blocks its emits started and did not end (closed on bypass)
     stored_bytes: int = 0  # what its changes of this call add to the session (_STORED_OPS)
     received_bytes: int = 0  # bytes of its messages, against policy.max_bytes
     read_bytes: int = sys.maxsize  # bytes of the last message read (no part of it is larger)
@@ -283,6 +282,8 @@ class HookCall:
                 yield item
             return
         begin = self._begin()
+        if mw.policy.fail_open:  # only then does the reply go on without it, ending what it opened
+            self.opened = OpenedBlocks()
         if self.table.detached:  # described as detached only now (else the faces take detached.Watch)
             async for item in Watch(self).flow(begin, self._inner_items({}), own=False):
                 yield item
@@ -343,7 +344,8 @@ class HookCall:
                         continue
                     self.seq += 1
                     self.pending, self.held_seq = item, self.seq
-                    (self.opened or self._blocks()).handed(item)  # a block it starts is not the middleware's
+                    if self.opened is not None:  # a block it starts is the inner pipeline's, not the middleware's
+                        self.opened.handed(item)
                     self.credits = 0
                     await self._write(self._item_message(item, observed=False))
                     break
@@ -535,9 +537,7 @@ class HookCall:
 
     def _error_message(self, exc: BaseException) -> hooks_pb2.HostMessage:
         msg = hooks_pb2.HostMessage(invocation=self.invocation)
-        err = encode_error(exc, msg.inner_error)
-        if isinstance(exc, RemoteMiddlewareError):  # an inner middleware's own exception, as in-process
-            err.type, err.message = exc.type_name, exc.raised_message
+        err = encode_error(exc, msg.inner_error)  # an inner middleware's own exception, as it raised it
         err.inner = self.generation
         self._context(err.context)
         return msg
@@ -572,7 +572,8 @@ class HookCall:
                 item.id = new_id()
             if getattr(item, "created_at", None) == "":
                 item.created_at = now()
-            (self.opened or self._blocks()).see(item)
+            if self.opened is not None:
+                self.opened.see(item)
             return item
         raise self._violation("an empty emit")
 
@@ -603,7 +604,7 @@ class HookCall:
             json_to_value(slot, ctx.slot)
         else:
             ctx.slot.null_value = struct_pb2.NULL_VALUE
-        codec.encode(agent.model.ref, ctx.model)
+        codec.encode(agent.model.peek_ref(), ctx.model)  # encoded at once: no snapshot needed
         if force:  # a begin's context: they change only with the host's configuration, not per item
             ctx.model_ids.extend(agent.models.ids)
         ctx.structured_output_pending = (
@@ -620,16 +621,20 @@ class HookCall:
         agent, state, key = self.agent, self.agent.state, self.mw.key
         op = mutation.WhichOneof("op")
         self.mw.check_mutation(op, self.spec.name)  # its permissions (security: client.py)
-        self._within_item_limit(mutation, "set a slot" if op == "set_slot" else f"sent a change ({op})")
+        what = "set a slot" if op == "set_slot" else f"sent a change ({op})"
         if op in _STORED_OPS:  # what it adds to the session, all its changes of one call together
-            self.stored_bytes += mutation.ByteSize()
-            limit = self.mw.policy.max_item_bytes
+            size, limit = mutation.ByteSize(), self.mw.policy.max_item_bytes  # sized once, for both limits
+            if size > limit:
+                raise OutputLimitExceeded(self.mw.name, self.spec.name, f"{what} of {size} bytes (limit {limit})")
+            self.stored_bytes += size
             if self.stored_bytes > limit:
                 raise OutputLimitExceeded(
                     self.mw.name,
                     self.spec.name,
                     f"its changes of the session in one call add up to {self.stored_bytes} bytes (limit {limit})",
                 )
+        else:
+            self._within_item_limit(mutation, what)
         try:
             if op == "set_slot":
                 value = value_to_json(mutation.set_slot)
@@ -862,10 +867,6 @@ class HookCall:
                     clipped(msg.fail.message or msg.fail.type),
                 )
             log.debug("%s %s: dropped a message of invocation %d", self.mw.name, self.spec.name, invocation)
-
-    def _blocks(self) -> OpenedBlocks:
-        self.opened = OpenedBlocks()
-        return self.opened
 
     def _stop_after_interrupt(self, msg: hooks_pb2.MiddlewareMessage) -> None:
         """The reply was interrupted a while ago and the middleware still sends items of its own

@@ -736,7 +736,7 @@ class Host:
             ", ".join(found.tools) or "none",
             ", ".join(before) or "none",
         )
-        if len(found.tools) < len(before) or set(found.tools) != set(before):
+        if found.tools.keys() != before.keys():
             self._offer_refused_tools()  # it gave up names (or room) another's refused tools need
 
     def _offer_refused_tools(self) -> None:

@@ -27,7 +27,7 @@ import grpc
 from agentmw.chain import prepend
 from agentmw.codec import codec, json_to_value
 from agentmw.data import ChatResponse, ErrorType
-from agentmw.errors import MAX_TEXT
+from agentmw.errors import MAX_TEXT, own_cancellation
 from agentmw.hooks import HookSpec, Kind, check_result
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
@@ -82,16 +82,6 @@ def inner_error(
 
 class HostGone(Exception):
     """The host closed the stream (it was cancelled or went away)."""
-
-
-def own_cancellation(exc: BaseException) -> bool:
-    """``exc`` cancels the running task (the SDK's own: the host went away, the server stops),
-    rather than being a CancelledError the author's code raised (say, awaiting a task that was
-    cancelled), which is the author's exception like any other."""
-    if not isinstance(exc, asyncio.CancelledError):
-        return False
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 class HookSession:

@@ -83,6 +83,12 @@ function toStruct(obj) {
   return { fields };
 }
 
+// The class name of a thrown value: a subclass of Error that does not set `name` still has its own.
+function errorType(err) {
+  if (!(err instanceof Error)) return 'Error'; // a thrown string or object: no class of its own
+  return err.name && err.name !== 'Error' ? err.name : err.constructor.name;
+}
+
 // -- one bidirectional stream = a sequence of invocations --------------------------------------
 
 // Runs `handler` for every invocation on a stream. STREAMS ARE REUSED: after finish/fail the host
@@ -136,7 +142,9 @@ function serveStream(call, hookName, handler) {
     try {
       out = fn();
     } catch (err) {
-      done({ fail: { type: (err && err.name) || 'Error', message: String((err && err.message) || err) } });
+      // Whatever was thrown is answered (hooks.proto, Fail): `type` names its class, as the host
+      // reports it ("QuotaError: ..."), `message` its text.
+      done({ fail: { type: errorType(err), message: String((err && err.message) || err) } });
       return;
     }
     if (!out) return;

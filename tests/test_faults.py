@@ -8,11 +8,12 @@ consistent, and use a restarted middleware again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -93,6 +94,21 @@ def make_agent(remote: RemoteMiddleware, **model: object) -> Agent:
     )
 
 
+@contextlib.asynccontextmanager
+async def attached(target: str, **policy: Any) -> AsyncIterator[RemoteMiddleware]:
+    """tests.conformance_mw's ``target`` served in a process of its own and attached with ``policy``
+    (both ended after)."""
+    proc = middleware_server(f"tests.conformance_mw:{target}").start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(**policy)).connect()
+        try:
+            yield remote
+        finally:
+            await remote.close()
+    finally:
+        proc.stop()
+
+
 @pytest.fixture
 def marker():
     proc = middleware_server("tests.conformance_mw:Marker").start()
@@ -128,24 +144,17 @@ async def test_a_fail_open_middleware_that_relays_the_text_and_dies_mid_block_le
     middle of it: the block is the model's, which goes on with it, so the host does not end it for
     the middleware (a first version of the rule below did, and the model's next delta then broke
     the reply)."""
-    proc = middleware_server("tests.conformance_mw:LagsThenDies").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=5)).connect()
+    async with attached("LagsThenDies", fail_open=True, timeout=5) as remote:
         items = await reply(make_agent(remote), "hi")
         assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
         assert items[-1].text == ANSWER and len(bypasses(items)) == 1
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 async def test_a_fail_open_middleware_that_dies_mid_block_leaves_a_completed_reply() -> None:
     """It had started a block of its own (audio, as the TTS server does) when its process died:
     the host goes on without it and ends that block for it, so the reply completes with its answer.
     Before, the reply failed: 'ReplyEndEvent with blocks still open: data block', blamed on it."""
-    proc = middleware_server("tests.conformance_mw:DiesMidBlock").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=5)).connect()
+    async with attached("DiesMidBlock", fail_open=True, timeout=5) as remote:
         agent = make_agent(remote)
         items = await reply(agent, "hi")
         end = end_of(items)
@@ -155,9 +164,6 @@ async def test_a_fail_open_middleware_that_dies_mid_block_leaves_a_completed_rep
         assert [type(i).__name__ for i in audio] == ["DataBlockStartEvent", "DataBlockDeltaEvent", "DataBlockEndEvent"]
         (bypass,) = bypasses(items)
         assert bypass.value["middleware"] == "DiesMidBlock"
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 @pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
@@ -167,9 +173,7 @@ async def test_a_middleware_that_keeps_emitting_after_an_interrupt_is_left_behin
     (fail_open: its audio block ended for it, the bypass recorded; fail_closed: an error naming
     it). Before, the reply went on as long as the middleware did (a host cut it off after 5 s with
     no end at all)."""
-    proc = middleware_server("tests.conformance_mw:SpeaksOn").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=fail_open, timeout=5)).connect()
+    async with attached("SpeaksOn", fail_open=fail_open, timeout=5) as remote:
         agent = make_agent(remote)
         items: list[Any] = []
         interrupted = 0.0
@@ -191,9 +195,6 @@ async def test_a_middleware_that_keeps_emitting_after_an_interrupt_is_left_behin
         else:
             assert end.finished_reason == ReplyFinishedReason.ERROR and said in end.error.message
             assert "middleware 'SpeaksOn' failed in on_reply" in end.error.message
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 def all_calls_answered(agent: Agent) -> bool:
@@ -219,9 +220,7 @@ async def test_killed_during_tool_round_closes_open_calls(marker: ServerProcess)
 
 @pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
 async def test_middleware_that_never_answers_times_out(fail_open: bool) -> None:
-    proc = middleware_server("tests.conformance_mw:Sleeper").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=fail_open, timeout=0.5)).connect()
+    async with attached("Sleeper", fail_open=fail_open, timeout=0.5) as remote:
         agent = make_agent(remote)
         items = await reply(agent, "hi")
         end = end_of(items)
@@ -231,9 +230,6 @@ async def test_middleware_that_never_answers_times_out(fail_open: bool) -> None:
         else:
             assert end.finished_reason == ReplyFinishedReason.ERROR
             assert "middleware 'Sleeper' failed in on_reply: no answer within 0.5s (timeout)" in end.error.message
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 async def until(condition: Callable[[], object], seconds: float = 5.0) -> None:
@@ -331,9 +327,7 @@ async def test_a_middleware_that_answers_describe_but_hangs_in_its_hooks_stays_i
     """Every hook call hangs, but the server answers a Describe (a hook's backend is stuck): each
     reply waits one timeout for it and goes on without it (fail_open); it is not taken for hung
     as a whole, as a tool merely slower than the timeout is not: never skipped for a while."""
-    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=1)).connect()
+    async with attached("SleeperEverywhere", fail_open=True, timeout=1) as remote:
         for text in ("one", "two"):
             items = await reply(make_agent(remote), text)
             assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
@@ -341,9 +335,6 @@ async def test_a_middleware_that_answers_describe_but_hangs_in_its_hooks_stays_i
             assert remote.confirming is not None
             await remote.confirming  # its Describe: answered
             assert not remote.skipped() and remote.hangs == 0
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 @pytest.mark.parametrize("fail_open", [True, False], ids=["fail_open", "fail_closed"])
@@ -354,10 +345,7 @@ async def test_hooks_that_hang_for_several_sessions_suspend_the_middleware_thoug
     sessions in a row got no answer, it hangs for everyone. Before, every reply of every session
     waited its timeout for it, for good; now the next reply skips it at once (fail_open) or fails
     at once saying why (fail_closed), until the suspension ends and it is tried again."""
-    proc = middleware_server("tests.conformance_mw:SleeperEverywhere").start()
-    try:
-        policy = Policy(fail_open=fail_open, timeout=1)
-        remote = await RemoteMiddleware(proc.address, policy=policy).connect()
+    async with attached("SleeperEverywhere", fail_open=fail_open, timeout=1) as remote:
         for n in range(HANG_SESSIONS):  # a new session each (make_agent)
             started = time.monotonic()
             items = await reply(make_agent(remote), f"session {n}")
@@ -375,9 +363,6 @@ async def test_hooks_that_hang_for_several_sessions_suspend_the_middleware_thoug
         items = await reply(make_agent(remote), "after the pause")
         assert time.monotonic() - started >= 1 and "(timeout)" in _failure(items, fail_open)
         assert remote.skipped() and remote.hangs == 2  # and that trial's hang pauses it again, doubled
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 def _failure(items: list, fail_open: bool) -> str:
@@ -676,31 +661,21 @@ WORDS = " ".join(f"w{i}" for i in range(100))
 
 async def test_fail_open_loses_no_observed_item() -> None:
     """The observer stalls while the host holds an observed item: the bypass forwards it."""
-    proc = middleware_server("tests.conformance_mw:StallingObserver").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=1)).connect()
+    async with attached("StallingObserver", fail_open=True, timeout=1) as remote:
         agent = Agent(model=OfflineRuleModel(reply_template=WORDS), middlewares=[remote])
         items = await reply(agent, "hi")
         assert len(bypasses(items)) == 1
         assert "".join(i.delta for i in items if isinstance(i, TextBlockDeltaEvent)) == WORDS
         assert items[-1].text == WORDS
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 async def test_an_observer_that_raises_is_reported_as_its_exception() -> None:
-    proc = middleware_server("tests.conformance_mw:RaisingObserver").start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=True, timeout=5)).connect()
+    async with attached("RaisingObserver", fail_open=True, timeout=5) as remote:
         agent = Agent(model=OfflineRuleModel(reply_template=WORDS), middlewares=[remote])
         end = end_of(await reply(agent, "hi"))
         # Its own exception propagates as in-process (no protocol violation, no silent bypass).
         assert end.finished_reason == ReplyFinishedReason.ERROR
         assert "ValueError: observer gave up at 40 (raised by middleware" in end.error.message
-        await remote.close()
-    finally:
-        proc.stop()
 
 
 async def test_a_middleware_that_stops_reading_cannot_stall_a_large_write(marker: ServerProcess) -> None:

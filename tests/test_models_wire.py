@@ -227,20 +227,29 @@ async def test_dashscope_call_cut_mid_stream_reports_the_usage_so_far(server: Sc
     assert (end.input_tokens, end.output_tokens) == (120, 3)
     assert agent.state.context[-1].usage.output_tokens == 3
 
-    reg = registry(server, "dashscope")
+    items, _ = await interrupted_at_world(registry(server, "dashscope"), later=0.05)  # in the wait for more
+
+    (end,) = of_type(items, ModelCallEndEvent)
+    assert end.finished_reason == FinishedReason.INTERRUPTED
+    assert (end.input_tokens, end.output_tokens) == (120, 3)
+
+
+async def interrupted_at_world(reg: Any, later: float | None = None) -> tuple[list[Any], Agent]:
+    """The items (and agent) of a reply of model "a" whose reader interrupts it on the "world"
+    delta (``later`` seconds after, from the event loop); the registry is closed after."""
     agent = Agent(models=reg, model="a")
     items: list[Any] = []
     try:
         async for item in agent.reply_stream(UserMsg("hi")):
             items.append(item)
             if isinstance(item, TextBlockDeltaEvent) and item.delta == "world":
-                asyncio.get_running_loop().call_later(0.05, agent.interrupt)  # lands in the wait for more
+                if later is None:
+                    agent.interrupt()
+                else:
+                    asyncio.get_running_loop().call_later(later, agent.interrupt)
     finally:
         await reg.aclose()
-
-    (end,) = of_type(items, ModelCallEndEvent)
-    assert end.finished_reason == FinishedReason.INTERRUPTED
-    assert (end.input_tokens, end.output_tokens) == (120, 3)
+    return items, agent
 
 
 # -- 4. an interrupt while the reply is paused between streamed items ------------------------------
@@ -262,16 +271,7 @@ async def test_an_interrupt_between_streamed_items_keeps_what_was_streamed(
     at it (not awaiting the model): the partial answer is saved as when the interrupt lands in the
     wait for the model (docs/behaviour.md#interruption). Before, it was dropped from the session."""
     server.replies.append(_hello_world(provider))
-    reg = registry(server, provider)
-    agent = Agent(models=reg, model="a")
-    items: list[Any] = []
-    try:
-        async for item in agent.reply_stream(UserMsg("hi")):
-            items.append(item)
-            if isinstance(item, TextBlockDeltaEvent) and item.delta == "world":
-                agent.interrupt()
-    finally:
-        await reg.aclose()
+    items, agent = await interrupted_at_world(registry(server, provider))
 
     assert items[-1].finished_reason == ReplyFinishedReason.INTERRUPTED
     (end,) = of_type(items, ModelCallEndEvent)

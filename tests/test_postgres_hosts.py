@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -127,6 +127,16 @@ async def ending(items: list[object]) -> ReplyFinishedReason:
     return next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason
 
 
+async def taken_over(stream: AsyncIterator[object]) -> grpc.aio.AioRpcError:
+    """The error ending a paused host's reply stream once it is resumed after another host took
+    its session over (bounded)."""
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        async with asyncio.timeout(20):
+            async for _item in stream:
+                pass
+    return lost.value
+
+
 def contiguous_turns(state: object) -> list[str]:
     """The user turns in order, checking that each turn's messages follow it with no other turn's
     tool calls among them (two replies writing at once would interleave or overwrite rows)."""
@@ -234,12 +244,9 @@ async def test_a_paused_host_past_its_lease_can_neither_save_nor_start_a_tool(
             _, taken, _ = await get_session(b.address, session)
         finally:
             os.kill(a.pid, signal.SIGCONT)
-        with pytest.raises(grpc.aio.AioRpcError) as lost:  # A: its writes are refused
-            async with asyncio.timeout(20):
-                async for _item in stream:
-                    pass
-    assert lost.value.code() == grpc.StatusCode.ABORTED, lost.value.details()
-    assert "taken over by another host" in lost.value.details()
+        lost = await taken_over(stream)  # A: its writes are refused
+    assert lost.code() == grpc.StatusCode.ABORTED, lost.details()
+    assert "taken over by another host" in lost.details()
     await asyncio.sleep(0.5)  # anything A might still do (it must not) has had time to land
     assert lines(effects) == ["a", "c"], "A started no tool after losing the lease"
     _, state, _ = await get_session(b.address, session)
@@ -283,12 +290,9 @@ async def test_a_host_that_lost_its_lease_while_on_acting_held_a_call_does_not_r
             await asyncio.sleep(hold + 0.5 - (time.monotonic() - held_since))
         finally:
             os.kill(a.pid, signal.SIGCONT)
-        with pytest.raises(grpc.aio.AioRpcError) as lost:
-            async with asyncio.timeout(20):
-                async for _item in stream:
-                    pass
-    assert lost.value.code() == grpc.StatusCode.ABORTED, lost.value.details()
-    assert "taken over by another host" in lost.value.details()
+        lost = await taken_over(stream)  # A: its writes are refused
+    assert lost.code() == grpc.StatusCode.ABORTED, lost.details()
+    assert "taken over by another host" in lost.details()
     await asyncio.sleep(0.5)  # a tool A might still run (it must not) has had time to
     assert lines(effects) == ["b"], "A ran no tool after losing the lease"
     _, state, _ = await get_session(b.address, session)
@@ -329,16 +333,13 @@ async def test_a_host_paused_inside_a_write_does_not_block_the_takeover(procs: P
                 took = time.monotonic() - started
             finally:
                 os.kill(a.pid, signal.SIGCONT)
-            with pytest.raises(grpc.aio.AioRpcError) as lost:
-                async with asyncio.timeout(20):
-                    async for _item in stream:
-                        pass
+            lost = await taken_over(stream)  # A: its writes are refused
     finally:
         await monitor.close()
         await probe.close()
     assert await ending(items) == ReplyFinishedReason.COMPLETED
     assert took < 3 * float(LEASE), f"B took the session over after {took:.1f}s"
-    assert lost.value.code() == grpc.StatusCode.ABORTED, lost.value.details()
+    assert lost.code() == grpc.StatusCode.ABORTED, lost.details()
     assert lines(effects) == ["a", "b"]
     _, state, _ = await get_session(b.address, session)
     outputs = [str(r.output) for m in state.context for r in m.content if isinstance(r, ToolResultBlock)]

@@ -73,6 +73,13 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
             proc.stop()
 
 
+def mtls_config(c: Pki, users: str = "") -> str:
+    """host.yaml of a host that serves mTLS (clients show a certificate of the CA), with ``users``
+    (YAML lines under ``security.users``)."""
+    config = f"security:\n  tls: {{cert: {c.server.cert}, key: {c.server.key}, client_ca: {c.ca}}}\n"
+    return config + (f"  users:\n{users}" if users else "")
+
+
 def host_tls(c: Pki, client: str | None = None, *, rogue: bool = False) -> TlsFiles:
     pair = c.rogue if rogue else c.clients[client] if client else None
     return TlsFiles(ca=c.ca, cert=pair.cert if pair else "", key=pair.key if pair else "")
@@ -176,16 +183,8 @@ limits: {sessions_per_owner: 2, replies_per_owner: 100}
 
 
 async def test_mtls_host_refuses_plaintext_and_foreign_certificates(certs: Pki, procs: Procs, tmp_path: Path) -> None:
-    host = procs.host(
-        tmp_path,
-        f"""
-security:
-  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}
-  users:
-    - {{name: ops, role: admin, cert_cn: ops}}
-    - {{name: alice, role: user, cert_cn: alice}}
-""",
-    )
+    users = "    - {name: ops, role: admin, cert_cn: ops}\n    - {name: alice, role: user, cert_cn: alice}\n"
+    host = procs.host(tmp_path, mtls_config(certs, users))
     listing = host_pb2.ListSessionsRequest()
     async with client_channel(host.address, host_tls(certs, "ops")) as ops:
         await call(ops, "ListMiddleware", host_pb2.ListMiddlewareRequest())  # the admin's certificate
@@ -308,8 +307,7 @@ def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, t
     a TLS client of a plaintext host, and a plaintext host attaching a TLS middleware server: each
     error says TLS may be the cause and where to set it up. Before, the first two and the last said
     only "Socket closed" (agentmw not even that), read as "the server is down"."""
-    tls = f"security:\n  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}\n"
-    secured = procs.host(tmp_path, tls)
+    secured = procs.host(tmp_path, mtls_config(certs))
     plain = procs.start("plain", ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:"])
     served = {"AGENTMW_MW_TLS_CERT": certs.server.cert, "AGENTMW_MW_TLS_KEY": certs.server.key}
     recorder = procs.middleware(RECORDER, "recorder", served)
@@ -343,8 +341,7 @@ def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, t
 def test_interactive_agent_chat_reaches_a_tls_host(certs: Pki, procs: Procs, tmp_path: Path) -> None:
     """agent-chat without --message checks the host's health and lists /sessions over the TLS it
     was given. Before, both went plaintext: 'cannot reach the host' from a host that -m reached."""
-    tls = f"security:\n  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}\n"
-    host = procs.host(tmp_path, tls)
+    host = procs.host(tmp_path, mtls_config(certs))
     alice = certs.clients["alice"]
     argv = ["--host", host.address, "--tls-ca", certs.ca, "--tls-cert", alice.cert, "--tls-key", alice.key]
     done = subprocess.run(
@@ -364,17 +361,8 @@ def test_the_agentmw_cli_reaches_a_secured_host(certs: Pki, procs: Procs, tmp_pa
     """agentmw takes agent-chat's TLS flags and token (--token-file or AGENTMW_TOKEN), before or
     after the command; without them a secured host is out of its reach. Before, it had neither and
     could only operate a plaintext host without users."""
-    host = procs.host(
-        tmp_path,
-        f"""
-security:
-  tls: {{cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}}}
-  users:
-    - {{name: ops, role: admin, cert_cn: ops}}
-    - {{name: alice, role: user, token_env: ALICE_TOKEN}}
-""",
-        {"ALICE_TOKEN": TOKENS["alice"]},
-    )
+    users = "    - {name: ops, role: admin, cert_cn: ops}\n    - {name: alice, role: user, token_env: ALICE_TOKEN}\n"
+    host = procs.host(tmp_path, mtls_config(certs, users), {"ALICE_TOKEN": TOKENS["alice"]})
     ops, nobody = certs.clients["ops"], certs.clients["host"]  # "host" names no user: a token must
     mtls = ["--tls-ca", certs.ca, "--tls-cert", ops.cert, "--tls-key", ops.key]
     tls = ["--tls-ca", certs.ca, "--tls-cert", nobody.cert, "--tls-key", nobody.key]

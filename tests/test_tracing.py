@@ -73,14 +73,26 @@ def start(procs: Procs, name: str, argv: list[str], env: dict[str, str]) -> Serv
     return proc.start()
 
 
+TRACER = ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"]
+
+
+HOST = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:"]
+
+
+def host_with(
+    procs: Procs, tracer: ServerProcess, env: dict[str, str], *args: str, name: str = "host"
+) -> ServerProcess:
+    """A host (sessions in memory) with the tracing server attached first, then ``args``."""
+    return start(procs, name, [*HOST, "--middleware", f"tracing={tracer.address}", *args], env)
+
+
 def system(procs: Procs, env: dict[str, str]) -> tuple[ServerProcess, ServerProcess]:
     """The tracing server, the author's middleware and the host with both attached (tracing first)."""
-    tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
+    tracer = start(procs, "tracing", TRACER, env)
     author = start(
         procs, "author", ["-m", "agentmw.sdk", "tests.test_tracing:AuthorSpans", "--address", "127.0.0.1:0"], env
     )
-    middleware = ["--middleware", f"tracing={tracer.address}", "--middleware", f"author={author.address}"]
-    host = start(procs, "host", ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", *middleware], env)
+    host = host_with(procs, tracer, env, "--middleware", f"author={author.address}")
     return host, tracer
 
 
@@ -249,20 +261,8 @@ async def test_span_times_hold_when_the_tracing_server_is_in_another_time_zone(
     within the host's reply span. Before, created_at had no UTC offset and the server read the
     host's local time as its own: every span started 9 h before the reply."""
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
-    tracer = start(
-        procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], {**env, "TZ": "JST-9"}
-    )
-    argv = [
-        "-m",
-        "agent_host",
-        "--listen",
-        "127.0.0.1:0",
-        "--db",
-        ":memory:",
-        "--middleware",
-        f"tracing={tracer.address}",
-    ]
-    host = start(procs, "host", argv, {**env, "TZ": "UTC0"})
+    tracer = start(procs, "tracing", TRACER, {**env, "TZ": "JST-9"})
+    host = host_with(procs, tracer, {**env, "TZ": "UTC0"})
     turn = await talk(host.address, "", "What's the weather in Paris?")
     spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 2, "execute_tool": 1})
     (root,) = named(spans, "reply ")
@@ -277,19 +277,8 @@ async def test_the_tracing_servers_service_name_flag_wins_over_the_environment(
     other flag wins over the environment. Before, the flag was only the default and the variable
     won."""
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
-    argv = ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}", "--service-name", "flagname"]
-    tracer = start(procs, "tracing", argv, {**env, "OTEL_SERVICE_NAME": "envname"})
-    argv = [
-        "-m",
-        "agent_host",
-        "--listen",
-        "127.0.0.1:0",
-        "--db",
-        ":memory:",
-        "--middleware",
-        f"tracing={tracer.address}",
-    ]
-    host = start(procs, "host", argv, env)
+    tracer = start(procs, "tracing", [*TRACER, "--service-name", "flagname"], {**env, "OTEL_SERVICE_NAME": "envname"})
+    host = host_with(procs, tracer, env)
     turn = await talk(host.address, "", "hi")
     spans = trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 1})
     assert {s["service"] for s in spans} == {"agent-host", "flagname"}, format_trace(spans)
@@ -305,9 +294,8 @@ async def test_a_call_cut_at_the_token_limit_is_traced_as_length(procs: Procs, r
         "models:\n  default: cut\n  models:\n"
         '    cut: {provider: offline, script: [{text: "a cut answer", finish: length}]}\n'
     )
-    tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
-    argv = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--config", str(config)]
-    host = start(procs, "host", [*argv, "--middleware", f"tracing={tracer.address}"], env)
+    tracer = start(procs, "tracing", TRACER, env)
+    host = host_with(procs, tracer, env, "--config", str(config))
     turn = await talk(host.address, "", "hi")
     (chat,) = named(trace_of(receiver, turn.final.id, {"invoke_agent": 1, "chat": 1}), "chat ")
     assert json.loads(chat["attributes"]["gen_ai.response.finish_reasons"]) == ["length"]
@@ -318,12 +306,7 @@ async def test_a_model_call_cut_by_an_interrupt_is_traced_as_interrupted(procs: 
     """A reply interrupted while its answer streams: the chat span says "interrupted" and has no
     output, in-process and remote alike. Before, in-process it said "stop" with the last delta as
     the whole answer, and remotely it had no finish reason at all."""
-    tracer = start(
-        procs,
-        "tracing",
-        ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"],
-        {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT},
-    )
+    tracer = start(procs, "tracing", TRACER, {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT})
     out = run_cli("tests.tracing_cut", receiver.endpoint, tracer.address, env=FAST_EXPORT)
     assert out.returncode == 0, out.stderr
     sessions = out.stdout.split()
@@ -376,12 +359,11 @@ async def test_replicas_sharing_one_tracing_server_keep_their_tool_spans_apart(
     ~30% fewer spans remote than in-process). Here A is slow, so that its tool call's copy has
     arrived (the host holds it at most 0.5 s) and its times have not when B's whole reply arrives."""
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
-    tracer = start(procs, "tracing", ["-m", "mw_servers.tracing", "--address", "127.0.0.1:{port}"], env)
+    tracer = start(procs, "tracing", TRACER, env)
     slow = tmp_path / "slow.yaml"
     slow.write_text("models:\n  default: slow\n  models:\n    slow: {provider: offline, delay: 0.2}\n")
-    common = ["-m", "agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--middleware"]
-    host_a = start(procs, "host-a", [*common, f"tracing={tracer.address}", "--config", str(slow)], env)
-    host_b = start(procs, "host-b", [*common, f"tracing={tracer.address}"], env)
+    host_a = host_with(procs, tracer, env, "--config", str(slow), name="host-a")
+    host_b = host_with(procs, tracer, env, name="host-b")
 
     slow_turn = asyncio.create_task(talk(host_a.address, "", "use get_weather city=Paris"))  # call_1_0
     await asyncio.sleep(1.2)  # its tool has run, and its call's copy gone out; its answer streams for ~2 s

@@ -47,7 +47,7 @@ from agentmw.data import (
     new_id,
 )
 from agentmw.data.state import AgentState, checked_max_iters
-from agentmw.errors import MAX_TEXT, clipped, own_cancellation
+from agentmw.errors import MAX_TEXT, clipped, own_cancellation, raised_where
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 
@@ -325,8 +325,7 @@ class Agent(Reasoning, Acting, Compression):
         is stored in the reply's message when the reply had begun (its user message is stored)."""
         # Clipped: the message may quote what a middleware or a model sent, and it is stored and sent.
         # A remote middleware's exception: also where it was raised (errors.py), kept when clipped.
-        raised_in = getattr(exc, "raised_in", None)
-        where = f" ({raised_in})" if isinstance(raised_in, str) else ""
+        where = raised_where(exc)
         message = clipped(f"{type(exc).__name__}: {exc}", MAX_TEXT - len(where)) + where
         error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=message)
         state = self.state

@@ -70,7 +70,16 @@ __all__ = [
     "UnknownModelError",
     "clipped",
     "own_cancellation",
+    "raised_where",
 ]
+
+
+def raised_where(exc: BaseException) -> str:
+    """ " (raised by middleware 'x' in hook)" for an exception a remote middleware raised (its
+    ``raised_in``, set by the host), else "": an error text the client sees ends with it, so that
+    it says where, as the in-process traceback would."""
+    raised_in = getattr(exc, "raised_in", None)
+    return f" ({raised_in})" if isinstance(raised_in, str) else ""
 
 
 def own_cancellation(exc: BaseException) -> bool:

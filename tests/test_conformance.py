@@ -185,6 +185,13 @@ def _not_retryable(events, state):
     assert end["error"]["type"] == "rate_limit" and "quota exhausted" in end["error"]["message"]
 
 
+def _each_model_failed(events, state):
+    """With a fallback model, the error names each model's failure (AllModelsFailed)."""
+    assert state["middle_context"]["QuotaGuard"] == {"calls": 2}
+    message = events[-2]["error"]["message"]
+    assert "main (attempt 1): quota exhausted" in message and "backup (attempt 1): quota exhausted" in message
+
+
 def _two_layers(events, state):
     # The outer layer injects after each text end it sees; the inner one swallowed the first end,
     # so both answers pass the outer layer, each followed by its injected event.
@@ -325,6 +332,15 @@ CASES: list[tuple[Scenario, Check]] = [
     (Scenario("permission_returns_none", [Layer("PermissionNone")], message="call add a=1 b=2"), _no_decision),
     (Scenario("compress_returns_value", [Layer("CompressReturnsValue")]), _compress_value_ignored),
     (Scenario("model_call_raises_not_retryable", [Layer("QuotaGuard")], max_retries=2), _not_retryable),
+    (
+        Scenario(
+            "model_call_raises_for_each_model",
+            [Layer("QuotaGuard")],
+            models={"main": {}, "backup": {}},
+            fallback={"main": ["backup"]},
+        ),
+        _each_model_failed,
+    ),
     (_not_an_exception("on_reasoning", "cancelled"), _raises_cancelled),
     (_not_an_exception("on_reply", "cancelled"), _on_reply_raises_cancelled),
     (_not_an_exception("on_reasoning", "base"), _raises_base_exception),
@@ -380,6 +396,9 @@ async def test_same_in_process_and_remote(scenario: Scenario, check: Check, serv
     if scenario.id == "middleware_raises":  # remotely, the error also says which middleware raised
         message = remote_events[-2]["error"]["message"]
         assert "ValueError: budget service says no (raised by middleware 'Raises' in on_reasoning)" in message
+    if scenario.id == "model_call_raises_for_each_model":  # the same for each model of a fallback
+        message = remote_events[-2]["error"]["message"]
+        assert message.count("quota exhausted (raised by middleware 'QuotaGuard' in on_model_call)") == 2, message
 
 
 WHERE = re.compile(r" \(raised by middleware '[^']*' in \w+\)")

@@ -23,6 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.wait import wait_exponential_jitter
 
 from agentmw.data import ErrorType
+from agentmw.errors import raised_where
 
 from .base import ModelError
 
@@ -65,7 +66,7 @@ class Failure:
             "model": self.model,
             "attempt": self.attempt,
             "error_type": str(getattr(self.error, "error_type", ErrorType.UNKNOWN)),
-            "error": f"{type(self.error).__name__}: {self.error}",
+            "error": f"{type(self.error).__name__}: {self.error}{raised_where(self.error)}",
         }
         request_id = getattr(self.error, "request_id", "")  # a ModelError's
         if request_id:
@@ -83,7 +84,7 @@ class AllModelsFailed(ModelError):
         for failure in failures:
             last[failure.model] = failure
         final = failures[-1].error
-        text = "; ".join(f"{m} (attempt {f.attempt}): {f.error}" for m, f in last.items())
+        text = "; ".join(f"{m} (attempt {f.attempt}): {f.error}{raised_where(f.error)}" for m, f in last.items())
         super().__init__(
             f"all models failed: {text}" if len(last) > 1 else str(final),
             error_type=getattr(final, "error_type", ErrorType.UNKNOWN),

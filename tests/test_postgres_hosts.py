@@ -769,6 +769,35 @@ async def test_replies_per_owner_counts_the_replies_on_every_host(procs: Procs, 
     assert await ending(items) == ReplyFinishedReason.COMPLETED
 
 
+async def test_sessions_per_owner_holds_for_first_replies_sent_at_once_to_every_host(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """limits.sessions_per_owner: 2, and alice sends 10 new-session replies at once, 5 to each of two
+    hosts: 2 run, 8 are refused (RESOURCE_EXHAUSTED). Before, each host counted the stored sessions
+    and those it was making itself (a session is stored at its first write): 4 ran."""
+    users = f"    - {{name: alice, role: user, token_sha256: '{token_digest(TOKENS['alice'])}'}}\n"
+    limits = "limits: {sessions_per_owner: 2, replies_per_owner: 100}\n"
+    _, hosts = cluster(procs, tmp_path, dsn, 2, delay=0.05, yaml=f"security:\n  users:\n{users}{limits}")
+    channels = [client_channel(h.address, token=TOKENS["alice"]) for h in hosts]
+    try:
+
+        async def one(i: int) -> str:
+            try:
+                await secure_reply(channels[i % 2], f"hello {i}")
+                return "ok"
+            except grpc.aio.AioRpcError as exc:
+                assert "sessions per user" in (exc.details() or ""), exc.details()
+                return exc.code().name
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(10)))
+        assert sorted(outcomes) == ["RESOURCE_EXHAUSTED"] * 8 + ["ok"] * 2, outcomes
+        owned = await stub(channels[1]).ListSessions(host_pb2.ListSessionsRequest(), timeout=8)
+        assert len(owned.sessions) == 2
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
 async def test_owners_are_stored_and_checked_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
     """Two users on two hosts of one store: the owner goes into PostgreSQL with the session, each
     user lists and reads only their own sessions whichever host they ask, and the per-owner
@@ -844,6 +873,23 @@ async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str, version_ro
         await conn.close()
 
 
+async def test_a_version_3_database_gets_the_column_of_the_sessions_replies_make(dsn: str) -> None:
+    """Schema 4 adds agentmw_replies.new_session (sessions_per_owner across hosts): a database of
+    schema 3 is migrated at start, its replies' rows kept."""
+    await (await PostgresStore.connect(dsn, lease=5)).aclose()
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "ALTER TABLE agentmw_replies DROP COLUMN new_session; UPDATE agentmw_schema SET version = 3;"
+            "INSERT INTO agentmw_replies (id, user_name, host, expires) VALUES ('r', 'alice', 'h', now())"
+        )
+        await (await PostgresStore.connect(dsn, lease=5)).aclose()
+        assert await conn.fetchval("SELECT version FROM agentmw_schema") == SCHEMA_VERSION == 4
+        assert await conn.fetchval("SELECT new_session FROM agentmw_replies WHERE id = 'r'") == ""
+    finally:
+        await conn.close()
+
+
 def refused_start(dsn: str) -> str:
     """Start a host on ``dsn``, which must refuse to start: the one line it printed last."""
     done = run_cli("agent_host", "--db", dsn, "--listen", "127.0.0.1:0", timeout=20)
@@ -859,7 +905,10 @@ async def test_session_tables_that_do_not_match_the_schema_are_refused_at_start(
     try:
         await conn.execute("ALTER TABLE agentmw_sessions DROP COLUMN in_flight")
         message = await asyncio.to_thread(refused_start, dsn)
-        assert "the session tables do not match schema version 3: agentmw_sessions has no column in_flight" in message
+        assert (
+            f"the session tables do not match schema version {SCHEMA_VERSION}: agentmw_sessions has no column in_flight"
+            in message
+        )
         await conn.execute(
             "ALTER TABLE agentmw_sessions ADD COLUMN in_flight text[] NOT NULL DEFAULT '{}'; DROP TABLE agentmw_leases;"
             "CREATE TABLE agentmw_leases (session_id text PRIMARY KEY, holder text, fence text)"

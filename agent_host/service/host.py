@@ -17,7 +17,9 @@
   A reply sent with ``refuse_if_busy`` does not wait: a session held here or on another host
   refuses it with ABORTED naming the holder.
 * ``replies_per_owner`` is counted by the store (``store.admit``): per host on SQLite (one host
-  per file), in the database on PostgreSQL, so it limits a user's replies on all hosts together.
+  per file), in the database on PostgreSQL, so it limits a user's replies on all hosts together;
+  ``sessions_per_owner`` is checked here, and again at admission on PostgreSQL, with the sessions
+  other hosts are making.
 * ``drain`` (SIGTERM): new replies are refused with UNAVAILABLE while those in flight finish.
 """
 
@@ -68,6 +70,7 @@ from ..store import (
     SessionRecord,
     SessionStore,
     TooManyRepliesError,
+    TooManySessionsError,
     store_failure,
 )
 
@@ -148,6 +151,7 @@ class ReplyRun:
         self.session_id = session_id
         self.owner = owner  # who asks for the reply
         self.session_owner = owner  # whom the session belongs to (_check_access): agent.state.owner
+        self.new_session = False  # the reply makes its session (_check_access): counts per owner
         self.queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
         self.agent: Agent | None = None
         self.interrupted = False
@@ -291,7 +295,17 @@ class Host:
                 )
             await self._check_access(run, inputs, caller, may_create)
             # Counted from here to the end, waiting for the session included (no authentication: no limit).
-            async with self.store.admit(caller.name, limit) if caller.name else contextlib.nullcontext():
+            admitted = (
+                self.store.admit(
+                    caller.name,
+                    limit,
+                    new_session=sid if run.new_session else "",
+                    sessions=self.config.security.sessions_per_owner,
+                )
+                if caller.name
+                else contextlib.nullcontext()
+            )
+            async with admitted:
                 await self._reply(run, inputs, structured_schema, wait=not refuse_if_busy)
         # A failure ends the stream at once (end_now), never waiting for a client that stopped reading.
         except ReplyRejected as exc:
@@ -301,6 +315,8 @@ class Host:
             run.end_now(
                 ReplyRejected(grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limit} replies at once per user{where}")
             )
+        except TooManySessionsError:  # another host made the user's last one meanwhile (a shared store)
+            run.end_now(self._too_many_sessions())
         except SessionBusyError as exc:  # refuse_if_busy
             run.end_now(ReplyRejected(grpc.StatusCode.ABORTED, f"{exc} (refused, as refuse_if_busy asks)"))
         except LeaseLostError as exc:  # paused or cut off past the lease: another host has the session
@@ -421,13 +437,19 @@ class Host:
             stored = {r.session_id for r in await self.store.list(0, caller.name)}
             creating = self._creating.setdefault(caller.name, set())
             if len(stored | creating | {run.session_id}) > limits.sessions_per_owner:  # no await since list
-                raise ReplyRejected(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"at most {limits.sessions_per_owner} sessions per user: delete some first",
-                )
+                raise self._too_many_sessions()
+            # On a shared store, admission counts it again with those other hosts are making (store.admit).
+            run.new_session = True
             creating.add(run.session_id)
             assert run.task is not None  # this is its task (start_reply)
             run.task.add_done_callback(lambda _t: creating.discard(run.session_id))
+
+    def _too_many_sessions(self) -> ReplyRejected:
+        where = " on all hosts together" if self.store.shared else ""
+        limit = self.config.security.sessions_per_owner
+        return ReplyRejected(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"at most {limit} sessions per user{where}: delete some first"
+        )
 
     async def _may_see(self, session_id: str, caller: Principal) -> bool:
         """Whether ``caller`` may see a session of this id (another user's answers as a missing one,

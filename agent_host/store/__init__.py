@@ -23,6 +23,7 @@ from .base import (
     SessionStore,
     StoreLockedError,
     TooManyRepliesError,
+    TooManySessionsError,
 )
 from .journal import RowJournal
 from .postgres import PostgresStore, is_dsn
@@ -63,6 +64,7 @@ __all__ = [
     "SqliteStore",
     "StoreLockedError",
     "TooManyRepliesError",
+    "TooManySessionsError",
     "open_store",
     "store_failure",
 ]

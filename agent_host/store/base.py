@@ -72,6 +72,10 @@ class TooManyRepliesError(Exception):
     """The user has as many replies running as their limit allows (``admit``)."""
 
 
+class TooManySessionsError(Exception):
+    """The reply would make a session past the user's limit of sessions (``admit``)."""
+
+
 class LeaseLostError(Exception):
     """This host's lease on the session was taken over (it was paused or cut off past its expiry):
     nothing more of the reply is stored, and no tool of it starts."""
@@ -137,9 +141,14 @@ class SessionStore(Protocol):
     shared: bool  # many hosts on one store (attach / detach are then refused: see docs/host.md)
     host_id: str  # this host as other hosts see it ("hostname/pid/..."): names a lease's holder
 
-    def admit(self, user: str, limit: int) -> AbstractAsyncContextManager[None]:
+    def admit(
+        self, user: str, limit: int, *, new_session: str = "", sessions: int = 0
+    ) -> AbstractAsyncContextManager[None]:
         """Count one running reply of ``user`` while held; raises TooManyRepliesError when ``limit``
-        of theirs run already, on any host of the store (a shared store counts in the database)."""
+        of theirs run already, on any host of the store (a shared store counts in the database).
+        ``new_session``: the reply makes that session, which counts against ``sessions`` (the
+        user's sessions) from now on, TooManySessionsError when it would pass it. One host per
+        store checks that itself (it knows the sessions it is making); a shared store, here."""
 
     async def reachable(self) -> bool:
         """The store answers now (readiness: a host that cannot store a reply should get none)."""

@@ -12,8 +12,9 @@ Tables (created, or migrated, at start under an advisory lock, so hosts may star
   row outlives a deleted session, so fences never repeat.
 * ``agentmw_replies``: one row per reply running (or waiting for its session) of an
   authenticated user, on any host: ``replies_per_owner`` counts these, so the limit holds for the
-  whole deployment, not per host. Rows are renewed with the leases and expire like them, so a
-  killed host's replies stop counting after one lease.
+  whole deployment, not per host. A reply that makes its session names it (``new_session``):
+  ``sessions_per_owner`` counts those with the stored ones. Rows are renewed with the leases and
+  expire like them, so a killed host's replies stop counting after one lease.
 
 One writer per session: a reply takes the lease (only when released or expired: the fence goes
 up by one), and every write of it is a transaction that first renews the lease *if its fence is
@@ -56,14 +57,16 @@ from .base import (
     SessionBusyError,
     SessionRecord,
     TooManyRepliesError,
+    TooManySessionsError,
     check_schema_version,
 )
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
 log = logging.getLogger("agentmw.store")
 
-# 2: the session's owner (security: the authenticated user who created it); 3: agentmw_replies
-SCHEMA_VERSION = 3
+# 2: the session's owner (security: the authenticated user who created it); 3: agentmw_replies;
+# 4: agentmw_replies.new_session
+SCHEMA_VERSION = 4
 _MIGRATION_LOCK = 0x61676D77  # pg_advisory_xact_lock key: one host migrates at a time ("agmw")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS agentmw_schema (version integer NOT NULL);
@@ -96,7 +99,8 @@ CREATE TABLE IF NOT EXISTS agentmw_replies (
     id        text PRIMARY KEY,
     user_name text NOT NULL,
     host      text NOT NULL,
-    expires   timestamptz NOT NULL
+    expires   timestamptz NOT NULL,
+    new_session text NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS agentmw_replies_user ON agentmw_replies (user_name);
 """
@@ -139,9 +143,18 @@ _ADMIT_LOCK = "SELECT pg_advisory_xact_lock(hashtext('agentmw_replies'), hashtex
 _ADMIT = """
 WITH gone AS (DELETE FROM agentmw_replies WHERE user_name = $1 AND expires <= now()),
      live AS (SELECT count(*) AS n FROM agentmw_replies WHERE user_name = $1 AND expires > now())
-INSERT INTO agentmw_replies (id, user_name, host, expires)
-SELECT $2, $1, $3, now() + make_interval(secs => $4) FROM live WHERE n < $5
+INSERT INTO agentmw_replies (id, user_name, host, expires, new_session)
+SELECT $2, $1, $3, now() + make_interval(secs => $4), $6 FROM live WHERE n < $5
 RETURNING id
+"""
+# The user's sessions with the one to make ($2): those stored and those that live replies make
+# (a session is stored at its first write), each once.
+_OWNED = """
+SELECT count(*) FROM (
+    SELECT session_id FROM agentmw_sessions WHERE owner = $1
+    UNION SELECT new_session FROM agentmw_replies WHERE user_name = $1 AND new_session <> '' AND expires > now()
+    UNION SELECT $2
+) AS owned
 """
 _RENEW_REPLIES = "UPDATE agentmw_replies SET expires = now() + make_interval(secs => $2) WHERE host = $1"
 _UPSERT_SESSION = """
@@ -348,11 +361,13 @@ class PostgresStore(CachedJournals):
     # -- replies per user, across hosts ----------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def admit(self, user: str, limit: int) -> AsyncIterator[None]:
+    async def admit(self, user: str, limit: int, *, new_session: str = "", sessions: int = 0) -> AsyncIterator[None]:
         reply_id = f"{self.host_id}/{secrets.token_hex(8)}"
         async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(_ADMIT_LOCK, user)
-            if await conn.fetchval(_ADMIT, user, reply_id, self.host_id, self.lease, limit) is None:
+            await conn.execute(_ADMIT_LOCK, user)  # so no other host counts this user's at the same time
+            if new_session and await conn.fetchval(_OWNED, user, new_session) > sessions:
+                raise TooManySessionsError(user)
+            if await conn.fetchval(_ADMIT, user, reply_id, self.host_id, self.lease, limit, new_session) is None:
                 raise TooManyRepliesError(user)
         self._admitted += 1
         try:
@@ -508,6 +523,10 @@ async def _migrate(pool: asyncpg.Pool) -> None:
                     "ALTER TABLE agentmw_sessions ADD COLUMN IF NOT EXISTS owner text NOT NULL DEFAULT ''"
                 )
             # 3: agentmw_replies is new, made by _SCHEMA above (it starts empty: no reply runs during a migration).
+            if version is not None and version < 4:
+                await conn.execute(
+                    "ALTER TABLE agentmw_replies ADD COLUMN IF NOT EXISTS new_session text NOT NULL DEFAULT ''"
+                )
             await conn.execute("DELETE FROM agentmw_schema")
             await conn.execute("INSERT INTO agentmw_schema (version) VALUES ($1)", SCHEMA_VERSION)
         await _check_layout(conn)

@@ -298,8 +298,9 @@ class SqliteStore(CachedJournals):
         return None  # one host per file: the host's own lock is the only holding
 
     @contextlib.asynccontextmanager
-    async def admit(self, user: str, limit: int) -> AsyncIterator[None]:
-        """One host per file: this host's replies are all the replies there are."""
+    async def admit(self, user: str, limit: int, *, new_session: str = "", sessions: int = 0) -> AsyncIterator[None]:
+        """One host per file: this host's replies are all the replies there are, and the sessions
+        it is making all there are (the host counts those: ``new_session`` needs nothing here)."""
         if self._replies[user] >= limit:
             raise TooManyRepliesError(user)
         self._replies[user] += 1

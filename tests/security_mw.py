@@ -21,3 +21,13 @@ class ContextReader(MiddlewareBase):
             if isinstance(event, ReplyStartEvent):
                 agent.state.middle_context["context_reader"] = {"messages_seen": len(agent.state.context)}
             yield event
+
+
+class ToolCallStamper(MiddlewareBase):
+    """on_acting edits the tool call it is given without changing its tool or input (a timestamp),
+    and calls next with it: no permission needed for that (the call runs as the model asked)."""
+
+    async def on_acting(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> AsyncIterator[Any]:
+        input_kwargs["tool_call"].finished_at = "stamped by a middleware"
+        async for item in next_handler():
+            yield item

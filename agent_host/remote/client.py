@@ -128,12 +128,15 @@ MUTATION_PERMISSION = {
     "set_model": "set_model",
 }
 # Kwargs whose override in call_next changes what the mutations above change: the model a reply
-# uses, the messages a reply stores, how the context is compressed (security.md).
+# uses, the messages a reply stores, how the context is compressed, which tool a call the model
+# made runs with what input (on_acting, past the permission check and the user's confirmation:
+# its result is stored as that call's) (security.md).
 OVERRIDE_PERMISSION = {
     "current_model": "set_model",
     "inputs": "mutate_context",
     "context_config": "mutate_context",
     "instructions": "mutate_context",
+    "tool_call": "mutate_context",
 }
 
 

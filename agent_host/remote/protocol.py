@@ -474,6 +474,9 @@ class HookCall:
             current = self.input_kwargs.get("current_model")
             if current is not None and model.id == model_override(current).id:
                 checked -= {"current_model"}  # the same model, its parameters edited: as `parameters` is
+        call, asked = overrides.get("tool_call"), self.input_kwargs.get("tool_call")
+        if call is not None and asked is not None and (call.name, call.input) == (asked.name, asked.input):
+            checked -= {"tool_call"}  # the same tool with the same input (its state or metadata edited)
         self.mw.check_overrides(checked, self.spec.name)  # its permissions (security: client.py)
         self.pending = None
         self.held_seq = 0

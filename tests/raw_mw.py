@@ -13,7 +13,9 @@ finishes only if the items were numbered 1, 2, ...; else fails saying what it go
 and fails unless some message carried several items: a burst of observed copies comes batched),
 finish_early (observes every item with one credit, and finishes after the first copy: the host then
 holds the next item, taken from the inner pipeline while it waited for credits), describe_hangs
-(never answers Describe).
+(never answers Describe), preclaim (appends a block under the id of the user's text block before
+that enters the context, with its call_next; removes "its" block at the first item, then passes
+everything on).
 """
 
 from __future__ import annotations
@@ -134,6 +136,20 @@ def on_reply(mode: str):
                 await context.write(out(hooks_pb2.MiddlewareMessage(fail=fail)))
             else:
                 await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
+        elif mode == "preclaim":
+            begin = hooks_pb2.HostMessage.FromString(first)
+            claimed = begin.begin.input_kwargs.on_reply.message.content[0].text.id
+            msg = hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())
+            block = msg.actions.add().mutate.append_blocks.blocks.add()
+            block.text.id, block.text.text = claimed, "preclaimed"
+            await context.write(out(msg))
+            while (got := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
+                answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=got.item.seq))
+                answer.actions.add().emit.forward_seq = got.item.seq
+                if claimed:  # the user's message is in the context now, under the same id
+                    answer.actions.add().mutate.remove_block, claimed = claimed, ""
+                await context.write(out(answer))
+            await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "finish_early":
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext(credits=1))))
             await context.read()  # the first item's copy; the host now waits for credits

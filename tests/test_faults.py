@@ -33,6 +33,7 @@ from agentmw.data import (
     ReplyEndEvent,
     ReplyFinishedReason,
     Role,
+    TextBlock,
     TextBlockDeltaEvent,
     ToolCallBlock,
     ToolResultBlock,
@@ -420,6 +421,25 @@ async def test_protocol_violations_give_a_clear_error(mode: str) -> None:
         assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED
         assert [m.role for m in agent.state.context][-2:] == [Role.USER, Role.ASSISTANT]
         assert all_calls_answered(agent)
+        await remote.close()
+    finally:
+        proc.stop()
+
+
+async def test_a_block_id_claimed_before_the_users_message_removes_only_the_middlewares_block() -> None:
+    """A middleware (mutate_context) appends a block under the id of the user's text block, which it
+    is handed in on_reply's kwargs before the reply stores it, then removes "its" block: its own
+    goes, the user's words stay. Before, the later block of that id, the user's, was removed (the
+    stored user message was left empty)."""
+    proc = ServerProcess(["-m", "tests.raw_mw", "preclaim", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+        agent = make_agent(remote)
+        items = await reply(agent, "the user's own words")
+        assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items).error
+        texts = [(m.role, [b.text for b in m.content if isinstance(b, TextBlock)]) for m in agent.state.context]
+        assert (Role.USER, ["the user's own words"]) in texts, texts
+        assert not any("preclaimed" in t for _, ts in texts for t in ts), texts
         await remote.close()
     finally:
         proc.stop()

@@ -132,8 +132,10 @@ class AgentState(ReplyFields):
         check_drop(n, len(self.context))
         dropped = [m.id for m in self.context[:n] if m.role == Role.USER]
         self.dropped_user_ids = (self.dropped_user_ids + dropped)[-MAX_DROPPED_IDS:]
+        # Their owners too when a later block has the same id (a middleware's came first: remove_block).
+        gone = {b.id for m in self.context[:n] for b in m.content}
         self.context = self.context[n:]
-        live = {b.id for m in self.context for b in m.content}
+        live = {b.id for m in self.context for b in m.content} - gone
         self.block_owners = {k: v for k, v in self.block_owners.items() if k in live}
         self.version += 1
 
@@ -174,8 +176,11 @@ def check_drop(n: int, length: int) -> None:
 
 
 def remove_block(context: Sequence[Msg], block_id: str) -> Msg | None:
-    """Remove the (latest) block ``block_id``; returns the message that held it, None if none did."""
-    for msg in reversed(context):
+    """Remove the block ``block_id``; returns the message that held it, None if none did. Ids are
+    unique, but for one case: a middleware may add a block under an id the host has not used yet
+    and the host then does (a user's message it was handed in on_reply's kwargs, before the reply
+    stores it). The middleware's own came first, so the earliest is removed: never the host's."""
+    for msg in context:
         for i, block in enumerate(msg.content):
             if block.id == block_id:
                 del msg.content[i]

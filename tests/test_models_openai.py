@@ -249,6 +249,24 @@ async def test_auth_error_fails_at_once_with_the_provider_message(server: Script
     assert final.finished_reason == ReplyFinishedReason.ERROR and message in final.text
 
 
+async def test_a_key_the_provider_quotes_in_its_error_never_leaves_the_model_client(
+    server: ScriptedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gateway that quotes the whole key in its 401: the reply's error, the stored message and
+    the host's log say "[api key]" instead (docs/models.md: keys stay in the host)."""
+    message = "Incorrect API key provided: sk-local. You can find your API key at your account page."
+    server.replies.append(openai_error(401, message, "invalid_request_error", "invalid_api_key"))
+    reg = registry(server, max_retries=2)
+    agent = Agent(models=reg, model="a")
+
+    events, final = await run_reply(agent, "hi")
+    await close_models(reg)
+
+    end = of_type(events, ReplyEndEvent)[-1]
+    assert "Incorrect API key provided: [api key]." in end.error.message, end.error.message
+    assert "sk-local" not in end.error.message + final.text + str(agent.state.context) + caplog.text
+
+
 @pytest.mark.parametrize(
     ("reply", "message", "kind", "retryable"),
     [

@@ -85,8 +85,29 @@ class ChatModel:
         ``max_tokens``, ``response_format``, a thinking budget), as a middleware may ask."""
         started = time.monotonic()
         params = {**self.parameters, **(parameters or {})}
-        deltas = await self._open(messages, tools or [], tool_choice, params)
+        try:
+            deltas = await self._open(messages, tools or [], tool_choice, params)
+        except ModelError as exc:
+            self._redact(exc)
+            raise
         return self._accumulate(deltas, started)
+
+    def _api_key(self) -> str | None:
+        """The key its requests carry (None: none); never in an error text (``_redact``)."""
+        return None
+
+    def _redact(self, exc: ModelError) -> None:
+        """Keys stay in the host: a provider (a gateway, mostly) may quote the key it was sent in
+        its error, which becomes the reply's error, a stored message and log lines. The key is
+        masked in the text, and the exception chain it came in (the SDK's own error) is dropped."""
+        key = self._api_key()
+        if not key or len(key) < 8:  # a placeholder ("unused", "x") is no secret, and masks words
+            return
+        if key in str(exc):
+            exc.args = (str(exc).replace(key, "[api key]"),)
+        for cause in (exc.__cause__, exc.__context__):
+            if cause is not None and key in str(cause):
+                exc.__cause__ = exc.__context__ = None
 
     async def _open(
         self,
@@ -112,6 +133,7 @@ class ChatModel:
             raise
         except ModelError as exc:  # mid-stream: the caller keeps what the user already saw
             exc.partial = acc.result(FinishedReason.ERROR, started)
+            self._redact(exc)
             raise
         finally:
             close = getattr(deltas, "aclose", None)

@@ -111,6 +111,9 @@ class DashScopeChatModel(ChatModel):
             self._session_loop = loop
         return self._session
 
+    def _api_key(self) -> str | None:
+        return self.api_key or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
+
     async def aclose(self) -> None:
         if self._session is not None and self._session_loop is asyncio.get_running_loop():
             await self._session.close()
@@ -123,7 +126,7 @@ class DashScopeChatModel(ChatModel):
         tool_choice: ToolChoice | None,
         parameters: dict[str, Any],
     ) -> AsyncIterator[ChatResponse]:
-        api_key = self.api_key or os.environ.get("DASHSCOPE_API_KEY") or dashscope.api_key
+        api_key = self._api_key()
         if not api_key:
             raise ModelError(
                 f"dashscope model {self.id!r}: no API key (set api_key or DASHSCOPE_API_KEY)",

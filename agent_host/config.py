@@ -570,8 +570,13 @@ def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str) -> No
         cert_cn = _expect(entry.get("cert_cn", ""), str, f"{at}.cert_cn")
         if not digest and not cert_cn:
             raise ConfigError(f"{at}: give a token (token_env, token_file or token_sha256) or a cert_cn")
-        if any(u.name == name for u in sec.users):
-            raise ConfigError(f"{at}.name: {name!r} is used twice")
+        for other in sec.users:  # a token or a certificate names one user: else the first would win
+            if other.name == name:
+                raise ConfigError(f"{at}.name: {name!r} is used twice")
+            if digest and other.token_sha256 == digest:
+                raise ConfigError(f"{at}: {name!r} has the same token as {other.name!r} (each user needs their own)")
+            if cert_cn and other.cert_cn == cert_cn:
+                raise ConfigError(f"{at}.cert_cn: {cert_cn!r} is {other.name!r}'s already (each user needs their own)")
         sec.users.append(User(name, role, digest, cert_cn))
     if "attach_allow" in data:
         allow = data["attach_allow"] or []

@@ -176,6 +176,10 @@ def channel(
     return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
+# Why OpenSSL did not verify a certificate, besides an unknown CA (X509_verify_cert_error_string).
+_VERIFY_REASONS = ("has expired", "is not yet valid", "has been revoked")
+
+
 def tls_hint(details: str | None, tls: bool, *, use_tls: str, client_cert: str) -> str:
     """What a failed connection's error text may owe to TLS, as a clause ("" when nothing points
     there); ``tls``: whether the channel used TLS; ``use_tls`` / ``client_cert``: where the caller
@@ -188,6 +192,9 @@ def tls_hint(details: str | None, tls: bool, *, use_tls: str, client_cert: str) 
         if "WRONG_VERSION_NUMBER" in text:
             return "the TLS handshake failed: the server may not use TLS"
         if "CERTIFICATE_VERIFY_FAILED" in text:
+            for reason in _VERIFY_REASONS:  # OpenSSL's own words follow the code
+                if reason in text:
+                    return f"the TLS handshake failed: the server's certificate {reason}"
             return "the TLS handshake failed: the server's certificate is not signed by the CA trusted here"
         return "the TLS handshake failed"
     if "Socket closed" not in text:

@@ -52,9 +52,10 @@ class Authority:
         )
         self.pem = _write(directory, name, self.cert, self.key).cert
 
-    def issue(self, cn: str, *, server: bool) -> Pair:
+    def issue(self, cn: str, *, server: bool, expired: bool = False) -> Pair:
+        """A certificate for ``cn``, valid for a day (``expired``: until yesterday)."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = datetime.datetime.now(datetime.UTC)
+        now = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=2 if expired else 0)
         builder = (
             x509.CertificateBuilder()
             .subject_name(_name(cn))

@@ -24,11 +24,13 @@ from agent_host.config import load_config
 from agent_host.security import TlsFiles, client_channel
 from agentmw.codec import codec
 from agentmw.data import Msg, ReplyEndEvent
+from agentmw.errors import ConfigError
+from agentmw.security import token_digest
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import UserMsg
 from clients.host_client import HostClient
 from clients.launch import ROOT, ServerProcess
-from tests.certs import Pki, pki
+from tests.certs import Authority, Pki, pki
 from tests.host_util import run_cli, stub
 from tests.model_servers import ScriptedServer, openai_chunk, openai_stream
 
@@ -300,6 +302,20 @@ async def test_a_refused_stream_call_is_always_unauthenticated(procs: Procs, tmp
         hooks = [await bad_hook_call(channel) for _ in range(BAD_CALLS)]
         hooks += await asyncio.gather(*(bad_hook_call(channel) for _ in range(BAD_CALLS)))
     assert set(hooks) == {"UNAUTHENTICATED: this middleware server accepts only its host"}, hooks
+
+
+def test_an_expired_server_certificate_is_named_as_such(procs: Procs, tmp_path: Path) -> None:
+    """A host whose certificate has expired: the client's error says so. Before, every failed
+    verification read "not signed by the CA trusted here", sending the operator to the wrong file."""
+    ca = Authority(tmp_path, "test-ca")
+    expired = ca.issue("server", server=True, expired=True)
+    host = procs.host(tmp_path, f"security:\n  tls: {{cert: {expired.cert}, key: {expired.key}}}\n")
+    done = run_cli("clients.admin", "--host", host.address, "--tls-ca", ca.pem, "status", timeout=30)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"agentmw: cannot reach the host at {host.address} "
+        "(UNAVAILABLE; the TLS handshake failed: the server's certificate has expired)"
+    ), done.stderr
 
 
 def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, tmp_path: Path) -> None:
@@ -787,6 +803,31 @@ async def test_attach_allow_list_gives_no_port_signal(procs: Procs, tmp_path: Pa
         assert code == grpc.StatusCode.UNAVAILABLE and "log" in details, details
         listed = await call(channel, "ListMiddleware", host_pb2.ListMiddlewareRequest())
         assert list(listed.middleware) == []
+
+
+@pytest.mark.parametrize(
+    ("second", "error"),
+    [
+        ("token_env: ALICE_TOKEN", "security.users[1]: 'bob' has the same token as 'alice'"),
+        (f"token_sha256: '{token_digest(TOKENS['alice'])}'", "security.users[1]: 'bob' has the same token as 'alice'"),
+        ("cert_cn: alice", "security.users[1].cert_cn: 'alice' is 'alice''s already"),
+    ],
+)
+def test_two_users_with_one_token_or_certificate_are_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, second: str, error: str
+) -> None:
+    """A token (or certificate name) identifies one user: two users with the same one were accepted,
+    and every call of the second ran as the first (its role, its sessions)."""
+    path = tmp_path / "host.yaml"
+    path.write_text(
+        "security:\n  users:\n"
+        "    - {name: alice, role: user, token_env: ALICE_TOKEN, cert_cn: alice}\n"
+        f"    - {{name: bob, role: admin, {second}}}\n"
+    )
+    monkeypatch.setenv("ALICE_TOKEN", TOKENS["alice"])
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, env={})
+    assert error in str(raised.value), raised.value
 
 
 def test_tls_files_that_cannot_be_used_are_a_configuration_error(certs: Pki, tmp_path: Path) -> None:

@@ -604,7 +604,12 @@ def _permissions(raw: Any, where: str) -> Permissions:
 def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
     if raw is None:
         return []
-    if isinstance(raw, Mapping):  # also accepted: {name: {address: ..., ...}}
+    if isinstance(raw, Mapping) and set(raw) & _MW_KEYS:  # one middleware's settings, its "- " forgotten
+        raise ConfigError(
+            f"{src}: middleware: expected a list, got one mapping (write each middleware as a list "
+            f"item: '- {{name: ..., address: HOST:PORT}}')"
+        )
+    if isinstance(raw, Mapping):  # also accepted: {name: {address: ..., ...}} or {name: HOST:PORT}
         raw = [{"name": k, **(v if isinstance(v, Mapping) else {"address": v})} for k, v in raw.items()]
     if not isinstance(raw, Sequence) or isinstance(raw, str):
         raise ConfigError(f"{src}: middleware: expected a list, got {_kind(raw)}")

@@ -669,6 +669,28 @@ def test_bad_configuration_gives_one_clear_error(procs: Procs, tmp_path: Path) -
     assert "model_name" in bad.stderr and "__init__" not in bad.stderr, bad.stderr
 
 
+@pytest.mark.parametrize(
+    ("yaml", "error"),
+    [
+        # One middleware's settings with the list's "- " forgotten: it became a middleware named
+        # "address", or an error about a middleware[1] the file does not have.
+        ("middleware:\n  address: 127.0.0.1:50181\n", "middleware: expected a list, got one mapping"),
+        ("middleware:\n  name: timing\n  address: 127.0.0.1:50181\n", "middleware: expected a list, got one mapping"),
+        # A network model's settings without its provider: the offline rule model answered for it.
+        (
+            "models:\n  default: gpt\n  models:\n    gpt: {model_name: gpt-4o-mini, base_url: 'http://127.0.0.1:1/v1'}\n",
+            "models: model 'gpt': no provider (one of: dashscope, offline, openai)",
+        ),
+    ],
+)
+def test_a_setting_that_would_be_misread_is_a_configuration_error(tmp_path: Path, yaml: str, error: str) -> None:
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml)
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, env={}).build_models()
+    assert str(raised.value) == f"{path}: {error}" or error in str(raised.value), raised.value
+
+
 def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "host.yaml"
     path.write_text(

@@ -265,13 +265,15 @@ class ModelRegistry:
         The remaining keys of a model go to its constructor: ``model_name``, ``base_url``, ``api_key``
         (or ``api_key_env`` / ``api_key_file``, read here), ``parameters`` (sent with every request,
         e.g. ``temperature``), ``stream``, ``timeout``, ... Every value is checked against the
-        constructor's type hints (``_expected``). The provider defaults to "offline"."""
+        constructor's type hints (``_expected``). Each model names its provider."""
         registry = cls(default=config.get("default"))
         for model_id, spec in (config.get("models") or {}).items():
             if not isinstance(spec, Mapping):
                 raise ValueError(f"model {model_id!r}: expected a mapping of settings, got {spec!r}")
             spec = dict(spec)
-            provider = spec.pop("provider", "offline")
+            if "provider" not in spec:  # a network model's settings on the offline rule model answered for it
+                raise ValueError(f"model {model_id!r}: no provider (one of: {', '.join(sorted(PROVIDERS))})")
+            provider = spec.pop("provider")
             if provider not in PROVIDERS:
                 raise ValueError(f"model {model_id!r}: unknown provider {provider!r} (known: {sorted(PROVIDERS)})")
             retries = spec.pop("max_retries", 0)

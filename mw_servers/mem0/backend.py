@@ -94,17 +94,30 @@ def load_config(
             except ValueError as exc:
                 raise ValueError(f"{source}: {MIDDLEWARE_KEY}: {exc}") from None
         config.update(copy.deepcopy(data))
+    return config, options
+
+
+def with_bundled_model(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the bundled model for a huggingface embedder that names none (imported
+    here, when the memory is made: checking a configuration needs no model package)."""
     embedder = config.get("embedder") or {}
     if embedder.get("provider") == "huggingface" and not (embedder.get("config") or {}).get("model"):
         embedder.setdefault("config", {})["model"] = bundled_model()
-    return config, options
+    return config
 
 
 def build_memory(config: dict[str, Any]) -> Any:
     """A ``mem0.Memory`` (synchronous: the middleware calls it from a worker thread)."""
     from mem0 import Memory  # after prepare_environment()
 
-    return Memory.from_config(config)
+    return Memory.from_config(with_bundled_model(config))
 
 
-__all__ = ["DEFAULT_DIMS", "build_memory", "default_config", "load_config", "prepare_environment"]
+__all__ = [
+    "DEFAULT_DIMS",
+    "build_memory",
+    "default_config",
+    "load_config",
+    "prepare_environment",
+    "with_bundled_model",
+]

@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         "--timeout",
         type=float,
         default=8.0,
-        help="seconds to wait for each piece of audio before a block's speech is given up (tts_error); "
-        "keep it below the host's timeout for this server (default 10)",
+        help="seconds to wait for each piece of audio before a block's speech is given up (tts_error; "
+        "default 8); keep it below the host's timeout for this server (the host's default: 10)",
     )
     args = parser.parse_args(argv)
     if not 0 < args.timeout < float("inf"):

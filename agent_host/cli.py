@@ -78,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(level, int):
             raise ConfigError(f"log_level: unknown level {config.log_level!r}")
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+        # The model SDKs' HTTP client logs every request at INFO: one line per model call, beyond
+        # the host's one line per reply (its warnings and errors still show).
+        for name in ("httpx", "httpx2"):  # httpx2: the openai SDK's
+            logging.getLogger(name).setLevel(max(level, logging.WARNING))
         try:  # spans only when configured (OTEL_* variables or ``tracing:``); else the API's no-op
             tracing.configure("agent-host", settings=config.tracing)
         except ValueError as exc:

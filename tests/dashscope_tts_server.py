@@ -108,8 +108,13 @@ class DashScopeTTSServer:
             return web.json_response(error, status=500)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream;charset=UTF-8"})
         await response.prepare(request)
-        if self.stall:  # a service that took the request and stalled
-            await asyncio.sleep(self.stall)
+        if self.stall:  # a service that took the request and stalled (until the server stops)
+            try:
+                await asyncio.wait_for(self._stop.wait(), self.stall)
+            except TimeoutError:
+                pass
+            else:  # stopping: end the stalled request now, not when the stall is over
+                return response
         text = body["input"]["text"]
         pieces = _pieces(speech(text))
         for i, piece in enumerate(pieces, 1):

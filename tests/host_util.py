@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,16 @@ def run_cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_cli_aside(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> Future[subprocess.CompletedProcess[str]]:
+    """``run_cli`` in a thread of its own, for a command that mostly waits (e.g. a failed attach,
+    answered only after the host's anti-scan delay): the test goes on and takes ``.result()`` later."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run_cli")
+    try:
+        return pool.submit(run_cli, *args, timeout=timeout, env=env)
+    finally:
+        pool.shutdown(wait=False)
+
+
 # ---------------------------------------------------------------------------------------------
 # Talking to a host.
 
@@ -183,6 +194,7 @@ __all__ = [
     "kinds",
     "processes",
     "run_cli",
+    "run_cli_aside",
     "stub",
 ]
 

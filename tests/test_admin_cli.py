@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from clients.launch import ServerProcess, middleware_server, unused_port
 
-from .host_util import Procs, chat, processes, run_cli
+from .host_util import Procs, chat, processes, run_cli, run_cli_aside
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -81,14 +81,11 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     again = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec")
     assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
     # The host answers UNAVAILABLE for a middleware it cannot attach: its words, not "cannot reach
-    # the host" (which the CLI said, sending the operator after a host that was fine).
+    # the host" (which the CLI said, sending the operator after a host that was fine). The answer
+    # comes after the host's anti-scan delay (5 s): the commands below run meanwhile (a failed
+    # attach adds nothing), and its answer is checked at the end.
     nobody = f"127.0.0.1:{unused_port()}"
-    down = agentmw(host, "middleware", "attach", nobody, "--name", "down")
-    assert down.returncode == 1, down.stdout + down.stderr
-    assert down.stderr.strip() == (
-        f"agentmw: {host.address}: UNAVAILABLE: cannot attach {nobody}: no usable middleware server "
-        "answered there (the host's log says why)"
-    ), down.stderr
+    down_aside = run_cli_aside("clients.admin", "--host", host.address, "middleware", "attach", nobody, "--name", "down")
     # A name that cannot prefix tools is the operator's mistake, said at once (it was that same
     # 'no usable middleware server' after the anti-scan delay, blamed on the server's tools).
     spaced = agentmw(host, "middleware", "attach", recorder.address, "--name", "my mw")
@@ -146,6 +143,13 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     # attached yet, the opposite of what detaching it does.
     assert (detached.returncode, detached.stdout) == (0, f"detached rec at {recorder.address}\n"), detached.stdout
     assert agentmw_json(host, "middleware", "list") == []
+
+    down = down_aside.result()
+    assert down.returncode == 1, down.stdout + down.stderr
+    assert down.stderr.strip() == (
+        f"agentmw: {host.address}: UNAVAILABLE: cannot attach {nobody}: no usable middleware server "
+        "answered there (the host's log says why)"
+    ), down.stderr
 
 
 def test_attach_checks_the_address_form_first(tmp_path: Path) -> None:

@@ -156,7 +156,9 @@ def run_cli(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_cli_aside(*args: str, timeout: float = 30.0, env: dict[str, str] | None = None) -> Future[subprocess.CompletedProcess[str]]:
+def run_cli_aside(
+    *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> Future[subprocess.CompletedProcess[str]]:
     """``run_cli`` in a thread of its own, for a command that mostly waits (e.g. a failed attach,
     answered only after the host's anti-scan delay): the test goes on and takes ``.result()`` later."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run_cli")

@@ -85,7 +85,9 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     # comes after the host's anti-scan delay (5 s): the commands below run meanwhile (a failed
     # attach adds nothing), and its answer is checked at the end.
     nobody = f"127.0.0.1:{unused_port()}"
-    down_aside = run_cli_aside("clients.admin", "--host", host.address, "middleware", "attach", nobody, "--name", "down")
+    down_aside = run_cli_aside(
+        "clients.admin", "--host", host.address, "middleware", "attach", nobody, "--name", "down"
+    )
     # A name that cannot prefix tools is the operator's mistake, said at once (it was that same
     # 'no usable middleware server' after the anti-scan delay, blamed on the server's tools).
     spaced = agentmw(host, "middleware", "attach", recorder.address, "--name", "my mw")

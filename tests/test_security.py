@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from clients.chat import UserMsg
 from clients.host_client import HostClient
 from clients.launch import ROOT, ServerProcess
 from tests.certs import Authority, Pki, pki
-from tests.host_util import run_cli, stub
+from tests.host_util import run_cli, run_cli_aside, stub
 from tests.model_servers import ScriptedServer, openai_chunk, openai_stream
 
 TOKENS = {"alice": "alice-token-7f3a9c", "bob": "bob-token-2d8e41", "ops": "ops-token-91bc55"}
@@ -330,21 +331,33 @@ def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, t
     needs_tls = "TLS may be the cause: does the server require TLS (--tls-ca)?"
     needs_cert = "TLS may be the cause: does the server require a client certificate it trusts (--tls-cert, --tls-key)?"
 
-    def last_line(*argv: str) -> str:
-        done = run_cli(*argv, timeout=30)
+    # The five commands run at once (each a process of its own; a failed handshake takes seconds,
+    # the failed attach is answered after the host's anti-scan delay), then are checked in turn.
+    attaching = run_cli_aside(
+        "clients.admin", "--host", plain.address, "middleware", "attach", recorder.address, timeout=60
+    )
+    runs = [
+        run_cli_aside(*argv, timeout=30)
+        for argv in (
+            ("clients.chat", "--host", secured.address, "-m", "hi"),
+            ("clients.chat", "--host", secured.address, "--tls-ca", certs.ca, "-m", "hi"),
+            ("clients.admin", "--host", secured.address, "status"),
+            ("clients.chat", "--host", plain.address, "--tls-ca", certs.ca, "-m", "hi"),
+        )
+    ]
+
+    def last_line(run: Future[subprocess.CompletedProcess[str]]) -> str:
+        done = run.result()
         assert done.returncode == 1, done.stdout + done.stderr
         return done.stderr.strip().splitlines()[-1]
 
-    assert last_line("clients.chat", "--host", secured.address, "-m", "hi").endswith(f"Socket closed ({needs_tls})")
-    no_cert = last_line("clients.chat", "--host", secured.address, "--tls-ca", certs.ca, "-m", "hi")
+    plaintext, no_cert, status, to_plain = map(last_line, runs)
+    assert plaintext.endswith(f"Socket closed ({needs_tls})"), plaintext
     assert no_cert.endswith(f"Socket closed ({needs_cert})"), no_cert
-    assert last_line("clients.admin", "--host", secured.address, "status") == (
-        f"agentmw: cannot reach the host at {secured.address} (UNAVAILABLE; {needs_tls})"
-    )
-    to_plain = last_line("clients.chat", "--host", plain.address, "--tls-ca", certs.ca, "-m", "hi")
+    assert status == f"agentmw: cannot reach the host at {secured.address} (UNAVAILABLE; {needs_tls})"
     assert to_plain.endswith("(the TLS handshake failed: the server may not use TLS)"), to_plain
 
-    attach = run_cli("clients.admin", "--host", plain.address, "middleware", "attach", recorder.address, timeout=60)
+    attach = attaching.result()
     assert attach.returncode == 1, attach.stdout + attach.stderr
     said = f"cannot connect to {recorder.address}"
     deadline = time.monotonic() + 10

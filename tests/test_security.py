@@ -32,7 +32,7 @@ from clients.chat import UserMsg
 from clients.host_client import HostClient
 from clients.launch import ROOT, ServerProcess
 from tests.certs import Authority, Pki, pki
-from tests.host_util import run_cli, run_cli_aside, stop_together, stub
+from tests.host_util import kill_all, run_cli, run_cli_aside, stub
 from tests.model_servers import ScriptedServer, openai_chunk, openai_stream
 
 TOKENS = {"alice": "alice-token-7f3a9c", "bob": "bob-token-2d8e41", "ops": "ops-token-91bc55"}
@@ -72,7 +72,7 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
     try:
         yield p
     finally:
-        stop_together(list(reversed(p.procs)))
+        kill_all(p.procs)
 
 
 def mtls_config(c: Pki, users: str = "") -> str:

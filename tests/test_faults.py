@@ -446,7 +446,7 @@ async def test_a_block_id_claimed_before_the_users_message_removes_only_the_midd
 
 
 async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess) -> None:
-    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=5, connect_timeout=5)).connect()
+    remote = await RemoteMiddleware(marker.address, policy=Policy(timeout=2, connect_timeout=5)).connect()
     agent = make_agent(remote)
 
     def marked(items: list) -> bool:
@@ -460,7 +460,7 @@ async def test_restarted_middleware_serves_the_next_reply(marker: ServerProcess)
     # It waited the hook timeout for a restart, then says why it gave up (not a bare DEADLINE_EXCEEDED).
     error = end_of(items).error
     assert error is not None and re.search(
-        rf"failed in Describe: cannot connect to {re.escape(marker.address)} \(waited 5s\): .*(refused|connect)",
+        rf"failed in Describe: cannot connect to {re.escape(marker.address)} \(waited 2s\): .*(refused|connect)",
         error.message,
     ), error
     marker.restart()  # same port

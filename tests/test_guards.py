@@ -75,7 +75,8 @@ async def test_two_servers_with_one_key_cannot_both_attach(tmp_path: Path) -> No
 async def test_a_restarted_middleware_with_another_key_is_refused(servers: list[ServerProcess]) -> None:
     """The slot a middleware owns is fixed at attach: after a restart it must report the same key."""
     servers.append(keyed("one"))
-    remote = await RemoteMiddleware(servers[0].address, policy=Policy(timeout=5)).connect()
+    # timeout: what the reply while it is down waits for it to come back
+    remote = await RemoteMiddleware(servers[0].address, policy=Policy(timeout=2)).connect()
     agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
     try:
         end, _ = await reply(agent, "first")

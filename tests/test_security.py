@@ -555,26 +555,37 @@ security:
         assert info.key == "recorder"
 
         # Attached middleware may not have the context here: one asking for it is refused, and
-        # so never receives it.
-        code, _ = await code_of(channel, "AttachMiddleware", host_pb2.AttachMiddlewareRequest(address=reader.address))
-        assert code == grpc.StatusCode.UNAVAILABLE
+        # so never receives it. The refusal is answered only after the host's anti-scan delay
+        # (5 s), but decided (and logged) at once: the test goes on once it is decided, and takes
+        # the answer at the end. (Were it attached, the answer would come at once: OK.)
+        refusal = "asks for the context (wants_context) in on_reply"
+        attaching = asyncio.ensure_future(
+            code_of(channel, "AttachMiddleware", host_pb2.AttachMiddlewareRequest(address=reader.address))
+        )
+        async with asyncio.timeout(10):
+            while not attaching.done() and refusal not in host.tail(200):
+                await asyncio.sleep(0.05)
         sid, _ = await reply(channel, "a third message", sid)
         session = await call(channel, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
         assert "context_reader" not in json.loads(session.middle_context_json)
-    assert host.stop() == 0
-    assert "asks for the context (wants_context) in on_reply" in (tmp_path / "host.log").read_text()
 
-    # A configured key that Describe does not report refuses to start (here: the spy's is "recorder").
-    (tmp_path / "claim.yaml").write_text(f'middleware: [{{name: b, address: "{spy.address}", key: budget}}]\n')
-    out = run_cli("agent_host", "--config", str(tmp_path / "claim.yaml"), "--listen", "127.0.0.1:0", "--db", ":memory:")
-    assert out.returncode == 1 and "reports key 'recorder' (configured: 'budget')" in out.stderr, out.stderr
-    # Control: with the context allowed, the same reader does receive it.
-    (tmp_path / "ctx.yaml").write_text(f'middleware: [{{name: r, address: "{reader.address}"}}]\n')
-    host = procs.host(tmp_path, (tmp_path / "ctx.yaml").read_text(), name="host2")
-    async with grpc.aio.insecure_channel(host.address) as channel:
-        sid, _ = await reply(channel, "hello")
-        session = await call(channel, "GetSession", host_pb2.GetSessionRequest(session_id=sid))
-        assert json.loads(session.middle_context_json)["context_reader"]["messages_seen"] >= 1
+        # A configured key that Describe does not report refuses to start (here: the spy's is "recorder").
+        (tmp_path / "claim.yaml").write_text(f'middleware: [{{name: b, address: "{spy.address}", key: budget}}]\n')
+        claim = ["agent_host", "--config", str(tmp_path / "claim.yaml"), "--listen", "127.0.0.1:0", "--db", ":memory:"]
+        out = await asyncio.to_thread(run_cli, *claim)
+        assert out.returncode == 1 and "reports key 'recorder' (configured: 'budget')" in out.stderr, out.stderr
+        # Control: with the context allowed, the same reader does receive it.
+        (tmp_path / "ctx.yaml").write_text(f'middleware: [{{name: r, address: "{reader.address}"}}]\n')
+        host2 = await asyncio.to_thread(procs.host, tmp_path, (tmp_path / "ctx.yaml").read_text(), name="host2")
+        async with grpc.aio.insecure_channel(host2.address) as channel2:
+            sid2, _ = await reply(channel2, "hello")
+            session = await call(channel2, "GetSession", host_pb2.GetSessionRequest(session_id=sid2))
+            assert json.loads(session.middle_context_json)["context_reader"]["messages_seen"] >= 1
+
+        code, _ = await attaching  # the refusal's answer, held back until now
+        assert code == grpc.StatusCode.UNAVAILABLE
+    assert host.stop() == 0
+    assert refusal in (tmp_path / "host.log").read_text()
 
 
 @pytest.mark.parametrize(("mode", "op"), [("summary", "set_summary"), ("drop_all", "drop_messages")])

@@ -545,6 +545,10 @@ class Relay:
         self.target, self.port = target, 0
         self.server: asyncio.Server | None = None
         self.writers: list[asyncio.StreamWriter] = []
+        self.stalled = False  # a database that stops answering, its connections open (a black hole)
+
+    def stall(self) -> None:
+        self.stalled = True
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
@@ -559,17 +563,59 @@ class Relay:
         await self.server.wait_closed()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.writers.append(writer)
+        if self.stalled:  # accepted, never answered
+            return
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        self.writers += [writer, up_writer]
+        self.writers.append(up_writer)
 
         async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             with contextlib.suppress(OSError):
                 while data := await r.read(65536):
-                    w.write(data)
-                    await w.drain()
+                    if not self.stalled:  # else swallowed
+                        w.write(data)
+                        await w.drain()
             w.transport.abort()
 
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_a_database_that_stops_answering_fails_calls_in_bounded_time(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """PostgreSQL stops answering, its connections open (hung, or a network that drops packets): a
+    reply in flight and the session calls end with UNAVAILABLE, each store call within its bound
+    (connecting: the lease, at least 3 s; a statement: past the lock timeout), health says
+    NOT_SERVING, and the host's stop does not wait on it. Before, each waited until the database
+    answered again, saying nothing (asyncpg bounds only connecting, by 10 s)."""
+    target = urlsplit(dsn)
+    relay = Relay(target.port or 5432)
+    await relay.start()
+    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
+    effects, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)
+    try:
+        session, _ = await reply(host.address, "", UserMsg("hi"))
+        async with HostClient(host.address) as client:
+            call = client.reply(session, UserMsg("call fx__slow_note text=slow seconds=1"))
+            stream = await started_tool(call, effects, ["slow"])
+            relay.stall()  # its result cannot be stored: no answer, no error either
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as in_flight:
+                async with asyncio.timeout(40):  # each store call within the bound: ~10 s for the three here
+                    async for _item in stream:
+                        pass
+        assert time.monotonic() - started < 30
+        assert in_flight.value.code() == grpc.StatusCode.UNAVAILABLE, in_flight.value
+        assert in_flight.value.details().startswith("the session store is unreachable: "), in_flight.value.details()
+        assert not in_flight.value.details().endswith(": "), "it says why"
+        async with grpc.aio.insecure_channel(host.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as listed:
+                await stub(channel).ListSessions(host_pb2.ListSessionsRequest(), timeout=20)
+            assert listed.value.code() == grpc.StatusCode.UNAVAILABLE, listed.value
+        assert await health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert await asyncio.to_thread(host.stop, 20) != -signal.SIGKILL  # it exits by itself, not killed
+    finally:
+        await relay.cut()
 
 
 async def test_health_is_not_serving_while_the_store_is_unreachable(procs: Procs, tmp_path: Path, dsn: str) -> None:

@@ -37,7 +37,8 @@ _DOWN = (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError, async
 
 def store_failure(exc: BaseException) -> str:
     """What a client is told when the store failed with ``exc`` (one of STORE_ERRORS)."""
-    return f"the session store {'is unreachable' if isinstance(exc, _DOWN) else 'failed'}: {exc}"
+    what = str(exc) or ("it did not answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
+    return f"the session store {'is unreachable' if isinstance(exc, _DOWN) else 'failed'}: {what}"
 
 
 async def open_store(db: str | Path, *, lease: float = 10.0) -> SessionStore:

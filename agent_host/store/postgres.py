@@ -172,6 +172,8 @@ _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, stat
 POLL = 1.0  # a waiter tries again at least this often (a missed notification costs no more)
 RELISTEN_MAX = 5.0  # seconds at most between tries to listen again after the connection was lost
 REACHABLE_TIMEOUT = 1.0  # seconds a health check waits for the database (probes time out soon after)
+MIN_COMMAND_TIMEOUT = 3.0  # seconds connecting may take at least (else the lease)
+MIGRATION_WAIT = 300.0  # seconds a starting host waits for another's migration
 
 
 def is_dsn(db: str) -> bool:
@@ -217,7 +219,17 @@ class PostgresStore(CachedJournals):
     async def connect(cls, dsn: str, *, lease: float = 10.0) -> PostgresStore:
         """Connect, create or migrate the schema, and listen. Raises OSError saying what failed."""
         try:
-            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=10, timeout=10, server_settings=_settings(lease))
+            pool = await asyncpg.create_pool(
+                dsn,
+                min_size=1,
+                max_size=10,
+                # Connecting, and every statement: a database that stops answering (hung, or cut
+                # off with no reset) fails the call, UNAVAILABLE, instead of holding replies, session
+                # calls and shutdown until it answers again. A write slower than the lease is lost anyway.
+                timeout=max(lease, MIN_COMMAND_TIMEOUT),
+                command_timeout=2 * lease + 1,  # past lock_timeout (_settings): a lock wait ends as busy
+                server_settings=_settings(lease),
+            )
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             raise OSError(f"cannot connect to {redact(dsn)}: {exc}") from None
         try:
@@ -337,7 +349,7 @@ class PostgresStore(CachedJournals):
                     _RENEW, [h.session_id for h in holds], [h.fence for h in holds], self.host_id, self.lease
                 )
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-                log.warning("cannot renew %d leases: %s", len(holds), exc)
+                log.warning("cannot renew %d leases: %s", len(holds), str(exc) or type(exc).__name__)
                 continue
             alive = {(r["session_id"], r["fence"]): r["interrupt"] for r in rows}
             for hold in holds:
@@ -507,7 +519,7 @@ async def _migrate(pool: asyncpg.Pool) -> None:
     no DDL: a database user who may only read and write the tables runs a host."""
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute("SET LOCAL lock_timeout = 0")  # another host's migration may take its time
-        await conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})")
+        await conn.execute(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})", timeout=MIGRATION_WAIT)
         version = None
         if await conn.fetchval("SELECT to_regclass('agentmw_schema')") is not None:
             version = await conn.fetchval("SELECT max(version) FROM agentmw_schema")

@@ -188,7 +188,15 @@ class Acting(AgentBase):
             if task is not None and task.cancelling() and not self._interrupt_requested:
                 raise asyncio.CancelledError  # its batch was abandoned: the reply ended without this result
             events = self._save_result(call, response.content, response.state, response.metadata)
-            await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
+            try:
+                await self.journal.record_tool_result(call.id)  # durable before anyone hears of it
+            except asyncio.CancelledError:
+                # Cut off while the write was slow (it goes on, shielded): the result is the
+                # reply's already, so its end goes out before the reply's, which would else find
+                # the result open (the call counts as answered, so nothing else ends it).
+                for event in events:
+                    yield event
+                raise
             for event in events:
                 yield event
             if drain:

@@ -8,6 +8,7 @@ file per run, so a test counts how often a tool really ran, whatever happened to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import statistics
@@ -74,6 +75,41 @@ def calls_and_results(state: object) -> tuple[list[ToolCallBlock], dict[str, Too
 
 def user_texts(state: object) -> list[str]:
     return [m.text for m in state.context if m.role == Role.USER]  # type: ignore[attr-defined]
+
+
+async def test_a_reply_cut_off_while_its_tool_result_is_being_stored_ends_well_formed(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """The client cancels while a tool runs, and the store is slow to take the interrupted result
+    (another writer holds the database) past the 5 s grace: the reply is cut off. What the client
+    gets stays well formed, the result's end before the reply's. Before, the result's end was lost
+    when the cut-off came during its write, and the reply's end found it open: a ReplyGrammarError
+    blaming "the agent itself", stored in the session."""
+    effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
+    fx = side_effects(procs, effects)
+    host = procs.host(db, "--middleware", f"fx={fx.address}")
+    items: list[object] = []
+    blocker = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    try:
+        async with HostClient(host.address) as client:
+            call = client.reply("", UserMsg("call fx__slow_note text=slow seconds=60"))
+            with contextlib.suppress(grpc.aio.AioRpcError):  # ABORTED once cut off
+                async with asyncio.timeout(30):
+                    async for item in call:
+                        items.append(item)
+                        if isinstance(item, ToolResultStartEvent):
+                            await wait_until(lambda: lines(effects) == ["slow"])
+                            blocker.execute("BEGIN IMMEDIATE")  # the store's next write waits for it
+                            call.cancel()
+                            asyncio.get_running_loop().call_later(8, blocker.rollback)  # past the grace
+    finally:
+        blocker.close()
+    opened = {i.tool_call_id for i in items if isinstance(i, ToolResultStartEvent)}
+    ended = {i.tool_call_id for i in items if isinstance(i, ToolResultEndEvent)}
+    assert opened == ended, items
+    assert not any("ReplyGrammarError" in str(getattr(i, "error", "")) for i in items), items
+    _, state, _ = await get_session(host.address, call.session_id)
+    assert "ReplyGrammarError" not in str(state.context)
 
 
 async def test_kill_while_a_tool_runs_keeps_results_and_runs_nothing_again(procs: Procs, tmp_path: Path) -> None:

@@ -815,6 +815,34 @@ async def test_replies_per_owner_counts_the_replies_on_every_host(procs: Procs, 
     assert await ending(items) == ReplyFinishedReason.COMPLETED
 
 
+async def test_a_reply_of_a_host_paused_past_its_lease_counts_again_when_it_goes_on(
+    procs: Procs, tmp_path: Path, dsn: str
+) -> None:
+    """replies_per_owner: 1. Host A is paused (SIGSTOP) past a lease while alice's reply runs there,
+    and an admission on B drops A's row as expired; A goes on (nobody took the session), and so does
+    the reply: it counts again, and alice's next reply on B is refused while it runs. Before, the
+    row was gone for good (renewing only updated rows): two replies of hers ran at once."""
+    users = "".join(f"    - {{name: {n}, role: user, token_sha256: '{token_digest(t)}'}}\n" for n, t in TOKENS.items())
+    limits = "limits: {replies_per_owner: 1}\n"
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, yaml=f"security:\n  users:\n{users}{limits}")
+    async with HostClient(a.address, token=TOKENS["alice"]) as client:
+        call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
+        stream = await started_tool(call, effects, ["long"])  # kept: a dropped stream cancels the call
+        assert a.popen is not None
+        a.popen.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(float(LEASE) * 1.5)  # A's row expires
+            items = await busy_reply(b.address, "", "hi", token=TOKENS["alice"])  # admitted: A's row dropped
+            assert await ending(items) == ReplyFinishedReason.COMPLETED
+        finally:
+            a.popen.send_signal(signal.SIGCONT)
+        await asyncio.sleep(float(LEASE))  # A renews what it runs
+        with pytest.raises(grpc.aio.AioRpcError) as limited:
+            await busy_reply(b.address, "", "hi again", token=TOKENS["alice"])
+        assert limited.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, limited.value
+        del stream
+
+
 async def test_sessions_per_owner_holds_for_first_replies_sent_at_once_to_every_host(
     procs: Procs, tmp_path: Path, dsn: str
 ) -> None:

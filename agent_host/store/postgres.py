@@ -156,7 +156,15 @@ SELECT count(*) FROM (
     UNION SELECT $2
 ) AS owned
 """
-_RENEW_REPLIES = "UPDATE agentmw_replies SET expires = now() + make_interval(secs => $2) WHERE host = $1"
+# This host's running replies ($1 ids, $2 users, $3 the sessions they make): renewed, and written
+# again when gone (the host was paused or cut off past a lease, and an admission dropped them as
+# expired): a reply that runs on counts again.
+_RENEW_REPLIES = """
+INSERT INTO agentmw_replies (id, user_name, new_session, host, expires)
+SELECT id, user_name, new_session, $4, now() + make_interval(secs => $5)
+FROM unnest($1::text[], $2::text[], $3::text[]) AS r(id, user_name, new_session)
+ON CONFLICT (id) DO UPDATE SET expires = excluded.expires
+"""
 _UPSERT_SESSION = """
 INSERT INTO agentmw_sessions (session_id, title, message_count, status, in_flight, fence, meta, owner)
 VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, ''::bytea), $8)
@@ -213,7 +221,8 @@ class PostgresStore(CachedJournals):
         self._waiters: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
         CachedJournals.__init__(self)
         self._renewer: asyncio.Task[None] | None = None
-        self._admitted = 0  # this host's rows in agentmw_replies (renewed while any)
+        # This host's rows in agentmw_replies: id -> (user, the session it makes); renewed while any.
+        self._admitted: dict[str, tuple[str, str]] = {}
 
     @classmethod
     async def connect(cls, dsn: str, *, lease: float = 10.0) -> PostgresStore:
@@ -342,7 +351,12 @@ class PostgresStore(CachedJournals):
             holds = list(self._held.values())
             try:
                 if self._admitted:
-                    await self.pool.execute(_RENEW_REPLIES, self.host_id, self.lease)
+                    ids, rows = list(self._admitted), list(self._admitted.values())
+                    users, made = [user for user, _ in rows], [session for _, session in rows]
+                    await self.pool.execute(_RENEW_REPLIES, ids, users, made, self.host_id, self.lease)
+                    ended = [i for i in ids if i not in self._admitted]  # meanwhile: not to count again
+                    if ended:
+                        await self.pool.execute("DELETE FROM agentmw_replies WHERE id = ANY($1::text[])", ended)
                 if not holds:
                     continue
                 rows = await self.pool.fetch(
@@ -381,11 +395,11 @@ class PostgresStore(CachedJournals):
                 raise TooManySessionsError(user)
             if await conn.fetchval(_ADMIT, user, reply_id, self.host_id, self.lease, limit, new_session) is None:
                 raise TooManyRepliesError(user)
-        self._admitted += 1
+        self._admitted[reply_id] = (user, new_session)
         try:
             yield
         finally:
-            self._admitted -= 1
+            del self._admitted[reply_id]
             with contextlib.suppress(Exception):  # else it stops counting when it expires
                 await asyncio.shield(self.pool.execute("DELETE FROM agentmw_replies WHERE id = $1", reply_id))
 

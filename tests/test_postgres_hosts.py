@@ -36,6 +36,7 @@ from agentmw.data import (
     ReplyStartEvent,
     RequireUserConfirmEvent,
     Role,
+    TextBlockDeltaEvent,
     ToolCallBlock,
     ToolResultBlock,
     ToolResultStartEvent,
@@ -433,13 +434,14 @@ async def test_a_host_listens_again_after_its_notification_connection_is_lost(
     assert await ending(rest) == ReplyFinishedReason.INTERRUPTED
 
 
-async def test_the_final_msg_reaches_the_client_only_once_the_reply_is_stored(
+async def test_the_reply_end_reaches_the_client_only_once_the_reply_is_stored(
     procs: Procs, tmp_path: Path, dsn: str
 ) -> None:
     """The store is slow to take the reply's end (its lease row locked by another transaction): the
-    client gets the reply's events, but its final Msg only once the end is stored. Before, the whole
-    reply went out first: a host killed before the write left the client holding a reply the store
-    did not have (a completed answer lost, a parked call no longer waiting)."""
+    client gets the reply's events, but its ReplyEndEvent and final Msg only once the end is stored.
+    Before, the whole reply went out first: a host killed before the write left the client holding a
+    reply the store did not have (a completed answer lost, a parked call no longer waiting); then the
+    ReplyEndEvent still did (a completed end, and then an error when the write failed)."""
     _, (host,) = cluster(procs, tmp_path, dsn, 1, delay=0.2)  # the lock is taken before the reply ends
     async with HostClient(host.address) as client:
         call = client.reply("", UserMsg("hello there"))
@@ -453,20 +455,23 @@ async def test_the_final_msg_reaches_the_client_only_once_the_reply_is_stored(
         lock = await asyncpg.connect(dsn)
         try:
             async with asyncio.timeout(20):
-                while not isinstance(item := await items.get(), ReplyEndEvent):
-                    if isinstance(item, ReplyStartEvent):
-                        held = lock.transaction()
-                        await held.start()
-                        row = "SELECT 1 FROM agentmw_leases WHERE session_id=$1 FOR UPDATE"
-                        await lock.execute(row, call.session_id)
-            with pytest.raises(TimeoutError):  # the end cannot be stored yet: no final Msg
-                await asyncio.wait_for(items.get(), 1.0)
+                while not isinstance(await items.get(), ReplyStartEvent):
+                    pass
+            held = lock.transaction()
+            await held.start()
+            await lock.execute("SELECT 1 FROM agentmw_leases WHERE session_id=$1 FOR UPDATE", call.session_id)
+            before: list[object] = []
+            with contextlib.suppress(TimeoutError):  # the reply's events, until it waits for the store
+                while True:
+                    before.append(await asyncio.wait_for(items.get(), 1.5))
+            assert before and not any(isinstance(i, ReplyEndEvent | Msg) for i in before), before
             await held.rollback()
-            final = await asyncio.wait_for(items.get(), 20)
+            end, final = await asyncio.wait_for(items.get(), 20), await asyncio.wait_for(items.get(), 20)
             await consumer
         finally:
             consumer.cancel()
             await lock.close()
+    assert isinstance(end, ReplyEndEvent) and end.finished_reason == ReplyFinishedReason.COMPLETED, end
     assert isinstance(final, Msg) and final.text == "You said: hello there"
 
 
@@ -614,6 +619,35 @@ async def test_a_database_that_stops_answering_fails_calls_in_bounded_time(
             assert listed.value.code() == grpc.StatusCode.UNAVAILABLE, listed.value
         assert await health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await asyncio.to_thread(host.stop, 20) != -signal.SIGKILL  # it exits by itself, not killed
+    finally:
+        await relay.cut()
+
+
+async def test_a_reply_whose_end_cannot_be_stored_never_ends_completed(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    """The store goes away while the model streams a plain answer, so the first write that fails is
+    the reply's end: the client gets ReplyEndEvent(ERROR) saying so, then UNAVAILABLE, and no final
+    Msg (docs/host.md). Before, it got ReplyEndEvent(COMPLETED) for a turn the session does not have."""
+    target = urlsplit(dsn)
+    relay = Relay(target.port or 5432)
+    await relay.start()
+    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
+    _, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1, delay=0.05)
+    items: list[object] = []
+    try:
+        async with HostClient(host.address) as client:
+            call = client.reply("", UserMsg(" ".join(f"w{i}" for i in range(30))))
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async with asyncio.timeout(30):
+                    async for item in call:
+                        items.append(item)
+                        if isinstance(item, TextBlockDeltaEvent) and len(items) < 10:
+                            await relay.cut()  # once: the end cannot be stored
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        (end,) = [i for i in items if isinstance(i, ReplyEndEvent)]
+        assert end.finished_reason == ReplyFinishedReason.ERROR, end
+        assert end.error is not None
+        assert "the reply was not stored: the session store is unreachable" in end.error.message
+        assert not isinstance(items[-1], Msg), "the final Msg goes out only once the reply is stored"
     finally:
         await relay.cut()
 

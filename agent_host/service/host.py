@@ -32,14 +32,17 @@ import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 import jsonschema
 
 from agentmw.data import (
+    ErrorInfo,
+    ErrorType,
     Msg,
+    ReplyEndEvent,
     ReplyFinishedReason,
     Role,
     ToolCallBlock,
@@ -395,6 +398,7 @@ class Host:
                 if run.interrupted:  # cancelled while the session loaded: nothing began
                     raise self._withdrawn()
                 final: Msg | None = None  # the reply's last item: sent once the reply is stored
+                end: list[Any] = []  # its ReplyEndEvent (and what follows): the same
                 try:
                     with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
                         async for item in agent.reply_stream(inputs, structured_schema):
@@ -404,15 +408,25 @@ class Host:
                                 final = None
                             if isinstance(item, Msg):
                                 final = item
+                            elif end or isinstance(item, ReplyEndEvent):
+                                end.append(item)
                             else:
                                 await run.put(item)
                 finally:
                     if run.cut_off:  # cancelled half-way: close the reply as after a host crash
                         agent.close_interrupted_reply(None, CUT_OFF)
-                    # Shielded: a host shutdown that cancels this task must not lose the session.
-                    await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
-                # Only now: a client that saw the final Msg can count on the session holding the
+                    try:  # Shielded: a host shutdown that cancels this task must not lose the session.
+                        await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
+                    except STORE_ERRORS as exc:  # the client never sees it completed: it failed, UNAVAILABLE follows
+                        if end and isinstance(end[0], ReplyEndEvent):
+                            why = f"the reply was not stored: {store_failure(exc)}"
+                            error = ErrorInfo(type=ErrorType.UPSTREAM, message=why)
+                            await run.put(replace(end[0], finished_reason=ReplyFinishedReason.ERROR, error=error))
+                        raise
+                # Only now: a client that saw the reply's end can count on the session holding the
                 # reply (parked or ended), whichever host it asks next.
+                for item in end:
+                    await run.put(item)
                 if final is not None:
                     await run.put(final)
             finally:

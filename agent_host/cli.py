@@ -74,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         config = load_config(args.config, flags=flags)
-        level = getattr(logging, config.log_level.upper(), None)
-        if not isinstance(level, int):
-            raise ConfigError(f"log_level: unknown level {config.log_level!r}")
+        level = getattr(logging, config.log_level.upper())  # checked by load_config
         logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
         # The model SDKs' HTTP client logs every request at INFO: one line per model call, beyond
         # the host's one line per reply (its warnings and errors still show).

@@ -58,6 +58,7 @@ the new address and keeps its YAML policy (fail_open, timeout); new names are ap
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -178,12 +179,16 @@ class HostConfig:
     tracing: dict[str, Any] = field(default_factory=dict)  # see agent_host/tracing.py
     security: SecurityConfig = field(default_factory=SecurityConfig)
     source: str = "defaults"  # the YAML file, when there is one
+    # Where a setting's value came from, for its errors: "FILE: key", "environment NAME", "flag --x".
+    origins: dict[str, str] = field(default_factory=dict)
 
     def build_models(self) -> Any:
         """The model registry; an unknown provider or a bad model setting is a ConfigError."""
         from .models.registry import ModelRegistry
 
         where = f"{self.source}: models" if self.source != "defaults" else "models"
+        if "model" in self.origins:  # the default model's id was given there
+            where = f"{where} (the default model: {self.origins['model']})"
         try:
             if not isinstance(self.models.get("models"), Mapping) or not self.models["models"]:
                 raise ValueError("expected 'models: {<id>: {provider: ..., ...}}' with at least one model")
@@ -249,7 +254,7 @@ def load_config(
             raw = env.get(name) if kind == "environment" else flags.get(key)
             if raw is None or raw == "" or raw == []:
                 continue
-            where = f"{kind} {name}"
+            where = cfg.origins[key] = f"{kind} {name}"
             if key == "middleware":
                 items = split_middleware_list(raw) if isinstance(raw, str) else list(raw)
                 for item in items:
@@ -269,7 +274,9 @@ def load_config(
                 setattr(getattr(cfg.security, group), attr, str(raw))
             else:
                 setattr(cfg, key, str(raw))
-    _check_listen(cfg.listen, "listen")
+    _check_listen(cfg.listen, cfg.origins.get("listen", "listen"))
+    if not isinstance(getattr(logging, cfg.log_level.upper(), None), int):
+        raise ConfigError(f"{cfg.origins.get('log_level', 'log_level')}: unknown level {cfg.log_level!r}")
     try:
         check_loop(cfg.loop, "loop (YAML loop:, AGENTMW_LOOP or --loop)")
     except ValueError as exc:
@@ -452,6 +459,7 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     for key in ("listen", "db", "log_level", "loop"):
         if key in data:
             setattr(cfg, key, _expect(data[key], str, f"{src}: {key}"))
+            cfg.origins[key] = f"{src}: {key}"
     if data.get("metrics_port") is not None:
         cfg.metrics_port = _port(
             str(_expect(data["metrics_port"], int, f"{src}: metrics_port")), f"{src}: metrics_port"

@@ -691,6 +691,29 @@ def test_a_setting_that_would_be_misread_is_a_configuration_error(tmp_path: Path
     assert str(raised.value) == f"{path}: {error}" or error in str(raised.value), raised.value
 
 
+@pytest.mark.parametrize(
+    ("yaml", "env", "flags", "error"),
+    [
+        ("listen: foo\n", {}, {}, "{path}: listen: 'foo' is not HOST:PORT"),
+        ("", {"AGENTMW_LISTEN": "foo"}, {}, "environment AGENTMW_LISTEN: 'foo' is not HOST:PORT"),
+        ("listen: 127.0.0.1:1\n", {}, {"listen": "foo"}, "flag --listen: 'foo' is not HOST:PORT"),
+        ("log_level: verbose\n", {}, {}, "{path}: log_level: unknown level 'verbose'"),
+        ("", {"AGENTMW_LOG_LEVEL": "verbose"}, {}, "environment AGENTMW_LOG_LEVEL: unknown level 'verbose'"),
+        ("", {}, {"model": "gpt4"}, "models (the default model: flag --model): unknown model id 'gpt4'"),
+    ],
+)
+def test_a_bad_setting_says_where_it_came_from(
+    tmp_path: Path, yaml: str, env: dict[str, str], flags: dict[str, str], error: str
+) -> None:
+    """Each error names the file and key, the variable or the flag of the value (config.py's
+    promise); these said only "listen:", "log_level:" or "models:" whatever the source."""
+    path = tmp_path / "host.yaml"
+    path.write_text(yaml or "{}\n")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, env=env, flags=flags).build_models()
+    assert error.format(path=path) in str(raised.value), raised.value
+
+
 def test_config_precedence_yaml_env_flags(tmp_path: Path) -> None:
     path = tmp_path / "host.yaml"
     path.write_text(

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         # the host's one line per reply (its warnings and errors still show).
         for name in ("httpx", "httpx2"):  # httpx2: the openai SDK's
             logging.getLogger(name).setLevel(max(level, logging.WARNING))
+        # asyncpg's pool logs a traceback at each reconnection try while PostgreSQL is down: an
+        # outage, which the store's own warnings and UNAVAILABLE answers tell.
+        logging.getLogger("asyncpg.pool").setLevel(max(level, logging.ERROR))
         try:  # spans only when configured (OTEL_* variables or ``tracing:``); else the API's no-op
             tracing.configure("agent-host", settings=config.tracing)
         except ValueError as exc:

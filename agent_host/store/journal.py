@@ -133,7 +133,12 @@ class RowJournal:
 
     async def _commit(self, status: ReplyStatus, started: str = "", finished: str = "", clear: bool = False) -> None:
         # Shielded: a cancelled caller must not leave a write half-known (the DB has it, we don't).
-        await asyncio.shield(self._commit_in_order(status, started, finished, clear))
+        write = asyncio.ensure_future(self._commit_in_order(status, started, finished, clear))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:  # the write goes on; its caller is gone, so a failure of it is no bug
+            write.add_done_callback(_retrieved)
+            raise
 
     async def _commit_in_order(self, status: ReplyStatus, started: str, finished: str, clear: bool) -> None:
         async with self.lock:
@@ -215,3 +220,9 @@ class CachedJournals:
     def _forget(self, journal: RowJournal) -> None:
         if self._cache.get(journal.state.session_id) is journal:
             del self._cache[journal.state.session_id]
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """A write no one awaits any more: its failure (a store outage) is not a bug to print at exit."""
+    if not task.cancelled():
+        task.exception()

@@ -18,6 +18,7 @@ span tree of each reply is printed at the end.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import copy
 import importlib
@@ -346,7 +347,12 @@ def _terminated(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SIGTERM ends the demo like Ctrl-C, so its children are stopped too
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # No options: --help says what it does, rather than starting it.
+    parser = argparse.ArgumentParser(
+        prog="python -m clients.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
     return run()
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from agent_host.store import ReplyStatus, SqliteStore
+import pytest
+
+from agent_host.store import ReplyStatus, SqliteStore, open_store
 from agentmw.codec import codec
 from agentmw.data import (
     AssistantMsg,
@@ -97,3 +99,9 @@ async def test_a_one_blob_database_is_migrated(tmp_path: Path) -> None:
     )
     await stored(store, state)
     store.close()
+
+
+async def test_a_dsn_of_another_database_is_refused_saying_what_is_known() -> None:
+    """``mysql://...`` was taken for a SQLite path: "no directory mysql:"."""
+    with pytest.raises(OSError, match=r"^mysql:// is not a store the host knows: give a postgresql:// DSN"):
+        await open_store("mysql://user@db.example/sessions")

@@ -764,6 +764,20 @@ def test_middleware_from_the_environment_takes_what_the_flag_takes() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("module", "says"),
+    [
+        ("clients.demo", "usage: python -m clients.demo"),  # it ran the whole demo
+        ("mw_servers.tracing", "default 127.0.0.1:50075"),  # the servers' addresses had no default shown
+        ("mw_servers.tts", "default 127.0.0.1:50081"),
+        ("mw_servers.mem0", "default 127.0.0.1:50077"),
+    ],
+)
+def test_help_says_what_it_does_and_its_defaults(module: str, says: str) -> None:
+    done = run_cli(module, "--help", timeout=30)
+    assert done.returncode == 0 and says in " ".join(done.stdout.split()), done.stdout + done.stderr
+
+
 def test_demo_completes() -> None:
     done = run_cli("clients.demo", timeout=50)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -47,6 +47,9 @@ async def open_store(db: str | Path, *, lease: float = 10.0) -> SessionStore:
     another host holds the SQLite file, OSError / sqlite3.Error when the store cannot be opened."""
     if is_dsn(str(db)):
         return await PostgresStore.connect(str(db), lease=lease)
+    scheme = str(db).partition("://")[0]
+    if "://" in str(db) and scheme.isidentifier():  # mysql://..., sqlite://...: a DSN of no store of ours
+        raise OSError(f"{scheme}:// is not a store the host knows: give a postgresql:// DSN or a SQLite file path")
     return SqliteStore(db)
 
 

@@ -29,7 +29,9 @@ log = logging.getLogger("agentmw.mem0")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mw_servers.mem0", description=description(__doc__))
-    parser.add_argument("--address", default="127.0.0.1:50077", help="host:port to listen on (port 0 = any)")
+    parser.add_argument(
+        "--address", default="127.0.0.1:50077", help="host:port to listen on (port 0 = any; default %(default)s)"
+    )
     parser.add_argument("--mode", choices=MODES, help="static (memory hint), agent (tools) or both (default)")
     parser.add_argument("--store", type=Path, default=Path("mem0-store"), help="directory of the default store")
     parser.add_argument("--config", type=Path, help="YAML: mem0 configuration, plus middleware options (agentmw:)")

@@ -20,7 +20,9 @@ from . import TracingMiddleware
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mw_servers.tracing", description=description(__doc__))
-    parser.add_argument("--address", default="127.0.0.1:50075", help="host:port to listen on (port 0 = any)")
+    parser.add_argument(
+        "--address", default="127.0.0.1:50075", help="host:port to listen on (port 0 = any; default %(default)s)"
+    )
     parser.add_argument("--otlp-endpoint", metavar="URL", help="OTLP/gRPC collector, e.g. http://127.0.0.1:4317")
     parser.add_argument(
         "--service-name", metavar="NAME", help="service.name (default: $OTEL_SERVICE_NAME, else agentmw-tracing)"

@@ -21,7 +21,9 @@ from .engines import EngineError, api_key
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mw_servers.tts", description=description(__doc__))
-    parser.add_argument("--address", default="127.0.0.1:50081", help="host:port to listen on (port 0 = any)")
+    parser.add_argument(
+        "--address", default="127.0.0.1:50081", help="host:port to listen on (port 0 = any; default %(default)s)"
+    )
     parser.add_argument("--engine", choices=list(ENGINES), default="espeak")
     parser.add_argument(
         "--voice", default="", help='espeak: a voice ("en", "en-us", "de"); piper: an .onnx model; DashScope: "Cherry"'

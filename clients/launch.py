@@ -134,7 +134,7 @@ class ServerProcess:
     def _start(self, port: int) -> ServerProcess:
         argv = [a.replace("{port}", str(port)) for a in self.argv]
         if self.log_path is not None:
-            self._log = self.log_path.open("a" if self.popen else "w")  # a restart appends
+            self._log = self.log_path.open("a" if self.popen else "w", buffering=1)  # line by line; a restart appends
         self.address = ""
         self._lines.clear()
         self._ready.clear()

@@ -116,7 +116,8 @@ def test_malformed_rules_are_rejected(rule: dict, complaint: str) -> None:
 
 def test_a_malformed_rule_in_the_registry_config_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
-        ModelRegistry.from_config({"default": "m", "models": {"m": {"rules": [{"pattern": "x"}]}}})
+        spec = {"provider": "offline", "rules": [{"pattern": "x"}]}
+        ModelRegistry.from_config({"default": "m", "models": {"m": spec}})
 
 
 class Fallback(MiddlewareBase):

@@ -17,7 +17,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -552,6 +552,14 @@ class Relay:
         self.writers: list[asyncio.StreamWriter] = []
         self.stalled = False  # a database that stops answering, its connections open (a black hole)
 
+    @classmethod
+    async def in_front_of(cls, dsn: str) -> tuple[Relay, str]:
+        """A started relay to the database of ``dsn``, and the DSN that goes through it."""
+        port = urlsplit(dsn).port or 5432
+        relay = cls(port)
+        await relay.start()
+        return relay, dsn.replace(f":{port}/", f":{relay.port}/")
+
     def stall(self) -> None:
         self.stalled = True
 
@@ -585,6 +593,27 @@ class Relay:
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
 
+async def store_lost_during_a_tool(
+    procs: Procs, tmp_path: Path, dsn: str, lose: Callable[[Relay], Awaitable[None]]
+) -> tuple[Relay, ServerProcess, str, grpc.aio.AioRpcError, float]:
+    """A host behind a relay to the database; its store is lost (``lose``) while a reply's tool
+    runs, so the result cannot be stored. The relay, the host, the session, how the reply's call
+    ended, and the seconds it took to."""
+    relay, relayed = await Relay.in_front_of(dsn)
+    effects, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)
+    session, _ = await reply(host.address, "", UserMsg("hi"))
+    async with HostClient(host.address) as client:
+        call = client.reply(session, UserMsg("call fx__slow_note text=slow seconds=1"))
+        stream = await started_tool(call, effects, ["slow"])
+        await lose(relay)
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as in_flight:
+            async with asyncio.timeout(40):  # each store call within its bound: ~10 s for three when stalled
+                async for _item in stream:
+                    pass
+    return relay, host, session, in_flight.value, time.monotonic() - started
+
+
 async def test_a_database_that_stops_answering_fails_calls_in_bounded_time(
     procs: Procs, tmp_path: Path, dsn: str
 ) -> None:
@@ -593,26 +622,16 @@ async def test_a_database_that_stops_answering_fails_calls_in_bounded_time(
     (connecting: the lease, at least 3 s; a statement: past the lock timeout), health says
     NOT_SERVING, and the host's stop does not wait on it. Before, each waited until the database
     answered again, saying nothing (asyncpg bounds only connecting, by 10 s)."""
-    target = urlsplit(dsn)
-    relay = Relay(target.port or 5432)
-    await relay.start()
-    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
-    effects, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)
+
+    async def stall(relay: Relay) -> None:
+        relay.stall()  # no answer, no error either
+
+    relay, host, _, in_flight, took = await store_lost_during_a_tool(procs, tmp_path, dsn, stall)
     try:
-        session, _ = await reply(host.address, "", UserMsg("hi"))
-        async with HostClient(host.address) as client:
-            call = client.reply(session, UserMsg("call fx__slow_note text=slow seconds=1"))
-            stream = await started_tool(call, effects, ["slow"])
-            relay.stall()  # its result cannot be stored: no answer, no error either
-            started = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as in_flight:
-                async with asyncio.timeout(40):  # each store call within the bound: ~10 s for the three here
-                    async for _item in stream:
-                        pass
-        assert time.monotonic() - started < 30
-        assert in_flight.value.code() == grpc.StatusCode.UNAVAILABLE, in_flight.value
-        assert in_flight.value.details().startswith("the session store is unreachable: "), in_flight.value.details()
-        assert not in_flight.value.details().endswith(": "), "it says why"
+        assert took < 30
+        assert in_flight.code() == grpc.StatusCode.UNAVAILABLE, in_flight
+        assert in_flight.details().startswith("the session store is unreachable: "), in_flight.details()
+        assert not in_flight.details().endswith(": "), "it says why"
         async with grpc.aio.insecure_channel(host.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as listed:
                 await stub(channel).ListSessions(host_pb2.ListSessionsRequest(), timeout=20)
@@ -627,10 +646,7 @@ async def test_a_reply_whose_end_cannot_be_stored_never_ends_completed(procs: Pr
     """The store goes away while the model streams a plain answer, so the first write that fails is
     the reply's end: the client gets ReplyEndEvent(ERROR) saying so, then UNAVAILABLE, and no final
     Msg (docs/host.md). Before, it got ReplyEndEvent(COMPLETED) for a turn the session does not have."""
-    target = urlsplit(dsn)
-    relay = Relay(target.port or 5432)
-    await relay.start()
-    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
+    relay, relayed = await Relay.in_front_of(dsn)
     _, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1, delay=0.05)
     items: list[object] = []
     try:
@@ -655,10 +671,7 @@ async def test_a_reply_whose_end_cannot_be_stored_never_ends_completed(procs: Pr
 async def test_health_is_not_serving_while_the_store_is_unreachable(procs: Procs, tmp_path: Path, dsn: str) -> None:
     """Readiness follows the store: a host whose PostgreSQL is cut off gets no replies (each would
     fail), and serves again once the database is back."""
-    target = urlsplit(dsn)
-    relay = Relay(target.port or 5432)
-    await relay.start()
-    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
+    relay, relayed = await Relay.in_front_of(dsn)
     _, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)  # it connects through the relay
     try:
         assert await health(host.address) == health_pb2.HealthCheckResponse.SERVING
@@ -676,24 +689,11 @@ async def test_a_store_outage_is_unavailable_with_the_stores_message(procs: Proc
     """PostgreSQL cut off: a reply in flight, a new reply and every session RPC end with UNAVAILABLE
     saying the store is unreachable (a client or balancer may retry). Before: INTERNAL ("the host
     failed"), with a host-bug traceback in the log, and UNKNOWN for the session RPCs."""
-    target = urlsplit(dsn)
-    relay = Relay(target.port or 5432)
-    await relay.start()
-    relayed = dsn.replace(f":{target.port}/", f":{relay.port}/")
-    effects, (host,) = await asyncio.to_thread(cluster, procs, tmp_path, relayed, 1)
+    relay, host, session, in_flight, _ = await store_lost_during_a_tool(procs, tmp_path, dsn, Relay.cut)
     try:
-        session, _ = await reply(host.address, "", UserMsg("hi"))
-        async with HostClient(host.address) as client:
-            call = client.reply(session, UserMsg("call fx__slow_note text=slow seconds=1"))
-            stream = await started_tool(call, effects, ["slow"])
-            await relay.cut()  # its result cannot be stored
-            with pytest.raises(grpc.aio.AioRpcError) as in_flight:
-                async with asyncio.timeout(20):
-                    async for _item in stream:
-                        pass
         with pytest.raises(grpc.aio.AioRpcError) as new:
             await reply(host.address, session, UserMsg("again"))
-        failures = [in_flight.value, new.value]
+        failures = [in_flight, new.value]
         async with grpc.aio.insecure_channel(host.address) as channel:
             for rpc, request in (
                 (stub(channel).GetSession, host_pb2.GetSessionRequest(session_id=session)),
@@ -821,10 +821,14 @@ async def test_refuse_if_busy_on_one_sqlite_host_and_agent_chat_no_wait(procs: P
     assert lines(effects) == ["long"]
 
 
-async def test_replies_per_owner_counts_the_replies_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
+def users_yaml(limits: str) -> str:
+    """More of host.yaml: the users of TOKENS, each by the digest of their token, and ``limits``."""
     users = "".join(f"    - {{name: {n}, role: user, token_sha256: '{token_digest(t)}'}}\n" for n, t in TOKENS.items())
-    limits = "limits: {replies_per_owner: 1}\n"
-    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, yaml=f"security:\n  users:\n{users}{limits}")
+    return f"security:\n  users:\n{users}limits: {limits}\n"
+
+
+async def test_replies_per_owner_counts_the_replies_on_every_host(procs: Procs, tmp_path: Path, dsn: str) -> None:
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, yaml=users_yaml("{replies_per_owner: 1}"))
     async with HostClient(a.address, token=TOKENS["alice"]) as client:
         call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
         stream = await started_tool(call, effects, ["long"])  # kept: a dropped stream cancels the call
@@ -856,9 +860,7 @@ async def test_a_reply_of_a_host_paused_past_its_lease_counts_again_when_it_goes
     and an admission on B drops A's row as expired; A goes on (nobody took the session), and so does
     the reply: it counts again, and alice's next reply on B is refused while it runs. Before, the
     row was gone for good (renewing only updated rows): two replies of hers ran at once."""
-    users = "".join(f"    - {{name: {n}, role: user, token_sha256: '{token_digest(t)}'}}\n" for n, t in TOKENS.items())
-    limits = "limits: {replies_per_owner: 1}\n"
-    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, yaml=f"security:\n  users:\n{users}{limits}")
+    effects, (a, b) = cluster(procs, tmp_path, dsn, 2, yaml=users_yaml("{replies_per_owner: 1}"))
     async with HostClient(a.address, token=TOKENS["alice"]) as client:
         call = client.reply("", UserMsg("call fx__slow_note text=long seconds=60"))
         stream = await started_tool(call, effects, ["long"])  # kept: a dropped stream cancels the call

@@ -282,8 +282,10 @@ def load_config(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     for group in ("tls", "middleware_tls"):
+        # Where its files were given: the YAML keys, variables and flags (each once, in that order).
+        given = dict.fromkeys(where for key, where in cfg.origins.items() if key.startswith(f"{group}."))
         try:
-            getattr(cfg.security, group).check(f"security.{group}")
+            getattr(cfg.security, group).check(", ".join(given) or f"security.{group}")
         except SecurityError as exc:
             raise ConfigError(str(exc)) from None
     for i, user in enumerate(cfg.security.users):
@@ -517,7 +519,12 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
             raise ConfigError(f"{src}: tracing: expected a mapping, got {_kind(data['tracing'])}")
         cfg.tracing = {k: _expect(v, str, f"{src}: tracing.{k}") for k, v in data["tracing"].items()}
     try:
-        _yaml_security(cfg.security, _mapping(data.get("security"), f"{src}: security", _SECURITY_KEYS), src)
+        security = _mapping(data.get("security"), f"{src}: security", _SECURITY_KEYS)
+        _yaml_security(cfg.security, security, src)
+        for key in _TLS_SETTINGS:
+            group, name = key.split(".")
+            if name in (security.get(group) or {}):
+                cfg.origins[key] = f"{src}: security.{key}"
     except SecurityError as exc:
         raise ConfigError(str(exc)) from None
     for key, value in _mapping(data.get("limits"), f"{src}: limits", set(_LIMIT_KEYS)).items():

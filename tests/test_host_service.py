@@ -700,6 +700,9 @@ def test_a_setting_that_would_be_misread_is_a_configuration_error(tmp_path: Path
         ("log_level: verbose\n", {}, {}, "{path}: log_level: unknown level 'verbose'"),
         ("", {"AGENTMW_LOG_LEVEL": "verbose"}, {}, "environment AGENTMW_LOG_LEVEL: unknown level 'verbose'"),
         ("", {}, {"model": "gpt4"}, "models (the default model: flag --model): unknown model id 'gpt4'"),
+        # TLS files: where they were given (it said "security.tls" for a flag too)
+        ("security:\n  tls: {cert: c.pem}\n", {}, {}, "{path}: security.tls.cert: a TLS certificate needs its key"),
+        ("", {"AGENTMW_TLS_KEY": "k.pem"}, {}, "environment AGENTMW_TLS_KEY: a TLS certificate needs its key"),
     ],
 )
 def test_a_bad_setting_says_where_it_came_from(

@@ -26,6 +26,7 @@ from agent_host.security import TlsFiles, client_channel
 from agentmw.codec import codec
 from agentmw.data import Msg, ReplyEndEvent
 from agentmw.errors import ConfigError
+from agentmw.sdk.server import TLS_SETTINGS
 from agentmw.security import token_digest
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import UserMsg
@@ -871,13 +872,14 @@ def test_tls_files_that_cannot_be_used_are_a_configuration_error(certs: Pki, tmp
         host = run_cli("agent_host", *argv)
         said = f"the TLS cert {cert} with its key {key} {why}" if why else f"cannot read the TLS cert {cert} ("
         assert host.returncode == 2, host.stderr
-        assert host.stderr.strip().startswith(f"agent-host: configuration error: security.tls: {said}"), host.stderr
+        where = "flag --tls-cert, flag --tls-key"  # where the files were given (it said "security.tls")
+        assert host.stderr.strip().startswith(f"agent-host: configuration error: {where}: {said}"), host.stderr
         sdk = run_cli("agentmw.sdk", RECORDER, "--address", "127.0.0.1:0", "--tls-cert", cert, "--tls-key", key)
         assert sdk.returncode == 2 and "Traceback" not in sdk.stderr, sdk.stderr
         assert (
             sdk.stderr.strip()
             .splitlines()[-1]
-            .startswith(f"agentmw middleware RecorderMiddleware: configuration error: serve: {said}")
+            .startswith(f"agentmw middleware RecorderMiddleware: configuration error: {TLS_SETTINGS}: {said}")
         ), sdk.stderr
     bad_ca = run_cli("agent_host", "--listen", "127.0.0.1:0", "--db", ":memory:", "--tls-client-ca", str(garbage))
     assert bad_ca.returncode == 2 and f"the TLS CA {garbage} cannot be used" in bad_ca.stderr, bad_ca.stderr

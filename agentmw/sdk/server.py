@@ -202,6 +202,13 @@ class ServeSecurity:
         return cls(tls, token_digest(token) if token else "", reflection)
 
 
+# Where a server's TLS files are set, for its errors (a certificate without its key: which to add).
+TLS_SETTINGS = (
+    "TLS (AGENTMW_MW_TLS_CERT, AGENTMW_MW_TLS_KEY, AGENTMW_MW_TLS_CLIENT_CA; "
+    "the SDK command's --tls-cert, --tls-key, --tls-client-ca)"
+)
+
+
 class _HostToken(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call without the host's token, except health checks."""
 
@@ -257,7 +264,7 @@ async def start(
     if security.reflection:
         reflection.enable_server_reflection([*services, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     # A TLS port only: plaintext callers fail the handshake.
-    credentials = security.tls.server_credentials(where="serve") if security.tls.enabled else None
+    credentials = security.tls.server_credentials(where=TLS_SETTINGS) if security.tls.enabled else None
     port = listen(server, address, credentials)  # CannotListen: serve() makes it one line, exit 1
     await server.start()
     return server, port

@@ -47,7 +47,7 @@ from agentmw.data import (
     new_id,
 )
 from agentmw.data.state import AgentState, checked_max_iters
-from agentmw.errors import MAX_TEXT, clipped, own_cancellation, raised_where
+from agentmw.errors import error_text, own_cancellation
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 
@@ -323,11 +323,7 @@ class Agent(Reasoning, Acting, Compression):
         """The end of a failed reply, well formed whatever the client saw so far (a ReplyStartEvent
         if it saw none, its open blocks closed, one ReplyEndEvent(ERROR), the error Msg); the error
         is stored in the reply's message when the reply had begun (its user message is stored)."""
-        # Clipped: the message may quote what a middleware or a model sent, and it is stored and sent.
-        # A remote middleware's exception: also where it was raised (errors.py), kept when clipped.
-        where = raised_where(exc)
-        message = clipped(f"{type(exc).__name__}: {exc}", MAX_TEXT - len(where)) + where
-        error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=message)
+        error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=error_text(exc))
         state = self.state
         grammar.retract()  # the held end / final Msg are dropped: the clean-up continues the stream
         began = grammar.parked or state.reply_id != grammar.previous_reply_id

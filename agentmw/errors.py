@@ -69,6 +69,7 @@ __all__ = [
     "ReplyGrammarError",
     "UnknownModelError",
     "clipped",
+    "error_text",
     "own_cancellation",
     "raised_where",
 ]
@@ -80,6 +81,13 @@ def raised_where(exc: BaseException) -> str:
     it says where, as the in-process traceback would."""
     raised_in = getattr(exc, "raised_in", None)
     return f" ({raised_in})" if isinstance(raised_in, str) else ""
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as a client reads it: "Type: message", clipped (the message may quote what a
+    middleware or a model sent), and where a remote middleware raised it, kept when clipped."""
+    where = raised_where(exc)
+    return clipped(f"{type(exc).__name__}: {exc}", MAX_TEXT - len(where)) + where
 
 
 def own_cancellation(exc: BaseException) -> bool:

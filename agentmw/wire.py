@@ -125,7 +125,9 @@ KNOWN_ERRORS.update(
         for cls in (ModelError, UnknownModelError, CodecError, ConfigError, ToolInputError, ReplyGrammarError)
     }
 )
-_rebuilt: dict[tuple[type, str, type | None], type[Any]] = {}  # (base, name, known class) -> class
+# (base, name, known class) -> class. Bounded: the names come from the other process, any text.
+_rebuilt: dict[tuple[type, str, type | None], type[Any]] = {}
+_MAX_REBUILT = 1024
 _E = TypeVar("_E", bound=BaseException)
 
 
@@ -172,7 +174,9 @@ def _instance(base: type[_E], type_name: str, known: type[BaseException] | None)
     if cls is None:
         name = type_name.replace("\0", "?") or "Exception"  # any other text may name a class
         body = {"__module__": base.__module__, "__str__": _as_sent}
-        cls = _rebuilt[(base, type_name, known)] = type(name, (base, known) if known else (base,), body)
+        cls = type(name, (base, known) if known else (base,), body)
+        if len(_rebuilt) < _MAX_REBUILT:
+            _rebuilt[(base, type_name, known)] = cls
     return cast(_E, cast(Any, cls).__new__(cls))
 
 

@@ -233,14 +233,19 @@ async def test_transient_errors_are_retried_then_succeed(server: ScriptedServer,
     assert len(server.requests) == 2
 
 
-async def test_auth_error_fails_at_once_with_the_provider_message(server: ScriptedServer) -> None:
-    message = "Incorrect API key provided: sk-bad. You can find your API key at your account page."
+async def reply_to_a_401(server: ScriptedServer, message: str) -> tuple[list[Any], Any, Agent]:
+    """A reply whose model answers 401 (an invalid key) with ``message``: its events, final Msg, agent."""
     server.replies.append(openai_error(401, message, "invalid_request_error", "invalid_api_key"))
     reg = registry(server, max_retries=2)
     agent = Agent(models=reg, model="a")
-
     events, final = await run_reply(agent, "hi")
     await close_models(reg)
+    return events, final, agent
+
+
+async def test_auth_error_fails_at_once_with_the_provider_message(server: ScriptedServer) -> None:
+    message = "Incorrect API key provided: sk-bad. You can find your API key at your account page."
+    events, final, _ = await reply_to_a_401(server, message)
 
     assert len(server.requests) == 1
     end = of_type(events, ReplyEndEvent)[-1]
@@ -255,12 +260,7 @@ async def test_a_key_the_provider_quotes_in_its_error_never_leaves_the_model_cli
     """A gateway that quotes the whole key in its 401: the reply's error, the stored message and
     the host's log say "[api key]" instead (docs/models.md: keys stay in the host)."""
     message = "Incorrect API key provided: sk-local. You can find your API key at your account page."
-    server.replies.append(openai_error(401, message, "invalid_request_error", "invalid_api_key"))
-    reg = registry(server, max_retries=2)
-    agent = Agent(models=reg, model="a")
-
-    events, final = await run_reply(agent, "hi")
-    await close_models(reg)
+    events, final, agent = await reply_to_a_401(server, message)
 
     end = of_type(events, ReplyEndEvent)[-1]
     assert "Incorrect API key provided: [api key]." in end.error.message, end.error.message

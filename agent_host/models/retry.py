@@ -23,7 +23,7 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, stop_aft
 from tenacity.wait import wait_exponential_jitter
 
 from agentmw.data import ErrorType
-from agentmw.errors import raised_where
+from agentmw.errors import error_text, raised_where
 
 from .base import ModelError
 
@@ -66,7 +66,7 @@ class Failure:
             "model": self.model,
             "attempt": self.attempt,
             "error_type": str(getattr(self.error, "error_type", ErrorType.UNKNOWN)),
-            "error": f"{type(self.error).__name__}: {self.error}{raised_where(self.error)}",
+            "error": error_text(self.error),
         }
         request_id = getattr(self.error, "request_id", "")  # a ModelError's
         if request_id:

@@ -92,7 +92,7 @@ class RemoteMiddlewareError(Exception):
 
     def __init__(self, middleware: str, hook: str, type_name: str, message: str, **attributes: Any) -> None:
         super().__init__(message)
-        self.middleware, self.hook, self.type_name, self.raised_message = middleware, hook, type_name, message
+        self.middleware, self.hook, self.type_name = middleware, hook, type_name
         self.raised_in = f"raised by middleware {middleware!r} in {hook}"
         self.__dict__.update(attributes)
 

@@ -11,7 +11,7 @@ import copy
 import logging
 import sys
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +62,13 @@ NOTHING = object()  # _apply: the action emitted nothing
 # The changes that add to what the session stores: together, one call's stay within max_item_bytes,
 # so that no call of a middleware grows a session past what a client reads in one message.
 _STORED_OPS = frozenset(("append_message", "append_blocks", "append_blocks_to_tail", "set_slot", "set_summary"))
+# What a kwarg's override permission guards (client.OVERRIDE_PERMISSION): an override that keeps it
+# needs none. The same model with its parameters edited (as the ``parameters`` kwarg may), the same
+# tool with the same input (the call's state or timestamps edited).
+_GUARDED: dict[str, Callable[[Any], Any]] = {
+    "current_model": lambda model: model_override(model).id,
+    "tool_call": lambda call: (call.name, call.input),
+}
 # Seconds a middleware may go on sending items after its reply was interrupted (its end has to flow
 # out through it) before the reply goes on without it: well within the host's INTERRUPT_GRACE.
 STOP_AFTER_INTERRUPT = 2.0
@@ -468,15 +475,9 @@ class HookCall:
             if name not in self.spec.params:
                 raise self._violation(f"call_next clears unknown kwarg {name!r}")
             overrides[name] = None
-        checked = set(overrides)
         if overrides.get("current_model") is not None:
-            overrides["current_model"] = model = model_override(overrides["current_model"])
-            current = self.input_kwargs.get("current_model")
-            if current is not None and model.id == model_override(current).id:
-                checked -= {"current_model"}  # the same model, its parameters edited: as `parameters` is
-        call, asked = overrides.get("tool_call"), self.input_kwargs.get("tool_call")
-        if call is not None and asked is not None and (call.name, call.input) == (asked.name, asked.input):
-            checked -= {"tool_call"}  # the same tool with the same input (its state or metadata edited)
+            overrides["current_model"] = model_override(overrides["current_model"])
+        checked = [name for name, value in overrides.items() if self._changes_guarded(name, value)]
         self.mw.check_overrides(checked, self.spec.name)  # its permissions (security: client.py)
         self.pending = None
         self.held_seq = 0
@@ -484,6 +485,11 @@ class HookCall:
         self.inner_result = self.inner_exc = None
         self.generation += 1
         self.inner = self._inner_items(overrides)
+
+    def _changes_guarded(self, name: str, value: Any) -> bool:
+        """Overriding kwarg ``name`` with ``value`` changes what its permission guards (_GUARDED)."""
+        guarded, given = _GUARDED.get(name), self.input_kwargs.get(name)
+        return guarded is None or value is None or given is None or guarded(value) != guarded(given)
 
     def _inner_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
         """The inner pipeline as items, whatever the hook's shape; a CALL hook's value is kept. A

@@ -24,6 +24,7 @@ from .base import (
     StoreLockedError,
     TooManyRepliesError,
     TooManySessionsError,
+    failure_text,
 )
 from .journal import RowJournal
 from .postgres import PostgresStore, is_dsn
@@ -37,8 +38,7 @@ _DOWN = (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError, async
 
 def store_failure(exc: BaseException) -> str:
     """What a client is told when the store failed with ``exc`` (one of STORE_ERRORS)."""
-    what = str(exc) or ("it did not answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
-    return f"the session store {'is unreachable' if isinstance(exc, _DOWN) else 'failed'}: {what}"
+    return f"the session store {'is unreachable' if isinstance(exc, _DOWN) else 'failed'}: {failure_text(exc)}"
 
 
 async def open_store(db: str | Path, *, lease: float = 10.0) -> SessionStore:

@@ -72,6 +72,11 @@ class TooManyRepliesError(Exception):
     """The user has as many replies running as their limit allows (``admit``)."""
 
 
+def failure_text(exc: BaseException) -> str:
+    """What a store failure says: its text, or what it is when it has none (a timeout's is "")."""
+    return str(exc) or ("it did not answer in time" if isinstance(exc, TimeoutError) else type(exc).__name__)
+
+
 class TooManySessionsError(Exception):
     """The reply would make a session past the user's limit of sessions (``admit``)."""
 

@@ -59,6 +59,7 @@ from .base import (
     TooManyRepliesError,
     TooManySessionsError,
     check_schema_version,
+    failure_text,
 )
 from .journal import CachedJournals, RowJournal, Write, decode_state
 
@@ -363,7 +364,7 @@ class PostgresStore(CachedJournals):
                     _RENEW, [h.session_id for h in holds], [h.fence for h in holds], self.host_id, self.lease
                 )
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
-                log.warning("cannot renew %d leases: %s", len(holds), str(exc) or type(exc).__name__)
+                log.warning("cannot renew %d leases: %s", len(holds), failure_text(exc))
                 continue
             alive = {(r["session_id"], r["fence"]): r["interrupt"] for r in rows}
             for hold in holds:

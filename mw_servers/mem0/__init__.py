@@ -197,9 +197,10 @@ class Mem0Middleware(MiddlewareBase):
         """Whose memories: the session's owner on a host with authentication (what a message
         claims never counts there: a user could read another's); else the user message's
         ``metadata["user_id"]``, its name unless generic, or ``--user-id``."""
-        user_id = getattr(agent.state, "owner", "") or self.user_id
+        owner = getattr(agent.state, "owner", "")
+        user_id = owner or self.user_id
         user = next((m for m in _messages(inputs) if m.role == Role.USER), None)
-        if user is not None and not getattr(agent.state, "owner", ""):
+        if user is not None and not owner:
             named = user.name if user.name.strip() not in ("", "user") else None
             claimed = str(user.metadata.get("user_id") or "").strip()  # blank: as if none (mem0 refuses it)
             user_id = claimed or named or self.user_id

@@ -98,7 +98,8 @@ class Reasoning(AgentBase):
             failure = exc
             attempt = 1 + sum(f["model"] == used for f in self._model_failures)
             metrics.model_attempt_failed(Failure(used, exc, attempt, None))  # the reply's error follows
-            completed = getattr(exc, "partial", None) or converter.so_far(FinishedReason.ERROR, began)
+            partial = getattr(exc, "partial", None)  # a ModelError's (a remote one's may be any JSON)
+            completed = partial if isinstance(partial, ChatResponse) else converter.so_far(FinishedReason.ERROR, began)
             completed.finished_reason = FinishedReason.ERROR
         for event in converter.close_all():
             yield event

@@ -5,7 +5,8 @@ from __future__ import annotations
 import ast
 import builtins
 import contextlib
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from agentmw.v1 import hooks_pb2
@@ -99,10 +100,13 @@ _Encoded = TypeVar("_Encoded", hooks_pb2.Fail, hooks_pb2.InnerError)
 
 
 def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
-    """An exception as Fail or InnerError: its class name, message, and the attributes whoever
-    catches it acts on (``retryable``, ``error_type``), each only when the exception has it."""
-    # A rebuilt exception (rebuilt_error) goes on under the name it came with: its class's may differ.
-    out.type, out.message = getattr(exc, "__dict__", {}).get("_sent_type") or type(exc).__name__, str(exc)
+    """An exception as Fail or InnerError: its class name, message, base class names, and the
+    attributes whoever catches it may act on: ``retryable`` and ``error_type`` (each only when the
+    exception has it) and its other public JSON attributes (a ModelError's ``retry_after``)."""
+    # A rebuilt exception (rebuilt_error) goes on as it came: its class, bases and attributes
+    # here are the receiving side's (which middleware raised it), not the raising side's.
+    own = getattr(exc, "__dict__", {})
+    out.type, out.message = own.get("_sent_type") or type(exc).__name__, str(exc)
     retryable = getattr(exc, "retryable", None)
     if retryable is not None:
         out.retryable = bool(retryable)
@@ -110,7 +114,25 @@ def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
     if error_type is not None:
         with contextlib.suppress(ValueError):  # not an ErrorType value: as if it had none
             out.error_type = _ERROR_TYPES.to_number[ErrorType(error_type)]
+    bases = own.get("_sent_bases")
+    if bases is None:
+        bases = [cls.__name__ for cls in type(exc).__mro__[1:] if cls not in (BaseException, object)]
+    out.bases.extend(bases)
+    sent = own.get("_sent_attributes")
+    attributes = {}
+    for name, value in own.items():
+        if name in sent if sent is not None else _public(name):
+            with contextlib.suppress(ValueError, TypeError, RecursionError):  # not JSON (a partial response)
+                json.dumps(value, allow_nan=False)
+                attributes[name] = value
+    if attributes:
+        out.attributes_json = json.dumps(attributes, allow_nan=False)
     return out
+
+
+def _public(name: str) -> bool:
+    """An attribute ``attributes`` carries: not private, not one with a field of its own."""
+    return name.isidentifier() and not name.startswith("_") and name not in ("retryable", "error_type")
 
 
 # The classes an exception that crossed the wire is rebuilt as, by name: builtins and agentmw's own.
@@ -128,24 +150,37 @@ KNOWN_ERRORS.update(
 # (base, name, known class) -> class. Bounded: the names come from the other process, any text.
 _rebuilt: dict[tuple[type, str, type | None], type[Any]] = {}
 _MAX_REBUILT = 1024
+MAX_BASES = 16  # base class names of an exception read from the other side
+MAX_ATTRIBUTES = 8192  # bytes of an exception's attributes read from the other side
 _E = TypeVar("_E", bound=BaseException)
 
 
-def rebuilt_error(base: type[_E], type_name: str, message: str, init: Callable[[_E], None]) -> _E:
+def rebuilt_error(
+    base: type[_E],
+    type_name: str,
+    message: str,
+    init: Callable[[_E], None],
+    *,
+    bases: Sequence[str] = (),
+    attributes: Mapping[str, Any] | None = None,
+) -> _E:
     """The exception an encoded one (``encode_error``) is on this side: of a class named
-    ``type_name``, a subclass of ``base`` and, when the name is known here (a builtin, one of
-    agentmw's, that takes a message alone), of that class too, so that ``except ValueError`` or
-    ``except ModelError`` catch it as in-process; ``init`` runs ``base``'s ``__init__`` on it. Its
+    ``type_name``, a subclass of ``base`` and of the first class of ``type_name`` and its
+    ``bases`` that is known here (a builtin, one of agentmw's) and takes a message alone, so that
+    ``except ValueError`` or ``except ModelError`` catch it as in-process. ``init`` runs
+    ``base``'s ``__init__`` on it; then ``attributes`` are set, but for those ``base`` sets. Its
     text is the message as the raising side's ``str()`` gave it, whatever the class's ``__str__``
     would make of its args; its ``args`` are that message (a KeyError's: its key, read back from
     the repr ``str(KeyError)`` is)."""
-    known = KNOWN_ERRORS.get(type_name)
-    sample = None
-    if known is not None:
-        try:  # a class that needs more than a message (UnicodeDecodeError, ExceptionGroup): by name only
-            sample = known(message)
-        except Exception:
-            known = None
+    known, sample = None, None
+    for name in (type_name, *bases):
+        known = KNOWN_ERRORS.get(name)
+        if known is not None:
+            try:  # a class that needs more than a message (UnicodeDecodeError, ExceptionGroup): next
+                sample = known(message)
+                break
+            except Exception:
+                known = None
     exc: _E | None = None
     if known is not None:
         try:
@@ -157,6 +192,10 @@ def rebuilt_error(base: type[_E], type_name: str, message: str, init: Callable[[
     if sample is not None:
         exc.__dict__.update(vars(sample))  # the class's own attributes (ModelError.error_type, ...)
     init(exc)
+    # Then the raising side's, but for those ``base`` sets (which middleware raised it).
+    attributes = attributes or {}
+    own = exc.__dict__.keys() - (vars(sample).keys() if sample is not None else ())
+    exc.__dict__.update((name, value) for name, value in attributes.items() if name not in own)
     arg: Any = message
     if isinstance(exc, KeyError):
         with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
@@ -164,7 +203,9 @@ def rebuilt_error(base: type[_E], type_name: str, message: str, init: Callable[[
             if repr(key) == message:
                 arg = key
     exc.args = (arg,)
-    exc.__dict__["_sent_text"], exc.__dict__["_sent_type"] = message, type_name
+    exc.__dict__.update(
+        _sent_text=message, _sent_type=type_name, _sent_bases=list(bases), _sent_attributes=tuple(attributes)
+    )
     return exc
 
 
@@ -187,13 +228,21 @@ def _as_sent(exc: BaseException) -> str:
 
 
 def decode_error_attributes(error: hooks_pb2.Fail | hooks_pb2.InnerError) -> dict[str, Any]:
-    """The attributes of the exception behind ``error`` that it had (see ``encode_error``)."""
+    """What ``error`` carried of its exception beyond its type and message (see ``encode_error``):
+    ``retryable`` and ``error_type`` when it had them, its ``bases`` and other ``attributes``."""
     attributes: dict[str, Any] = {}
     if error.HasField("retryable"):
         attributes["retryable"] = error.retryable
     error_type = error_type_of(error)
     if error_type is not None:
         attributes["error_type"] = error_type
+    attributes["bases"] = [name for name in error.bases[:MAX_BASES] if len(name) <= 256]
+    others: Any = {}
+    if error.attributes_json and len(error.attributes_json) <= MAX_ATTRIBUTES:
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON: as if none
+            others = json.loads(error.attributes_json)
+    if isinstance(others, dict):
+        attributes["attributes"] = {name: value for name, value in others.items() if _public(name)}
     return attributes
 
 

@@ -1431,3 +1431,58 @@ class CompressReturnsValue(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (PromptNone, PermissionNone, CompressReturnsValue)})
+
+
+# -- exceptions of a class of one's own: bases and fields cross the wire ------------------------
+
+
+class QuotaError(ValueError):
+    """A middleware's own exception class: a ValueError with fields of its own."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.detail = {"left": 0, "tiers": ["free", "pro"]}
+
+
+class RaisesOwnError(MiddlewareBase):
+    """on_model_call raises an exception of its own: ``kind`` "quota", a QuotaError; "model", a
+    ModelError with a status, a code and the delay the provider asked for; "throttled", that
+    ModelError retryable and asking for 4 ms, once per reply (the retry then passes)."""
+
+    def __init__(self, kind: str = "quota") -> None:
+        self.kind = kind
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        if self.kind == "quota":
+            raise QuotaError("quota gone", code=42)
+        key = await self.get_middleware_key()
+        if self.kind == "throttled" and agent.state.middle_context.get(key) == agent.state.reply_id:
+            return await next_handler()
+        agent.state.middle_context[key] = agent.state.reply_id
+        throttled = self.kind == "throttled"  # a delay under the tests' retry policy's 10 ms backoff
+        raise ModelError(
+            "slow down", retryable=throttled, status=429, code="throttled", retry_after=0.004 if throttled else 1.5
+        )
+
+
+class CatchByBase(MiddlewareBase):
+    """Catches the inner pipeline's exception by a base class it has (ValueError, ModelError), notes
+    its class and fields, then answers itself."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        try:
+            async for item in next_handler():
+                yield item
+        except (ValueError, ModelError) as exc:
+            fields = ("code", "detail", "status", "retry_after", "error_type")
+            agent.state.middle_context[await self.get_middleware_key()] = {
+                "class": type(exc).__name__,
+                "ValueError": isinstance(exc, ValueError),
+                "ModelError": isinstance(exc, ModelError),
+                **{name: str(getattr(exc, name)) for name in fields if hasattr(exc, name)},
+            }
+            yield AssistantMsg(name=agent.name, content=[TextBlock(text="caught it")])
+
+
+MIDDLEWARE.update({cls.__name__: cls for cls in (RaisesOwnError, CatchByBase)})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 
 from agentmw.hooks import HOOKS, Kind
 
-from .harness import Layer, Scenario, Servers, final_text, kinds, run
+from .harness import FAST_RETRY, Layer, Scenario, Servers, final_text, kinds, run
 
 ONION_HOOKS = {name: spec for name, spec in HOOKS.items() if spec.kind is not Kind.TRANSFORM}
 
@@ -950,6 +951,65 @@ async def test_a_layer_catches_an_inner_layers_exception_by_class_in_every_place
         seen = state["middle_context"].get("CatchInnerByClass")
         assert seen == {"class": "KeyError", "args": ["user_42"], "str": "'user_42'", "runtime": False}, placement
         assert final_text(events) == "caught it", placement
+
+
+_THROTTLED = {"error": {"type": "rate_limit", "message": "throttled"}}
+OWN_ERRORS = {
+    "quota": Scenario("own_error_quota", [Layer("CatchByBase"), Layer("RaisesOwnError", {"kind": "quota"})]),
+    "model": Scenario("own_error_model", [Layer("CatchByBase"), Layer("RaisesOwnError", {"kind": "model"})]),
+    "all_failed": Scenario(
+        "all_models_failed",
+        [Layer("CatchByBase")],
+        models={"main": {"script": [_THROTTLED]}, "backup": {"script": [_THROTTLED]}},
+        fallback={"main": ["backup"]},
+    ),
+    "retry_after": Scenario("retry_after", [Layer("RaisesOwnError", {"kind": "throttled"})], max_retries=1),
+}
+
+
+@pytest.fixture(scope="module")
+def own_error_servers():
+    started = Servers(list(OWN_ERRORS.values()))
+    yield started
+    started.stop()
+
+
+@pytest.mark.parametrize("case", list(OWN_ERRORS))
+async def test_an_exception_keeps_its_bases_and_fields_in_every_placement(
+    case: str, own_error_servers: Servers
+) -> None:
+    """An exception of a class the other side does not know is caught by the base class it has
+    (ValueError, ModelError) and carries its fields (a QuotaError's code and detail, a ModelError's
+    status, code and retry_after, which the host's retry waits), whichever layer runs remotely.
+    Before, only its name crossed: a remote QuotaError(ValueError) missed an outer ``except
+    ValueError``, a remote layer's ``except ModelError`` missed the host's AllModelsFailed (two
+    models configured), and a remote ModelError's retry_after was lost, so the host retried at
+    once instead of after the delay the provider asked for."""
+    scenario = OWN_ERRORS[case]
+    placements = [list(p) for p in itertools.product(["local", "remote"], repeat=len(scenario.layers))]
+    results = [await run(scenario, placement, own_error_servers) for placement in placements]
+    events, state = results[0]
+    seen = state["middle_context"].get("CatchByBase")
+    if case == "quota":
+        assert seen == {
+            "class": "QuotaError",
+            "ValueError": True,
+            "ModelError": False,
+            "code": "42",
+            "detail": "{'left': 0, 'tiers': ['free', 'pro']}",
+        }
+    elif case == "retry_after":  # waited what it asked for, not the policy's backoff
+        (start,) = [e for e in events if e["class"] == "ModelCallStartEvent" and e["metadata"]]
+        assert start["metadata"]["failed_attempts"][0]["retry_in"] == 0.004 < FAST_RETRY.initial_delay, start
+    else:
+        assert seen is not None and seen["ModelError"] and not seen["ValueError"], seen
+        assert seen["class"] == ("ModelError" if case == "model" else "AllModelsFailed"), seen
+        if case == "model":
+            assert (seen["status"], seen["code"], seen["retry_after"]) == ("429", "throttled", "1.5"), seen
+    if case != "retry_after":
+        assert final_text(events) == "caught it"
+    for placement, result in zip(placements[1:], results[1:], strict=True):  # texts say where it was raised
+        assert tuple(map(unwrapped, result)) == results[0], placement
 
 
 async def test_a_slot_set_after_a_yield_reaches_inner_layers_before_the_next_item(

@@ -116,7 +116,9 @@ class _Wait:
     def __call__(self, state: RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
         asked = getattr(exc, "retry_after", None)
-        if asked is not None:
+        # A number of seconds; anything else (a remote middleware's exception carries what it
+        # sent) is as if none had been asked for.
+        if isinstance(asked, int | float) and not isinstance(asked, bool) and 0 <= asked < math.inf:
             return min(float(asked), self.policy.max_delay)
         return self.backoff(state)
 

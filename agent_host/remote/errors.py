@@ -3,6 +3,7 @@ and the protocol (HookCall) without either importing the other's module for them
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -97,12 +98,23 @@ class RemoteMiddlewareError(Exception):
         self.__dict__.update(attributes)
 
 
-def remote_error(middleware: str, hook: str, type_name: str, message: str, **attributes: Any) -> RemoteMiddlewareError:
-    """What the host raises for a middleware's Fail: ``RemoteMiddlewareError`` of its class."""
+def remote_error(
+    middleware: str,
+    hook: str,
+    type_name: str,
+    message: str,
+    *,
+    bases: Sequence[str] = (),
+    attributes: Mapping[str, Any] | None = None,
+    **fields: Any,
+) -> RemoteMiddlewareError:
+    """What the host raises for a middleware's Fail: ``RemoteMiddlewareError`` of its class (and
+    of the nearest of its ``bases`` the host knows), with its ``attributes`` and ``fields``
+    (``retryable``, ``error_type``): ``wire.decode_error_attributes``."""
     # Clipped, as a failure's text is: the middleware chose them, and they reach the client.
     type_name, message = clipped(type_name, MAX_TYPE_NAME), clipped(message)
 
     def init(exc: RemoteMiddlewareError) -> None:
-        RemoteMiddlewareError.__init__(exc, middleware, hook, type_name, message, **attributes)
+        RemoteMiddlewareError.__init__(exc, middleware, hook, type_name, message, **fields)
 
-    return rebuilt_error(RemoteMiddlewareError, type_name, message, init)
+    return rebuilt_error(RemoteMiddlewareError, type_name, message, init, bases=bases, attributes=attributes)

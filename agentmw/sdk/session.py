@@ -19,7 +19,7 @@ import contextlib
 import logging
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -69,15 +69,21 @@ class InnerPipelineError(Exception):
 
 
 def inner_error(
-    type_name: str, message: str, retryable: bool | None = None, error_type: ErrorType | None = None
+    type_name: str,
+    message: str,
+    retryable: bool | None = None,
+    error_type: ErrorType | None = None,
+    *,
+    bases: Sequence[str] = (),
+    attributes: Mapping[str, Any] | None = None,
 ) -> InnerPipelineError:
     """The inner pipeline's exception as the author's code would see it in-process (as near as
-    the SDK can tell from its name: ``rebuilt_error``)."""
+    the SDK can tell from its class, its bases and attributes: ``rebuilt_error``)."""
 
     def init(exc: InnerPipelineError) -> None:
         InnerPipelineError.__init__(exc, type_name, message, retryable, error_type)
 
-    return rebuilt_error(InnerPipelineError, type_name, message, init)
+    return rebuilt_error(InnerPipelineError, type_name, message, init, bases=bases, attributes=attributes)
 
 
 class HostGone(Exception):

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import yaml
 
 from agentmw.data import CustomEvent, HintBlock, ReplyFinishedReason, UserMsg
-from agentmw.v1 import host_pb2
+from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import HostClient, Turn, converse
 from clients.launch import ROOT, ServerProcess, start_all
 from mw_servers.mem0 import HEADER, INTRO
@@ -172,6 +173,20 @@ async def test_with_authentication_a_user_reaches_only_their_own_memories(stack:
         for claimed in ({}, {"user_id": "bob"}):
             answer = await say_as(tokens["ALICE_TOKEN"], question, **claimed)
             assert "Kiwi" not in answer and "Nautilus" not in answer, (question, claimed, answer)
+    # The memory tools act for the session's owner too, also where the session has no mem0 slot
+    # (a reply resumed after the server was attached): as the host calls them, with the owner in
+    # the context. Before, such a call searched the shared --user-id memory, for every user.
+    async with grpc.aio.insecure_channel(stack.address) as channel:
+        tools = hooks_pb2_grpc.ToolSourceStub(channel)
+
+        async def search_as(owner: str) -> str:
+            request = hooks_pb2.CallToolRequest(context=hooks_pb2.HookContext(session_owner=owner))
+            request.tool_call.id, request.tool_call.name = "call-1", "search_memory"
+            request.tool_input.update({"keywords": ["favourite parrot"]})
+            return str([item async for item in tools.CallTool(request, timeout=60)])
+
+        assert "Kiwi" in await search_as("bob")
+        assert "Kiwi" not in await search_as("alice")
 
 
 async def test_the_model_calls_the_memory_tools_which_run_in_the_mem0_server(stack: Stack) -> None:

@@ -64,12 +64,15 @@ class _Describe(hooks_pb2_grpc.DescribeServicer):
 
 @dataclasses.dataclass
 class ToolState:
-    """What a tool's ``call(tool_input, state)`` gets in a server: the calling session's ids and
-    this middleware's slot (``middle_context[key]``, read-only here), as the host sent them."""
+    """What a tool's ``call(tool_input, state)`` gets in a server: the calling session's ids, its
+    owner (the authenticated user who created it, as ``agent.state.owner``; "" without
+    authentication) and this middleware's slot (``middle_context[key]``, read-only here), as the
+    host sent them."""
 
     session_id: str
     reply_id: str
     middle_context: dict[str, Any]
+    owner: str = ""
 
 
 class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
@@ -99,7 +102,7 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
         call = ToolCallBlock(id=request.tool_call.id or "call", name=name, input=json.dumps(tool_input))
         ctx = request.context
         slot = value_to_json(ctx.slot) if ctx.HasField("slot") else None
-        state = ToolState(ctx.session_id, ctx.reply_id, {} if slot is None else {self.key: slot})
+        state = ToolState(ctx.session_id, ctx.reply_id, {} if slot is None else {self.key: slot}, ctx.session_owner)
         try:
             async for item in Toolkit([tool]).call_tool(call, state):
                 yield codec.encode_item(item)

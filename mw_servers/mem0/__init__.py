@@ -300,8 +300,13 @@ class Mem0Middleware(MiddlewareBase):
     # -- tools -----------------------------------------------------------------------------------
 
     def tool_scope(self, state: Any) -> dict[str, str]:
+        """The scope of a tool call: the session's owner first (``scope``: on a host with
+        authentication nothing else counts, also where this reply's on_reply did not set the slot,
+        a reply resumed after this middleware was attached), then the slot, then ``--user-id``."""
         slot = (state.middle_context.get(KEY) if state is not None else None) or {}
-        return {"user_id": slot.get("user_id") or self.user_id, "agent_id": slot.get("agent_id") or self.agent_id or ""}
+        owner = getattr(state, "owner", "") if state is not None else ""
+        user_id = owner or slot.get("user_id") or self.user_id
+        return {"user_id": user_id, "agent_id": slot.get("agent_id") or self.agent_id or ""}
 
     async def _search_tool(self, tool_input: dict[str, Any], scope: dict[str, str]) -> ToolOutput:
         keywords = [k.strip() for k in tool_input.get("keywords") or [] if k.strip()]

@@ -28,7 +28,8 @@ JSON list of ToolDescriptor objects served by ListTools, read at each call; whil
 exists, ListTools never answers; each tool streams chunks without end, but one named ``huge`` sends
 one chunk of 3 MB), ``--done-with-inner`` and ``--cacheable``
 (declare every hook so), ``--default-mode observe`` (every item observed), ``--describe-delay S``
-(Describe answers after S seconds: a server that answers, slowly).
+(Describe answers after S seconds: a server that answers, slowly), ``--detached-while FILE``
+(while FILE exists, Describe declares every hook detached: a new version rolled out).
 """
 
 from __future__ import annotations
@@ -171,8 +172,9 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         default_mode: int = 0,
         key: str = "Evil",
         delay: float = 0.0,
+        detached_while: Path | None = None,
     ) -> None:
-        self.delay = delay
+        self.delay, self.detached_while = delay, detached_while
         self.description = hooks_pb2.MiddlewareDescription(key=key, protocol_version="v1", provides_tools=tools)
         for hook in hooks:
             self.description.hooks.add(
@@ -184,7 +186,13 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
 
     async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription:
         await asyncio.sleep(self.delay)
-        return self.description
+        if self.detached_while is None or not self.detached_while.exists():
+            return self.description
+        detached = hooks_pb2.MiddlewareDescription()
+        detached.CopyFrom(self.description)
+        for hook in detached.hooks:
+            hook.detached = True
+        return detached
 
 
 class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
@@ -230,6 +238,7 @@ async def main() -> None:
     parser.add_argument("--default-mode", choices=("intercept", "observe"), default="intercept")
     parser.add_argument("--key", default="Evil")
     parser.add_argument("--describe-delay", type=float, default=0.0)
+    parser.add_argument("--detached-while", type=Path)
     args = parser.parse_args()
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
     server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
@@ -246,6 +255,7 @@ async def main() -> None:
         default_mode=mode,
         key=args.key,
         delay=args.describe_delay,
+        detached_while=args.detached_while,
     )
     await serve_raw("evil middleware", args.address, describe, handlers, server)
 

@@ -258,6 +258,34 @@ async def test_a_hang_in_one_session_leaves_the_middleware_to_every_other(
     await remote.close()
 
 
+async def test_a_failure_is_judged_by_the_description_the_call_began_with(
+    evil: Any, scripts: Path, tmp_path: Path
+) -> None:
+    """A fail_closed middleware's call hangs; meanwhile the middleware is described anew (another
+    session's call broke the protocol, the next one described it again) and now declares the hook
+    detached, as a new version rolled out behind its address could. The hung call still fails the
+    reply when it times out: it began intercepting, and what it did until then is in the reply.
+    Before, the host read the new description and bypassed it silently: the reply completed with
+    no error and no bypass record."""
+    flip = tmp_path / "detached"
+    proc = evil("--detached-while", str(flip))
+    remote = await RemoteMiddleware(proc.address, policy=Policy(fail_open=False, timeout=2.0)).connect()
+    hung = make_agent(remote)
+    script(scripts, hung, stop_reading=True)
+    hanging = asyncio.create_task(reply(hung, "hi"))
+    await asyncio.sleep(0.3)  # its call is open
+    flip.write_text("")
+    broken = make_agent(remote)
+    script(scripts, broken, messages=[{"pull": {}}])  # a protocol violation: described again next
+    assert end_of(await reply(broken, "hi")).finished_reason == ReplyFinishedReason.ERROR
+    assert end_of(await reply(make_agent(remote), "hi")).finished_reason == ReplyFinishedReason.COMPLETED
+    assert remote.tables["on_reply"].detached and not hanging.done()  # described anew, A still open
+    end = end_of(await hanging)
+    assert end.finished_reason == ReplyFinishedReason.ERROR, end
+    assert "middleware 'Evil' failed in on_reply: no answer within 2s" in end.error.message, end.error
+    await remote.close()
+
+
 async def test_a_middleware_killed_mid_call_is_reported_as_gone(evil: Any, scripts: Path) -> None:
     """Its server exits after call_next (killed mid-call); the host's next write on the stream
     fails: the error says the server went away or the connection was lost, with the status (a

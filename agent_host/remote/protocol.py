@@ -197,8 +197,10 @@ class HookCall:
                     self.mw.no_answer(exc.hook, self.agent.state.session_id)
                 if not isinstance(exc, KeptGoing):  # (that one is sound, only slow to stop)
                     self.mw.failed()
-                table = self.mw.tables.get(self.spec.name)
-                watcher = table is not None and table.detached  # as last described
+                # As the call began (a new description meanwhile, of a new version rolled out,
+                # does not make a call that intercepted a watcher); else as last described.
+                table = self.table if self.table is not None else self.mw.tables.get(self.spec.name)
+                watcher = table is not None and table.detached
                 metrics.hook_failed(self.mw, self.spec.name, exc, bypassed=self.mw.policy.fail_open or watcher)
                 if not (self.mw.policy.fail_open or watcher):
                     raise

@@ -109,7 +109,15 @@ def json_to_value(value: Any, out: struct_pb2.Value) -> None:
         raise CodecError(f"not JSON: {type(value).__name__}")
 
 
-def value_to_json(value: struct_pb2.Value) -> Any:
+# Levels of objects and lists a JSON value may nest. Protobuf parsers refuse a message nested past
+# 100 levels and a JSON object level takes three (Struct, its map entry, Value): a value that
+# another process sends must leave room for the messages it is sent on in (a slot in a Begin's
+# context, a message's metadata in a reply event), or whoever gets it next cannot parse it.
+MAX_JSON_DEPTH = 24
+
+
+def value_to_json(value: struct_pb2.Value, depth: int = 0) -> Any:
+    """``depth``: the containers around ``value`` (CodecError past MAX_JSON_DEPTH)."""
     kind = value.WhichOneof("kind")
     if kind == "number_value":
         n = value.number_value
@@ -119,14 +127,29 @@ def value_to_json(value: struct_pb2.Value) -> Any:
     if kind == "bool_value":
         return value.bool_value
     if kind == "struct_value":
-        return struct_to_dict(value.struct_value)
+        return struct_to_dict(value.struct_value, depth)
     if kind == "list_value":
-        return [value_to_json(v) for v in value.list_value.values]
+        _check_depth(depth)
+        return [value_to_json(v, depth + 1) for v in value.list_value.values]
     return None
 
 
-def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
-    return {k: value_to_json(v) for k, v in struct.fields.items()}
+def struct_to_dict(struct: struct_pb2.Struct, depth: int = 0) -> dict[str, Any]:
+    _check_depth(depth)
+    return {k: value_to_json(v, depth + 1) for k, v in struct.fields.items()}
+
+
+def check_json_depth(value: Any, depth: int = 0) -> None:
+    """CodecError when ``value`` (decoded JSON) nests deeper than MAX_JSON_DEPTH."""
+    if isinstance(value, dict | list):
+        _check_depth(depth)
+        for item in value.values() if isinstance(value, dict) else value:
+            check_json_depth(item, depth + 1)
+
+
+def _check_depth(depth: int) -> None:
+    if depth >= MAX_JSON_DEPTH:
+        raise CodecError(f"a JSON value nested deeper than {MAX_JSON_DEPTH} levels of objects and lists")
 
 
 def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import jsonschema
 
+from .codec import CodecError, check_json_depth
 from .data import (
     TextBlock,
     ToolCallBlock,
@@ -120,9 +121,13 @@ def parse_input(raw: str) -> dict[str, Any]:
             value = json.loads(candidate)
         except json.JSONDecodeError:
             continue
-        if isinstance(value, dict):
-            return value
-        raise ToolInputError(f"tool input must be a JSON object, got {type(value).__name__}")
+        if not isinstance(value, dict):
+            raise ToolInputError(f"tool input must be a JSON object, got {type(value).__name__}")
+        try:  # it goes to remote middleware in a Struct (on_check_permission's tool_input)
+            check_json_depth(value)
+        except CodecError as exc:
+            raise ToolInputError(f"tool input: {exc}") from None
+        return value
     raise ToolInputError(f"tool input is not valid JSON: {text[:200]!r}")
 
 

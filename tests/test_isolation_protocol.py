@@ -36,7 +36,7 @@ from agentmw.data import (
 from agentmw.data.blocks import block_text
 from agentmw.tools import Toolkit, add_middleware_tools, tool
 from agentmw.v1 import host_pb2
-from clients.chat import HostClient
+from clients.chat import HostClient, converse
 from clients.launch import ServerProcess, middleware_server
 
 from .host_util import get_session, processes, stub
@@ -284,6 +284,64 @@ async def test_a_failure_is_judged_by_the_description_the_call_began_with(
     assert end.finished_reason == ReplyFinishedReason.ERROR, end
     assert "middleware 'Evil' failed in on_reply: no answer within 2s" in end.error.message, end.error
     await remote.close()
+
+
+def nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"leaf": 1}
+    for _ in range(levels - 1):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("where", ["slot", "event", "message"])
+async def test_a_value_nested_too_deep_to_pass_on_is_a_violation(evil: Any, scripts: Path, where: str) -> None:
+    """A middleware sends a JSON value nested 30 levels deep (protobuf parses it: its limit is 100
+    message levels, three per JSON object): as its slot, a custom event's value, a message's
+    metadata. The host refuses it as a protocol violation naming the middleware, keeps none of it,
+    and the session goes on. Before, it kept it and passed it on inside messages a few levels
+    deeper, which nobody could parse: every later hook call of the session failed blaming whatever
+    middleware got it next, or the client's GetSession failed ('Exception deserializing')."""
+    deep = nested(30)
+    action = {
+        "slot": {"mutate": {"setSlot": deep}},
+        "event": {"emit": {"item": {"custom": {"name": "deep", "value": deep}}}},
+        "message": {"mutate": {"appendMessage": {"name": "m", "role": "ROLE_USER", "metadata": deep}}},
+    }[where]
+    proc = evil()
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    script(scripts, agent, messages=[{"actions": [action]}])
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR, end
+    assert "middleware 'Evil' failed in on_reply: protocol violation" in end.error.message, end.error
+    assert "nested deeper than 24 levels" in end.error.message, end.error
+    assert "Evil" not in agent.state.middle_context
+    assert not any(m.metadata for m in agent.state.context), agent.state.context
+    (scripts / f"{agent.state.session_id}.json").unlink()  # it behaves again: so does the session
+    assert end_of(await reply(agent, "again")).finished_reason == ReplyFinishedReason.COMPLETED
+    await remote.close()
+
+
+async def test_a_client_message_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    """The same from a client: a user message whose metadata nests 30 levels is refused at once
+    (INVALID_ARGUMENT), not stored to break the session's later hook calls (blaming a middleware)."""
+    with processes(tmp_path) as procs:
+        host = procs.host(tmp_path / "s.db")
+        async with HostClient(host.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await converse(client, "", UserMsg("hi", metadata=nested(30)))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "nested deeper than 24 levels" in (refused.value.details() or "")
+
+
+def test_a_tool_input_nested_too_deep_is_the_models_error() -> None:
+    """And from a model: a tool input it nests 30 levels deep is a ToolInputError (the model gets
+    it as the tool's error result), not passed to remote middleware in on_check_permission."""
+    from agentmw.tools import ToolInputError, parse_input
+
+    assert parse_input(json.dumps(nested(20))) == nested(20)
+    with pytest.raises(ToolInputError, match="nested deeper than 24 levels"):
+        parse_input(json.dumps(nested(30)))
 
 
 async def test_a_middleware_killed_mid_call_is_reported_as_gone(evil: Any, scripts: Path) -> None:

@@ -24,6 +24,8 @@ from typing import Any, NoReturn
 
 import grpc
 
+from .transport import MAX_MESSAGE
+
 AUTH_HEADER = "authorization"
 
 
@@ -250,7 +252,7 @@ def bearer_interceptors(token: str) -> list[Any]:
 
 # What a client of the host accepts in one message: a ReplyEvent's single item may be as large as a
 # tool result the host made, and GetSession carries a whole session (host.proto ReplyEvent).
-CLIENT_MAX_MESSAGE = 64 * 1024 * 1024
+CLIENT_MAX_MESSAGE = MAX_MESSAGE
 
 
 def client_channel(address: str, tls: TlsFiles | None = None, token: str = "") -> grpc.aio.Channel:

@@ -20,6 +20,15 @@ from typing import Any
 # a margin for timer jitter (a ping a millisecond early is already a strike).
 HOST_KEEPALIVE_MS = 330_000
 
+# The largest message the host and a middleware send each other (hooks.proto, conventions): a
+# Begin carries a session's whole context, which grows past gRPC's default of 4 MiB.
+MAX_MESSAGE = 64 * 1024 * 1024
+# Both ways, for a channel or a server.
+MESSAGE_SIZE_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+]
+
 # The options every server of ours starts with (gRPC channel arguments): one process per port (a
 # second server on a taken port fails to bind instead of sharing it), and the pings it accepts.
 SERVER_OPTIONS: list[tuple[str, int]] = [

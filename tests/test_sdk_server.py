@@ -247,6 +247,34 @@ async def test_a_detached_hook_that_emits_is_told_it_can_only_watch(caplog: Any)
         await server.stop(None)
 
 
+class _CountsModelCalls(MiddlewareBase):
+    """A pass-through on_model_call that counts its calls."""
+
+    calls = 0
+
+    async def on_model_call(self, agent: Any, input_kwargs: Any, next_handler: Any) -> Any:
+        type(self).calls += 1
+        return await next_handler()
+
+
+async def test_a_served_middleware_takes_a_begin_as_large_as_the_host_sends() -> None:
+    """A session's context past 4 MiB (two user messages of 2.5 MB: the host takes up to 4 MiB a
+    message from a client) goes in every on_model_call Begin. The SDK's server takes messages up
+    to 64 MiB, as the host sends them (hooks.proto). Before, it kept gRPC's 4 MiB and refused
+    every later Begin of the session (RESOURCE_EXHAUSTED), blaming the middleware."""
+    server, port = await start(_CountsModelCalls(), "127.0.0.1:0")
+    remote = await RemoteMiddleware(f"127.0.0.1:{port}").connect()
+    agent = Agent(model=OfflineRuleModel(), middlewares=[remote])
+    try:
+        for text in ("a" * 2_500_000, "b" * 2_500_000):
+            final = await agent.reply(UserMsg(text))
+            assert final.error is None, final.error
+        assert _CountsModelCalls.calls == 2
+    finally:
+        await remote.close()
+        await server.stop(None)
+
+
 class NeedsLimit(MiddlewareBase):
     """A constructor argument to pass with --arg."""
 

@@ -27,7 +27,7 @@ from agentmw.data import ChatResponse, ToolCallBlock, ToolChunk, ToolDescriptor,
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, check_middleware_key
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
-from agentmw.transport import HOST_KEEPALIVE_MS
+from agentmw.transport import HOST_KEEPALIVE_MS, MESSAGE_SIZE_OPTIONS
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 from agentmw.wire import EMITTABLE
 
@@ -61,8 +61,7 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.keepalive_time_ms", HOST_KEEPALIVE_MS),  # what default servers accept (agentmw/transport.py)
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    *MESSAGE_SIZE_OPTIONS,  # what a middleware's server takes too (the SDK's serve())
     ("grpc.lb_policy_name", "round_robin"),
 ]
 

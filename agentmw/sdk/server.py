@@ -46,7 +46,7 @@ from agentmw.security import (
 )
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit, error_response
-from agentmw.transport import SERVER_OPTIONS, CannotListen, check_listen_address, listen
+from agentmw.transport import MESSAGE_SIZE_OPTIONS, SERVER_OPTIONS, CannotListen, check_listen_address, listen
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -243,7 +243,8 @@ async def start(
     """Start serving in the running event loop; returns the server and the bound port."""
     security = security or ServeSecurity()
     interceptors = [_HostToken(security.token_sha256)] if security.token_sha256 else []
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    # Messages as large as the host sends (a Begin with a long session's context): not gRPC's 4 MiB.
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, *MESSAGE_SIZE_OPTIONS], interceptors=interceptors)
     streams = _streams[server] = _Streams()
     description = await describe(middleware)
     services = []

@@ -276,7 +276,13 @@ function main() {
   const address = parseAddress(process.argv.slice(2));
   const host = address.slice(0, address.lastIndexOf(':'));
 
-  const server = new grpc.Server();
+  // Messages as large as the host sends (hooks.proto: up to 64 MiB; a Begin carries a session's
+  // context), not grpc-js's default 4 MiB.
+  const MAX_MESSAGE = 64 * 1024 * 1024;
+  const server = new grpc.Server({
+    'grpc.max_receive_message_length': MAX_MESSAGE,
+    'grpc.max_send_message_length': MAX_MESSAGE,
+  });
   server.addService(v1.Describe.service, {
     Describe: (call, callback) => callback(null, DESCRIPTION),
   });

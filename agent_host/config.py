@@ -51,6 +51,10 @@ Flags: --config, --listen, --db, --log-level, --model, --middleware name=host:po
 --metrics-port, --lease, --drain-grace, --tls-cert, --tls-key, --tls-client-ca, --middleware-tls-ca,
 --middleware-tls-cert, --middleware-tls-key.
 
+Relative file paths in the YAML (db / store.dsn as a SQLite path, TLS files, token files, a model's
+api_key_file) are relative to the YAML file's directory; those of flags and variables to the
+working directory.
+
 Middleware from the environment or flags overlay the YAML list by name: a name given again gets
 the new address and keeps its YAML policy (fail_open, timeout); new names are appended in order.
 """
@@ -447,8 +451,25 @@ _SECURITY_KEYS = {
 _LIMIT_KEYS = ("max_message_bytes", "sessions_per_owner", "replies_per_owner")
 
 
+def _beside(base: Path, value: str) -> str:
+    """A file path the YAML file names, as users expect of a file that names files (docker compose,
+    nginx): a relative one is relative to the file's directory, not to the host's working
+    directory. Paths from flags and variables stay relative to the working directory."""
+    if not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else base / path)
+
+
+def _store_beside(base: Path, db: str) -> str:
+    """``db`` / ``store.dsn`` as the YAML file gives it: a SQLite path beside the file; ":memory:"
+    and DSNs (postgresql://, or another scheme open_store refuses by name) as they are."""
+    return db if db == ":memory:" or "://" in db else _beside(base, db)
+
+
 def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     src = str(path)
+    base = Path(os.path.abspath(path.expanduser())).parent  # where its relative paths start (_beside)
     data = read_yaml(path)
     if data is None:
         data = {}
@@ -462,6 +483,8 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         if key in data:
             setattr(cfg, key, _expect(data[key], str, f"{src}: {key}"))
             cfg.origins[key] = f"{src}: {key}"
+    if "db" in data:
+        cfg.db = _store_beside(base, cfg.db)
     if data.get("metrics_port") is not None:
         cfg.metrics_port = _port(
             str(_expect(data["metrics_port"], int, f"{src}: metrics_port")), f"{src}: metrics_port"
@@ -471,7 +494,7 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         raise ConfigError(f"{src}: store: expected a mapping, got {_kind(store)}")
     for key, value in store.items():
         if key == "dsn":
-            cfg.db = _expect(value, str, f"{src}: store.dsn")
+            cfg.db = _store_beside(base, _expect(value, str, f"{src}: store.dsn"))
         elif key == "lease":
             cfg.lease = _seconds(value, f"{src}: store.lease")
         else:
@@ -502,6 +525,10 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         if not isinstance(data["models"], Mapping):
             raise ConfigError(f"{src}: models: expected a mapping, got {_kind(data['models'])}")
         cfg.models = copy.deepcopy(dict(data["models"]))
+        models = cfg.models.get("models")
+        for spec in models.values() if isinstance(models, Mapping) else ():
+            if isinstance(spec, dict) and isinstance(spec.get("api_key_file"), str):
+                spec["api_key_file"] = _beside(base, spec["api_key_file"])
     if "tools" in data:
         from .service.builtin_tools import BUILTIN_TOOLS
 
@@ -520,7 +547,7 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         cfg.tracing = {k: _expect(v, str, f"{src}: tracing.{k}") for k, v in data["tracing"].items()}
     try:
         security = _mapping(data.get("security"), f"{src}: security", _SECURITY_KEYS)
-        _yaml_security(cfg.security, security, src)
+        _yaml_security(cfg.security, security, src, base)
         for key in _TLS_SETTINGS:
             group, name = key.split(".")
             if name in (security.get(group) or {}):
@@ -546,22 +573,24 @@ def _mapping(raw: Any, where: str, known: set[str]) -> Mapping[str, Any]:
     return raw
 
 
-def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str) -> None:
+def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str, base: Path) -> None:
+    """The ``security:`` section; its file paths relative to ``base``, the YAML file's directory."""
     where = f"{src}: security"
     tls = _mapping(data.get("tls"), f"{where}.tls", {"cert", "key", "client_ca", "require_client_cert"})
     sec.tls = TlsFiles(
         **{
-            ("ca" if k == "client_ca" else k): _expect(v, str, f"{where}.tls.{k}")
+            ("ca" if k == "client_ca" else k): _beside(base, _expect(v, str, f"{where}.tls.{k}"))
             for k, v in tls.items()
             if k != "require_client_cert"
         }
     )
     sec.require_client_cert = _expect(tls.get("require_client_cert", True), bool, f"{where}.tls.require_client_cert")
     mtls = _mapping(data.get("middleware_tls"), f"{where}.middleware_tls", {"ca", "cert", "key", "server_name"})
-    sec.middleware_tls = TlsFiles(**{k: _expect(v, str, f"{where}.middleware_tls.{k}") for k, v in mtls.items()})
+    given = {k: _expect(v, str, f"{where}.middleware_tls.{k}") for k, v in mtls.items()}
+    sec.middleware_tls = TlsFiles(**{k: v if k == "server_name" else _beside(base, v) for k, v in given.items()})
     sec.middleware_token = read_secret(
         env=_expect(data.get("middleware_token_env", ""), str, f"{where}.middleware_token_env"),
-        file=_expect(data.get("middleware_token_file", ""), str, f"{where}.middleware_token_file"),
+        file=_beside(base, _expect(data.get("middleware_token_file", ""), str, f"{where}.middleware_token_file")),
         where=f"{where}.middleware_token",
     )
     users = data.get("users") or []
@@ -578,7 +607,7 @@ def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str) -> No
         digest = _expect(entry.get("token_sha256", ""), str, f"{at}.token_sha256").lower()
         secret = read_secret(
             env=_expect(entry.get("token_env", ""), str, f"{at}.token_env"),
-            file=_expect(entry.get("token_file", ""), str, f"{at}.token_file"),
+            file=_beside(base, _expect(entry.get("token_file", ""), str, f"{at}.token_file")),
             where=f"{at}.token",
         )
         digest = token_digest(secret) if secret else digest  # only the digest is kept

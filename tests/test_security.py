@@ -908,6 +908,58 @@ def test_a_user_known_only_by_certificate_needs_a_client_ca(certs: Pki, tmp_path
     assert load_config(path, env={}).security.users[0].cert_cn == "ops"
 
 
+def test_relative_paths_in_host_yaml_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file a host.yaml names (TLS files, token files, a model's api_key_file, the SQLite db)
+    is found beside it when relative, whatever the working directory (they were looked up in the
+    working directory: `agent-host --config /etc/agentmw/host.yaml` with `cert: server.pem` failed,
+    'cannot read the TLS cert server.pem'); flags and variables stay relative to the working directory."""
+    conf = tmp_path / "conf"
+    files = pki(conf / "pki")
+    (conf / "tokens").mkdir()
+    for name in ("alice", "mw", "model"):
+        (conf / "tokens" / name).write_text(f"{name}-secret\n")
+    rel = {
+        which: str(Path(path).relative_to(conf))
+        for which, path in (
+            ("ca", files.ca),
+            ("cert", files.server.cert),
+            ("key", files.server.key),
+            ("host_cert", files.clients["host"].cert),
+            ("host_key", files.clients["host"].key),
+        )
+    }
+    (conf / "host.yaml").write_text(
+        f"db: data/sessions.db\n"
+        f"models: {{default: m, models: {{m: {{provider: openai, model_name: x, api_key_file: tokens/model}}}}}}\n"
+        "security:\n"
+        f"  tls: {{cert: {rel['cert']}, key: {rel['key']}, client_ca: {rel['ca']}}}\n"
+        "  users: [{name: alice, role: user, token_file: tokens/alice}]\n"
+        f"  middleware_tls: {{ca: {rel['ca']}, cert: {rel['host_cert']}, key: {rel['host_key']}, server_name: s}}\n"
+        "  middleware_token_file: tokens/mw\n"
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(Path("..", "conf", "host.yaml"), env={})  # a relative --config too
+    sec = config.security
+    assert (sec.tls.cert, sec.tls.key, sec.tls.ca) == (files.server.cert, files.server.key, files.ca)
+    host = files.clients["host"]
+    assert (sec.middleware_tls.ca, sec.middleware_tls.cert, sec.middleware_tls.key) == (files.ca, host.cert, host.key)
+    assert sec.middleware_tls.server_name == "s"  # a name, not a file
+    assert sec.users[0].token_sha256 == token_digest("alice-secret") and sec.middleware_token == "mw-secret"
+    assert config.db == str(conf / "data" / "sessions.db")
+    assert config.build_models().get("m").api_key == "model-secret"
+    # A flag's or a variable's path is the user's in the working directory, as any command's.
+    (elsewhere / "ca.pem").write_bytes(Path(files.ca).read_bytes())
+    flagged = load_config(conf / "host.yaml", env={"AGENTMW_TLS_CLIENT_CA": "ca.pem"}, flags={"db": "here.db"})
+    assert flagged.db == "here.db" and flagged.security.tls.ca == "ca.pem"
+    # A DSN and ":memory:" are no paths.
+    (conf / "host.yaml").write_text("db: ':memory:'\n")
+    assert load_config(conf / "host.yaml", env={}).db == ":memory:"
+    (conf / "host.yaml").write_text("store: {dsn: 'postgresql://u@db/agentmw'}\n")
+    assert load_config(conf / "host.yaml", env={}).db == "postgresql://u@db/agentmw"
+
+
 @pytest.mark.parametrize(
     ("how", "edit"),
     [

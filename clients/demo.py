@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import importlib
 import inspect
@@ -222,7 +223,9 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
     from .host_client import HostClient, converse
 
     outcome = Outcome()
-    view = View(out=out, audio_dir=Path(tempfile.gettempdir()) / "agentmw-demo-audio", color=False)
+    # A directory of this run's own: a fixed shared one was another user's (unwritable) or another
+    # demo's (overwritten) at the same time. It outlives the run, so the files can be played after.
+    view = View(out=out, audio_dir=tempfile.mkdtemp(prefix="agentmw-demo-audio-"), color=False)
     async with HostClient(address) as client:
         attached = (await client.stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=10)).middleware
         print("\nattached middleware (outermost first):", file=out)
@@ -259,6 +262,9 @@ async def converse_demo(address: str, out: Any = sys.stdout) -> Outcome:
         if view.saved:  # the TTS server (mw_servers/tts) spoke every text block
             where = f"{len(view.saved)} WAV files in {view.audio_dir}"
             print(f"\n── speech (the tts server): {where}; play one: aplay {view.saved[-1]}", file=out)
+        else:
+            with contextlib.suppress(OSError):  # nothing spoke: leave no empty directory behind
+                view.audio_dir.rmdir()
         info = await client.stub.GetSession(host_pb2.GetSessionRequest(session_id=session), timeout=10)
         state = codec.decode(info.state)
         print(f"\n── the session {session}, as the host persisted it", file=out)

@@ -781,11 +781,19 @@ def test_help_says_what_it_does_and_its_defaults(module: str, says: str) -> None
     assert done.returncode == 0 and says in " ".join(done.stdout.split()), done.stdout + done.stderr
 
 
-def test_demo_completes() -> None:
-    done = run_cli("clients.demo", timeout=50)
+def test_demo_completes(tmp_path: Path) -> None:
+    # What another user's demo left in the shared temporary directory: the demo wrote its audio to
+    # the fixed TMPDIR/agentmw-demo-audio, so it could save none (and two demos overwrote each other's).
+    (tmp_path / "agentmw-demo-audio").write_text("another user's\n")
+    done = run_cli("clients.demo", timeout=50, env={"TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     out = done.stdout
     assert "agentmw demo: OK" in out
+    speech = re.search(r"^── speech \(the tts server\): (\d+) WAV files in (\S+);", out, re.M)
+    assert speech, out  # a directory of this run's own, named where the files are
+    audio = Path(speech[2])
+    assert audio.parent == tmp_path and audio.name.startswith("agentmw-demo-audio-"), audio
+    assert len(list(audio.glob("*.wav"))) == int(speech[1]) > 0
     # What each example middleware did, as the demo prints it (see clients/demo.py).
     sections = re.split(r"^── ", out, flags=re.M)[1:]
     steps = [s for s in sections if re.match(r"\d+\. ", s)]

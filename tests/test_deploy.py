@@ -144,6 +144,24 @@ def test_container_runs_what_the_image_has(workload: dict[str, Any], container: 
     assert "grpc" in container["readinessProbe"], "readiness is grpc.health.v1 (native gRPC probe)"
 
 
+def test_installs_from_built_wheels_stay_offline() -> None:
+    """An install from a directory of built wheels says --no-index, as the Dockerfile's do: with
+    --find-links alone pip still asks the package index (docs/deploy.md said so, and an offline or
+    air-gapped install failed, or quietly took another agentmw from the index). (test_packaging.py
+    installs its wheel files by path, not these commands: by name, pip would take the project's own
+    agentmw, which its venvs see, as already installed.)"""
+    texts = {p.relative_to(ROOT): p.read_text() for p in (ROOT / "Dockerfile", ROOT / "README.md")}
+    texts.update({p.relative_to(ROOT): p.read_text() for p in (ROOT / "docs").glob("*.md")})
+    commands = [
+        (str(name), cmd)
+        for name, text in texts.items()
+        for cmd in re.findall(r"pip install[^\n&#;]*", text.replace("\\\n", " "))
+        if "--find-links" in cmd
+    ]
+    assert {name for name, _ in commands} >= {"Dockerfile", "docs/deploy.md", "docs/packaging.md"}, commands
+    assert [c for c in commands if "--no-index" not in c[1]] == []
+
+
 def test_images_default_commands_parse() -> None:
     parse_args(STAGES["host"]["cmd"])
     module, _, cls = STAGES["middleware"]["cmd"][0].partition(":")

@@ -931,6 +931,50 @@ class CatchInnerByClass(MiddlewareBase):
             return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
 
 
+class RaisesStopAsyncIteration(MiddlewareBase):
+    """Its coroutine hook ``hook`` raises StopAsyncIteration (an ``await anext(it)`` on a spent
+    iterator, say); its other hooks pass through."""
+
+    def __init__(self, hook: str = "on_model_call") -> None:
+        self.hook = hook
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        if self.hook == "on_check_permission":
+            raise StopAsyncIteration("no more in on_check_permission")
+        return await next_handler()
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        if self.hook == "on_model_call":
+            raise StopAsyncIteration("no more in on_model_call")
+        return await next_handler()
+
+
+class CatchInnerStop(MiddlewareBase):
+    """Catches the inner pipeline's StopAsyncIteration by class in its coroutine hooks, notes what it
+    saw of it, then decides itself (the tool is allowed, the model call answered)."""
+
+    async def _seen(self, agent, hook: str, exc: BaseException) -> None:
+        key = await self.get_middleware_key()
+        seen = {"class": type(exc).__name__, "str": str(exc), "runtime": isinstance(exc, RuntimeError)}
+        agent.state.middle_context[key] = {**(agent.state.middle_context.get(key) or {}), hook: seen}
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        from agentmw.data import PermissionBehavior, PermissionDecision
+
+        try:
+            return await next_handler()
+        except StopAsyncIteration as exc:
+            await self._seen(agent, "on_check_permission", exc)
+            return PermissionDecision(behavior=PermissionBehavior.ALLOW)
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        try:
+            return await next_handler()
+        except StopAsyncIteration as exc:
+            await self._seen(agent, "on_model_call", exc)
+            return ChatResponse(content=[TextBlock(text="caught it")], is_last=True)
+
+
 class _SpeaksAfterText(MiddlewareBase):
     """After the text block ends it starts a block of its own, audio with id "speech" (as the TTS
     server does), and ``speak``s into it."""
@@ -1067,6 +1111,8 @@ MIDDLEWARE.update(
             CatchInnerRuntimeError,
             RaisesKeyError,
             CatchInnerByClass,
+            RaisesStopAsyncIteration,
+            CatchInnerStop,
             DiesMidBlock,
             SpeaksOn,
             LagsThenDies,

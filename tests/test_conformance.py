@@ -878,6 +878,18 @@ MODEL_OVERRIDE = Scenario(
     models={"main": {}, "backup": {"reply_template": "B: {parameters}", "parameters": {"top_p": 0.3}}},
 )
 CATCH_BY_CLASS = Scenario("catch_by_class", [Layer("CatchInnerByClass"), Layer("RaisesKeyError")])
+CATCH_STOP = {
+    hook: Scenario(
+        f"catch_stop_in_{hook}",
+        [Layer("CatchInnerStop"), Layer("RaisesStopAsyncIteration", {"hook": hook})],
+        message="call add a=1 b=2",
+    )
+    for hook in ("on_check_permission", "on_model_call")
+}
+STOP = {
+    hook: Scenario(f"stop_in_{hook}", [Layer("RaisesStopAsyncIteration", {"hook": hook})], message="call add a=1 b=2")
+    for hook in ("on_check_permission", "on_model_call")
+}
 SLOT_AFTER_YIELD = Scenario(
     "slot_after_yield",
     [Layer("SlotAfterYield"), Layer("ReadsOuterSlot")],
@@ -906,6 +918,8 @@ def sdk_fidelity_servers():
             Scenario("raises", [Layer("Raises")]),
             MODEL_OVERRIDE,
             CATCH_BY_CLASS,
+            *CATCH_STOP.values(),
+            *STOP.values(),
         ]
     )
     yield started
@@ -1010,6 +1024,47 @@ async def test_an_exception_keeps_its_bases_and_fields_in_every_placement(
         assert final_text(events) == "caught it"
     for placement, result in zip(placements[1:], results[1:], strict=True):  # texts say where it was raised
         assert tuple(map(unwrapped, result)) == results[0], placement
+
+
+@pytest.mark.parametrize("hook", ["on_check_permission", "on_model_call"])
+async def test_a_stop_async_iteration_of_a_coroutine_hook_is_caught_by_class_in_every_placement(
+    hook: str, sdk_fidelity_servers: Servers
+) -> None:
+    """An inner layer's coroutine hook raises StopAsyncIteration: in-process the layer around it
+    gets it as it is (a coroutine passes it on), and so it does now when the inner layer is remote.
+    Before, the host raised it inside its protocol generators, which Python turns into
+    RuntimeError('async generator raised StopAsyncIteration'), so ``except StopAsyncIteration``
+    around a remote layer missed it."""
+    placements = [["local", "local"], ["local", "remote"], ["remote", "local"], ["remote", "remote"]]
+    for placement in placements:
+        events, state = await run(CATCH_STOP[hook], placement, sdk_fidelity_servers)
+        seen = state["middle_context"].get("CatchInnerStop", {})
+        assert seen == {hook: {"class": "StopAsyncIteration", "str": f"no more in {hook}", "runtime": False}}, (
+            placement,
+            seen,
+        )
+        assert events[-2]["finished_reason"] == "completed", (placement, events[-2])
+
+
+@pytest.mark.parametrize("hook", ["on_check_permission", "on_model_call"])
+async def test_a_stop_async_iteration_uncaught_fails_alike_in_process_and_remote(
+    hook: str, sdk_fidelity_servers: Servers
+) -> None:
+    """Uncaught, it reaches the agent's own generators, which make it Python's RuntimeError, in
+    process and out alike. In on_model_call it failed in-process with an UnboundLocalError instead:
+    the model retry loop (tenacity's ``async for``) took the re-raised StopAsyncIteration for its
+    own end and went on with no result."""
+    local = await run(STOP[hook], ["local"], None)
+    remote = await run(STOP[hook], ["remote"], sdk_fidelity_servers)
+    assert errors_compared(unwrapped(remote[0])) == errors_compared(local[0])
+    assert states_compared(unwrapped(remote[1])) == states_compared(local[1])
+    error = "RuntimeError: async generator raised StopAsyncIteration"
+    if hook == "on_check_permission":  # the tool call's error result, as for any permission check's error
+        results = [e["delta"] for e in local[0] if e["class"] == "ToolResultTextDeltaEvent"]
+        assert results == [f"<system-reminder>{error}</system-reminder>"]
+    else:
+        end = local[0][-2]
+        assert end["finished_reason"] == "error" and end["error"]["message"] == error, end
 
 
 async def test_a_slot_set_after_a_yield_reaches_inner_layers_before_the_next_item(

@@ -153,9 +153,10 @@ async def call_with_fallback(
             reraise=True,
         )
         try:
-            async for try_ in retrying:
-                with try_:
-                    result = await attempt(model_id)
+            # Called, not iterated (``async for try_ in retrying``): re-raised from the iterator's
+            # __anext__, an attempt's StopAsyncIteration (a middleware's on_model_call may raise
+            # one) ended the loop as if it had succeeded, with no result (UnboundLocalError).
+            result: T = await retrying(attempt, model_id)
         except Exception as exc:
             last = failures[-1] if failures else None
             if last is None or last.error is not exc:  # the final attempt (no sleep follows it)

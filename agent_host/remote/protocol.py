@@ -74,6 +74,17 @@ _GUARDED: dict[str, Callable[[Any], Any]] = {
 STOP_AFTER_INTERRUPT = 2.0
 
 
+class _Unconverted(Exception):
+    """Carries out of HookCall's generators what a generator frame turns into a RuntimeError (PEP
+    479): a StopAsyncIteration (or StopIteration) the middleware, or the inner pipeline, raised in a
+    coroutine hook. value() and stream() raise it as it came, so the layer around gets it as it
+    would from an in-process layer (whose coroutine passes it on) and can catch it by class."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 class HookCall:
     # An invocation's state, each field's start value given here: an invocation sets only what it
     # uses (one assignment each in __init__ was a measurable part of every hook call's cost).
@@ -145,6 +156,8 @@ class HookCall:
         gen = self._guarded()
         try:
             first = await anext(gen)
+        except _Unconverted as exc:
+            raise exc.error from None
         except StopAsyncIteration:
             # It returned one response (its finish's result); or it finished with none over an inner
             # pipeline that returned one: that one passes through, as finish{} after forwarding items
@@ -163,9 +176,21 @@ class HookCall:
         table = self.mw.tables.get(self.spec.name)
         if self._skipped(table):
             return self.input_kwargs["prompt"] if self.spec.kind is Kind.TRANSFORM else await self.next_handler()
-        async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
-            pass
+        try:
+            async for _ in self._guarded():  # hooks without items cannot emit (_emitted rejects it)
+                pass
+        except _Unconverted as exc:
+            raise exc.error from None
         return self.result
+
+    def _raised(self, exc: BaseException) -> BaseException:
+        """``exc`` as this invocation's generators raise it: carried (_Unconverted) where the hook is
+        a coroutine whose caller would get it as it is (not a stream hook, nor a stream handed out)."""
+        if isinstance(exc, StopIteration | StopAsyncIteration) and not (
+            self.spec.kind is Kind.STREAM or self.handed_stream
+        ):
+            return _Unconverted(exc)
+        return exc
 
     def _skipped(self, table: SubscriptionTable | None) -> bool:
         """The inner pipeline runs without the middleware, no begin and no round trip: the hook
@@ -212,8 +237,11 @@ class HookCall:
             if self.handed_stream and isinstance(self.result, ChatResponse):
                 yield self.result  # returned after chunks went out: the caller reads a stream (hooks.proto, finish)
         finally:
-            tracing.end_hook_span(self.span, sys.exc_info()[1])
-            metrics.hook_ended(self.mw, self.spec.name, started, sys.exc_info()[1])
+            raised = sys.exc_info()[1]
+            if isinstance(raised, _Unconverted):
+                raised = raised.error
+            tracing.end_hook_span(self.span, raised)
+            metrics.hook_ended(self.mw, self.spec.name, started, raised)
             await self._close()
 
     async def _bypass(self, exc: MiddlewareFailure, *, record: bool = True) -> AsyncIterator[Any]:
@@ -250,7 +278,7 @@ class HookCall:
             async for item in self.inner:
                 yield item
         if self.inner_exc is not None:  # the inner pipeline had failed: that error stands
-            raise self.inner_exc
+            raise self._raised(self.inner_exc)
         self.result = self.inner_result
 
     async def _write_copies(self) -> None:
@@ -330,8 +358,9 @@ class HookCall:
                         await self._write(self._done_message())
                         break
                     except Exception as exc:  # the inner pipeline raised: the middleware decides
-                        self.inner, self.inner_done, self.inner_exc = None, True, exc
-                        await self._write(self._error_message(exc))
+                        error = exc.error if isinstance(exc, _Unconverted) else exc
+                        self.inner, self.inner_done, self.inner_exc = None, True, error
+                        await self._write(self._error_message(error))
                         break
                     mode = table.mode_of(item)
                     if mode is Mode.BYPASS:
@@ -400,7 +429,7 @@ class HookCall:
                 if fail.traceback:
                     log.error("middleware %r raised in %s:\n%s", mw.name, spec.name, clipped(fail.traceback, tail=True))
                 if fail.from_inner and self.inner_exc is not None:
-                    raise self.inner_exc
+                    raise self._raised(self.inner_exc)
                 if fail.type == "CancelledError":
                     # As an in-process layer's CancelledError propagates (the agent takes it as an
                     # interruption; out of on_reply it fails the reply): raised, not delivered by
@@ -408,8 +437,10 @@ class HookCall:
                     raise asyncio.CancelledError(
                         f"middleware {mw.name!r} raised CancelledError in {spec.name}: {clipped(fail.message)}"
                     )
-                raise remote_error(
-                    mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
+                raise self._raised(
+                    remote_error(
+                        mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
+                    )
                 )
 
     def _begin(self) -> hooks_pb2.HostMessage:
@@ -501,7 +532,10 @@ class HookCall:
         return self._value_items(overrides)
 
     async def _value_items(self, overrides: dict[str, Any]) -> AsyncGenerator[Any, None]:
-        value = await self.next_handler(**overrides)
+        try:
+            value = await self.next_handler(**overrides)
+        except (StopIteration, StopAsyncIteration) as exc:  # as the inner layer raised it (_Unconverted)
+            raise _Unconverted(exc) from None
         if self.spec.kind is Kind.CALL or isinstance(value, ChatResponse):  # a value, sent in InnerDone
             self.inner_result = value
         else:

@@ -223,10 +223,14 @@ class HookSession:
         if self.spec.kind is Kind.CALL:
             async for item in inner:
                 raise RuntimeError(f"unexpected item {type(item).__name__} in {self.spec.name}")
+            if inner.error is not None:  # a StopAsyncIteration of the inner pipeline ended the loop
+                raise inner.error
             return inner.result
         try:
             first = await inner.__anext__()  # call-time errors raise here, as in-process
         except StopAsyncIteration:
+            if inner.error is not None:  # the inner pipeline raised one: as in-process, the caller gets it
+                raise
             if isinstance(inner.result, ChatResponse):
                 return inner.result  # the inner pipeline returned one response, not a stream
             first = None
@@ -490,6 +494,8 @@ class InnerStream:
         self.done = False
         self.generation = 0
         self.result: Any = None
+        # The inner pipeline's exception: a StopAsyncIteration raised from __anext__ reads as the end.
+        self.error: InnerPipelineError | None = None
 
     def __aiter__(self) -> InnerStream:
         return self
@@ -557,6 +563,6 @@ class InnerStream:
                 s.ended = True
                 raise StopAsyncIteration
             if which == "inner_error":
-                s.last_inner_error = inner_error(body.type, body.message, **decode_error_attributes(body))
+                s.last_inner_error = self.error = inner_error(body.type, body.message, **decode_error_attributes(body))
                 raise s.last_inner_error
             raise RuntimeError(f"unexpected {which} from the host")

@@ -11,6 +11,7 @@ wrong and where, and exits with status 2 (configuration) or 1 (startup).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -96,7 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"metrics_port: cannot serve metrics on {host}:{config.metrics_port}: {exc}"
                 ) from None
             print(f"agentmw host metrics at http://{host}:{port}/metrics", flush=True)
-        loops.run(run_host(config), config.loop)
+        try:
+            loops.run(run_host(config), config.loop)
+        finally:
+            # The host's middleware channels sit in reference cycles (a RemoteTool and its
+            # middleware, ...): left for the interpreter's exit, a TLS one made gRPC's shutdown
+            # wait some 2 s, so a host with middleware_tls took that long to exit on SIGTERM.
+            gc.collect()
     except ConfigError as exc:
         print(f"agent-host: configuration error: {exc}", file=sys.stderr)
         return 2

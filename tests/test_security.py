@@ -908,6 +908,32 @@ def test_a_user_known_only_by_certificate_needs_a_client_ca(certs: Pki, tmp_path
     assert load_config(path, env={}).security.users[0].cert_cn == "ops"
 
 
+async def test_a_host_with_tls_everywhere_exits_on_sigterm_as_fast_as_a_plaintext_one(
+    certs: Pki, procs: Procs, tmp_path: Path
+) -> None:
+    """A host serving TLS, with its middleware over mutual TLS, took some 2 s more to exit on
+    SIGTERM than a plaintext one: its middleware channels, left in reference cycles, were only
+    collected at the interpreter's exit, where gRPC's shutdown waited for the TLS one."""
+    served = {
+        "AGENTMW_MW_TLS_CERT": certs.server.cert,
+        "AGENTMW_MW_TLS_KEY": certs.server.key,
+        "AGENTMW_MW_TLS_CLIENT_CA": certs.ca,
+    }
+    client = certs.clients["host"]
+    host_side = f"  middleware_tls: {{ca: {certs.ca}, cert: {client.cert}, key: {client.key}}}\n"
+    exits = {}
+    for tls in (False, True):
+        recorder = procs.middleware(RECORDER, f"recorder-{tls}", served if tls else None)
+        config = f"middleware: [{{name: rec, address: '{recorder.address}'}}]\n"
+        host = procs.host(tmp_path, config + (mtls_config(certs) + host_side if tls else ""), name=f"host-{tls}")
+        async with client_channel(host.address, host_tls(certs, "ops") if tls else None) as channel:
+            await call(channel, "ListMiddleware", host_pb2.ListMiddlewareRequest())  # it serves: SIGTERM drains
+        started = time.monotonic()
+        assert host.stop(timeout=20) == 0, host.tail()
+        exits[tls] = time.monotonic() - started
+    assert exits[True] < exits[False] + 1.0, exits  # generous: the difference was 2 s
+
+
 def test_relative_paths_in_host_yaml_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file a host.yaml names (TLS files, token files, a model's api_key_file, the SQLite db)
     is found beside it when relative, whatever the working directory (they were looked up in the

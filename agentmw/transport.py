@@ -14,6 +14,7 @@ connection without calls, for clients that want to notice a dead peer sooner.
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 # The host's ping interval on a quiet connection: over the 5-minute floor of default servers, with
@@ -55,6 +56,32 @@ class CannotListen(OSError):
     """The address is malformed, or cannot be bound (in use, not an address of this machine)."""
 
 
+def bind_refused(address: str) -> OSError | None:
+    """Why the system refuses ``HOST:PORT`` (a port above 0) to every address the host resolves to,
+    as gRPC would bind it, or None when one of them binds (or it cannot tell: gRPC decides). The
+    probe sets SO_REUSEPORT, so it refuses nothing gRPC would take, with or without the option."""
+    host, _, port = address.rpartition(":")
+    if address.startswith(("unix:", "unix-abstract:")) or not port.isdigit() or int(port) == 0:
+        return None
+    try:
+        found = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None  # a name that does not resolve: gRPC's resolver says so
+    refused = None
+    for family, kind, proto, _, sockaddr in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            if hasattr(socket, "SO_REUSEPORT"):
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                refused = exc
+                continue
+        return None
+    return refused
+
+
 def listen(server: Any, address: str, credentials: Any = None) -> int:
     """Add ``address`` to a gRPC server (sync or aio; TLS with ``credentials``) and return the bound
     port, or raise CannotListen saying why: the one way every server of ours binds (the SDK's
@@ -63,6 +90,11 @@ def listen(server: Any, address: str, credentials: Any = None) -> int:
         check_listen_address(address)
     except ValueError as exc:
         raise CannotListen(str(exc)) from None
+    # Asked first: gRPC's C core would log its own "Failed to add port" line to stderr before our
+    # one line, and its exception does not say why (in use, not an address of this machine).
+    refused = bind_refused(address)
+    if refused is not None:
+        raise CannotListen(f"cannot listen on {address} ({(refused.strerror or str(refused)).lower()})")
     try:
         if credentials is not None:
             port = server.add_secure_port(address, credentials)

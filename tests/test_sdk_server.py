@@ -319,9 +319,26 @@ def test_an_address_it_cannot_listen_on_is_one_line() -> None:
         taken.listen()
         address = f"127.0.0.1:{taken.getsockname()[1]}"
         busy = run_cli("agentmw.sdk", target, "--address", address, timeout=30)
-    assert busy.returncode == 1, busy.stdout + busy.stderr
-    last = busy.stderr.strip().splitlines()[-1]
-    assert last == f"agentmw middleware RecorderMiddleware: cannot listen on {address} (address in use or not local)"
+        host = run_cli("agent_host", "--listen", address, "--db", ":memory:", timeout=30)
+        budget = run_cli("mw_servers.budget", "--address", address, "--token-budget", "5", timeout=30)
+    # One line each, saying why: gRPC's C core logged its own "add_port.cc:83] Failed to add port
+    # to server ..." line before it, and ours guessed "(address in use or not local)".
+    assert (busy.returncode, busy.stderr.splitlines()) == (
+        1,
+        [f"agentmw middleware RecorderMiddleware: cannot listen on {address} (address already in use)"],
+    ), busy.stderr
+    assert (host.returncode, host.stderr.splitlines()) == (
+        1,
+        [f"agent-host: cannot start: listen: cannot listen on {address} (address already in use)"],
+    ), host.stderr
+    assert (budget.returncode, budget.stderr.splitlines()) == (
+        1,
+        [f"agentmw middleware ReplyBudget: cannot listen on {address} (address already in use)"],
+    ), budget.stderr
+    elsewhere = run_cli("agentmw.sdk", target, "--address", "192.0.2.1:50000", timeout=30)  # TEST-NET-1: not ours
+    assert elsewhere.stderr.splitlines() == [
+        "agentmw middleware RecorderMiddleware: cannot listen on 192.0.2.1:50000 (cannot assign requested address)"
+    ], elsewhere.stderr
     assert "Traceback" not in wrapped.stderr + busy.stderr
     viewer = run_cli("clients.traces", "--listen", "127.0.0.1:99999", timeout=30)  # the trace viewer: the same check
     assert viewer.returncode == 2, viewer.stdout + viewer.stderr  # a usage error, as its other flags'

@@ -319,6 +319,8 @@ async def test_replies_that_wait_on_the_same_hang_together_count_it_once(marker:
         await until(remote.skipped)
         assert remote.hangs == 1
         assert 0 < metrics.middleware_status(remote)["skipped_for"] <= 2
+        # Why, without a claim nobody checked: a stopped process answers no Describe either.
+        assert "hook calls of" not in remote.skipped() or "Describe answers" not in remote.skipped()
     finally:
         os.kill(marker.pid, signal.SIGCONT)
     await remote.close()

@@ -560,13 +560,14 @@ class RemoteMiddleware:
             # A hang after a suspension, with no answer since: the trial call after the pause
             # failed, so the pause resumes (doubled) at once, as a circuit breaker's half-open does.
             if self.hangs or len(self.hung_sessions) >= HANG_SESSIONS:
+                # Whether its Describe answers is not known yet (a stopped process answers nothing):
+                # the check below tells, and one that gets no answer makes it unresponsive.
                 when = time.strftime("%H:%M:%SZ", time.gmtime())
                 self._suspend(
                     f"no answer within {self.policy.timeout:g}s to hook calls of {len(self.hung_sessions)}"
-                    f" session(s) in a row (its Describe answers), at {when}"
+                    f" session(s) in a row, at {when}"
                 )
                 self.hung_sessions.clear()
-                return
         if self.confirming is None or self.confirming.done():
             self.confirming = self.in_background(self._confirm_hang())
 

@@ -104,7 +104,12 @@ class Reasoning(AgentBase):
         for event in converter.close_all():
             yield event
         if completed is None:
-            raise ReplyError(f"model {used!r} returned an empty streaming response")
+            layers = self.layers["on_model_call"]
+            if not layers:
+                raise ReplyError(f"model {used!r} returned an empty streaming response")
+            # A middleware's stream may not be the model's at all: blame who can end it so.
+            who = blame_of(layers, "on_model_call")
+            raise ReplyError(f"the response stream of the call to model {used!r} had no last chunk (is_last) ({who})")
         self._check_response(completed, used)
         usage = completed.usage
         # An interrupted or failed reply stops at the end event, so its partial content is saved before it

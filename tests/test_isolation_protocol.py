@@ -802,6 +802,24 @@ async def test_a_pass_through_that_finishes_with_none_passes_an_inner_response_o
     await remote.close()
 
 
+async def test_a_model_stream_without_its_last_chunk_names_the_middleware(evil: Any, scripts: Path) -> None:
+    """An on_model_call middleware answers with a stream of text chunks and no last one
+    (is_last), never calling the model: the reply's error names the middleware. Before, it said
+    the model had returned an empty streaming response."""
+    proc = evil("--hooks", "on_model_call")
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote)
+    chunk = {"chatResponse": {"content": [{"text": {"text": "made up"}}]}}
+    script(scripts, agent, messages=[{"actions": [{"emit": {"item": chunk}}]}])
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR, end
+    assert end.error.message == (
+        "ReplyError: the response stream of the call to model 'offline' had no last chunk (is_last) "
+        "(on_model_call middleware 'Evil')"
+    ), end.error
+    await remote.close()
+
+
 # -- 6. tool descriptors, health, restarts ----------------------------------------------------------
 
 

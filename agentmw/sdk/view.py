@@ -336,9 +336,9 @@ class ContextView(list):
             else:
                 self.shown[i] = copied
 
-    def _require(self) -> None:
+    def _require(self, what: str = "agent.state.context") -> None:
         if not self.visible:
-            raise RuntimeError("agent.state.context is not sent to this hook: subscribe with wants_context=True")
+            raise RuntimeError(f"{what} is not sent to this hook: subscribe with wants_context=True")
 
     def __getitem__(self, index: Any) -> Any:
         self._require()
@@ -387,7 +387,7 @@ class StateView(ReplyFields):
     @property
     def summary(self) -> str:
         """The compression summary: the host sends it with the context (``wants_context``)."""
-        self._context._require()
+        self._context._require("agent.state.summary")
         return self._summary
 
     @summary.setter

@@ -335,17 +335,24 @@ def test_the_server_the_other_tests_use_has_no_network(stack: Stack) -> None:
         (["--address", "127.0.0.1:99999"], "--address '127.0.0.1:99999' is not HOST:PORT"),
         (["--top-k", "0"], "configuration error: --top-k: top_k must be at least 1, got 0"),
         (["--user-id", " "], "configuration error: --user-id: user_id must name a user, got ' '"),
+        (["--address", "{busy}"], "mw_servers.mem0: cannot listen on {busy} (address already in use)"),
     ],
 )
 def test_bad_flags_are_one_line(flags: list[str], says: str, tmp_path: Path) -> None:
     """Each was a traceback (a file as --store), a port gRPC wraps, or accepted (--top-k 0; a blank
     --user-id, which mem0 then refused at every call of every reply); each is said before the
-    model loads (--top-k was only once the model had loaded: "cannot start")."""
+    model loads (--top-k was only once the model had loaded: "cannot start"; a port in use only
+    once serve() bound it, after the model had loaded for seconds)."""
     file = tmp_path / "a-file"
     file.write_text("")
-    argv = [str(MEM0_PY), "-m", "mw_servers.mem0", "--store", str(tmp_path / "store"), "--address", "127.0.0.1:0"]
-    argv += [f.replace("{file}", str(file)) for f in flags]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    with socket.socket() as taken:  # a port in use: said before the model loads, too
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        argv = [str(MEM0_PY), "-m", "mw_servers.mem0", "--store", str(tmp_path / "store"), "--address", "127.0.0.1:0"]
+        argv += [f.replace("{file}", str(file)).replace("{busy}", busy) for f in flags]
+        done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode in (1, 2), done.stdout + done.stderr
-    assert says.replace("{file}", str(file)) in done.stderr.strip().splitlines()[-1], done.stderr
+    said = says.replace("{file}", str(file)).replace("{busy}", busy)
+    assert said in done.stderr.strip().splitlines()[-1], done.stderr
     assert "Traceback" not in done.stderr, done.stderr

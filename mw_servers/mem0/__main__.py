@@ -19,7 +19,7 @@ from pathlib import Path
 from agentmw.commandline import description
 from agentmw.configfile import read_yaml
 from agentmw.sdk import serve
-from agentmw.transport import check_listen_address
+from agentmw.transport import bind_refused, check_listen_address
 
 from . import MODES, Mem0Middleware, check_option
 from .backend import build_memory, load_config, prepare_environment
@@ -75,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             f"mw_servers.mem0: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed for "
             f"{sys.executable}: run the server with "
             ".venv-mem0/bin/python (make mem0 builds it), or install the mem0 extra: pip install '.[mem0]'",
+            file=sys.stderr,
+        )
+        return 1
+    refused = bind_refused(args.address)  # at once, not after the model loaded (seconds; serve() binds)
+    if refused is not None:
+        print(
+            f"mw_servers.mem0: cannot listen on {args.address} ({(refused.strerror or str(refused)).lower()})",
             file=sys.stderr,
         )
         return 1

@@ -828,3 +828,21 @@ def test_demo_completes(tmp_path: Path) -> None:
     same_session = [s for s in steps if "new session" not in s.splitlines()[0]]
     model_calls = sum(len(re.findall(r"^  · model call: ", s, re.M)) for s in same_session)
     assert json.loads(slots["rate_limit"])["calls"] == model_calls + fallback["switches"]
+
+
+def test_a_slot_holding_nan_reads_as_json_any_parser_takes() -> None:
+    """GetSession's middle_context_json is JSON (host.proto): a slot holding NaN or an infinity (a
+    middleware may set one: a Value's number takes them) is written as proto3's JSON mapping writes
+    them, as strings. Before, the text held the tokens NaN and Infinity, which JSON parsers outside
+    Python refuse."""
+    from agent_host.service.host import Host
+    from agentmw.data.state import AgentState
+
+    state = AgentState(middle_context={"m": {"x": float("nan"), "y": [1.5, float("inf"), -float("inf")], "z": 2}})
+
+    def strict(token: str) -> None:
+        raise ValueError(f"not JSON: {token}")
+
+    assert json.loads(Host.middle_context_json(state), parse_constant=strict) == {
+        "m": {"x": "NaN", "y": [1.5, "Infinity", "-Infinity"], "z": 2}
+    }

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -587,7 +588,13 @@ class Host:
 
     @staticmethod
     def middle_context_json(state: AgentState) -> str:
-        return json.dumps(state.middle_context, sort_keys=True, default=str)
+        """JSON any parser reads: a slot may hold NaN or an infinity (set in-process, or over the
+        wire, where a Value's number takes them), which JSON has no token for; they are written as
+        proto3's JSON mapping writes them, the strings "NaN", "Infinity" and "-Infinity"."""
+        try:
+            return json.dumps(state.middle_context, sort_keys=True, default=str, allow_nan=False)
+        except ValueError:
+            return json.dumps(_finite(state.middle_context), sort_keys=True, default=str)
 
     # -- middleware --------------------------------------------------------------------------------
 
@@ -893,6 +900,17 @@ def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:
             f'structured_schema must be of "type": "object" (the structured output is an object), '
             f"got {schema.get('type')!r}",
         )
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with its non-finite floats as proto3's JSON mapping writes them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 __all__ = ["Attached", "Host", "ReplyRejected", "ReplyRun", "check_structured_schema"]

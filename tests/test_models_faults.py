@@ -240,6 +240,24 @@ async def test_dashscope_error_frame_is_classified_by_its_code(server: ScriptedS
     assert of_type(events, ModelCallEndEvent)[0].metadata["request_id"] == "req-ds-1"
 
 
+@pytest.mark.parametrize("failure", ["error-frame", "reset"])
+async def test_dashscope_failure_after_an_event_without_text_is_retried(server: ScriptedServer, failure: str) -> None:
+    # The first event carries only usage: the user has seen nothing, so the call has not started.
+    (head,) = dashscope_stream([dashscope_chunk("", usage=(12, 0))], complete=False).frames
+    if failure == "reset":
+        first = Reply(frames=[head], reset=True)
+    else:
+        first = Reply(frames=[head, dashscope_error_frame("InternalError", "internal failure, try again")])
+    server.replies += [first, dashscope_stream([dashscope_chunk("recovered", usage=(12, 1))])]
+    reg = ModelRegistry.from_config({"default": "a", "models": {"a": spec(server, "dashscope", max_retries=1)}})
+
+    events, final, _ = await reply(reg)
+
+    assert (final.text, len(server.requests)) == ("recovered", 2)
+    (failed,) = of_type(events, ModelCallStartEvent)[0].metadata["failed_attempts"]
+    assert failed["error_type"] == ("connection" if failure == "reset" else "upstream")
+
+
 async def test_gateway_html_page_is_summarized_with_the_request_id(server: ScriptedServer) -> None:
     page = "<html><head><title>502 Bad Gateway</title></head><body>" + "<p>nginx</p>" * 2000 + "</body></html>"
     server.replies.append(Reply(status=502, raw=page, content_type="text/html", headers={"x-request-id": "req-gw"}))

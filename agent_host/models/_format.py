@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agentmw.data import (
+    ChatResponse,
     ChatUsage,
     DataBlock,
     ErrorType,
@@ -471,14 +472,17 @@ def protocol_error(provider: str, model: str, what: str, request_id: str = "") -
     )
 
 
-async def primed(stream: AsyncGenerator[T, None]) -> AsyncIterator[T]:
-    """Pull the first item now, so errors before the first chunk raise from ``_open`` (where the
-    host's retry and fallback see them), and return a stream of that item and the rest."""
-    try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        return _chain([], stream)
-    return _chain([first], stream)
+async def primed(stream: AsyncGenerator[ChatResponse, None]) -> AsyncIterator[ChatResponse]:
+    """Pull items now up to the first with content, so errors before the user sees anything raise
+    from ``_open`` (where the host's retry and fallback see them), and return a stream of those
+    items and the rest. An item without content (a DashScope event with only usage) does not start
+    the answer: a failure after it is as retryable as one before it."""
+    head: list[ChatResponse] = []
+    async for item in stream:
+        head.append(item)
+        if item.content:
+            break
+    return _chain(head, stream)
 
 
 async def _chain(head: list[T], rest: AsyncGenerator[T, None]) -> AsyncIterator[T]:

@@ -79,8 +79,8 @@ class ChatModel:
         tool_choice: ToolChoice | None = None,
         parameters: dict[str, Any] | None = None,
     ) -> AsyncIterator[ChatResponse]:
-        """Start a call. Errors that happen before the first chunk raise here (so retry and fallback
-        see them); the returned stream yields deltas and ends with one accumulated ``is_last`` chunk.
+        """Start a call. Errors that happen before the first chunk with content raise here (so retry
+        and fallback see them); the returned stream yields deltas and ends with one accumulated ``is_last`` chunk.
         ``parameters`` override the configured ones for this call only (e.g. ``temperature``,
         ``max_tokens``, ``response_format``, a thinking budget), as a middleware may ask."""
         started = time.monotonic()

@@ -129,7 +129,7 @@ def _int64_as_numbers(descriptor: Any, found: dict[str, Any]) -> None:
     for field in descriptor.fields:
         if field.name not in found:
             continue
-        repeated = field.label == FieldDescriptor.LABEL_REPEATED
+        repeated = field.is_repeated
         values = found[field.name] if repeated else [found[field.name]]
         if field.type in _INT64:
             numbers = [int(v) for v in values]

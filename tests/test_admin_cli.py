@@ -78,6 +78,7 @@ def test_status_middleware_and_sessions_commands(setup: tuple[Procs, ServerProce
     attached = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec", "--position", "0")
     assert attached.returncode == 0, attached.stdout + attached.stderr
     assert attached.stdout.startswith(f"attached rec at {recorder.address}")
+    assert attached.stderr == ""  # no protobuf DeprecationWarning (FieldDescriptor.label) for the operator
     again = agentmw(host, "middleware", "attach", recorder.address, "--name", "rec")
     assert again.returncode == 1 and "ALREADY_EXISTS" in again.stderr
     # The host answers UNAVAILABLE for a middleware it cannot attach: its words, not "cannot reach

@@ -28,7 +28,9 @@ class ModelError(Exception):
     """A model call failed. ``retryable`` errors (throttling, 5xx, connection, a bad response) may
     be retried; ``retry_after`` is the delay the server asked for; ``request_id`` is the
     provider's id of the request (the message ends with it, so support can find the call).
-    ``partial`` is set when the call failed mid-stream: what had arrived until then."""
+    ``partial`` is set when a model client's call failed: what had arrived until then (nothing,
+    when it failed before the first chunk), with the usage so far, ``created_at`` when it failed and
+    ``usage.time`` how long the attempt took."""
 
     def __init__(
         self,

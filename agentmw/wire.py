@@ -243,6 +243,13 @@ def decode_error_attributes(error: hooks_pb2.Fail | hooks_pb2.InnerError) -> dic
             others = json.loads(error.attributes_json)
     if isinstance(others, dict):
         attributes["attributes"] = {name: value for name, value in others.items() if _public(name)}
+    if isinstance(error, hooks_pb2.InnerError):  # what failed, and when (hooks.proto InnerError)
+        extra = attributes.setdefault("attributes", {})
+        if error.HasField("partial"):
+            with contextlib.suppress(CodecError):  # unreadable: as if none
+                extra["partial"] = codec.decode(error.partial)
+        if error.created_at:
+            extra["created_at"] = error.created_at
     return attributes
 
 

@@ -33,6 +33,7 @@ from clients.launch import ServerProcess
 from clients.traces import DEFAULT_SETTLE, Receiver, format_trace
 
 from .host_util import Procs, run_cli
+from .model_servers import Reply, ScriptedServer, dashscope_chunk, dashscope_error, dashscope_stream, spec
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -318,6 +319,50 @@ async def test_a_model_call_cut_by_an_interrupt_is_traced_as_interrupted(procs: 
         (chat,) = [s for s in named(found, "chat ") if s["attributes"].get("gen_ai.conversation.id") == session]
         assert json.loads(chat["attributes"]["gen_ai.response.finish_reasons"]) == ["interrupted"]
         assert "gen_ai.output.messages" not in chat["attributes"]
+
+
+async def test_failed_model_calls_are_traced_as_errors_within_their_reply(procs: Procs, receiver: Receiver) -> None:
+    """A DashScope answer cut mid-stream (the user saw "Partial answer", usage 10/2), then a reply
+    whose call fails twice with a 500 before any chunk. Each failed call's chat span says "error"
+    (finish reason, error.type, status), carries the usage and output the host had, and lies
+    within its reply, as does the failed reply's invoke_agent span, which ends at the failure and
+    shows what the user saw. Before, they had no finish reason, usage nor output, the chat spans
+    were timed when the late copies arrived (after the reply), and invoke_agent lasted 0 ms."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    with ScriptedServer() as server:
+        config = procs.log_dir / "dashscope.yaml"
+        model = {**spec(server, "dashscope"), "max_retries": 1}
+        config.write_text(json.dumps({"models": {"default": "a", "models": {"a": model}}}))
+        tracer = start(procs, "tracing", TRACER, env)
+        host = host_with(procs, tracer, env, "--config", str(config))
+        (head,) = dashscope_stream([dashscope_chunk("Partial ans", usage=(10, 1))], complete=False).frames
+        (tail,) = dashscope_stream([dashscope_chunk("wer", usage=(10, 2))], complete=False).frames
+        server.replies.append(Reply(frames=[head, tail], reset=True))
+        cut = await talk(host.address, "", "hi")
+        server.replies += [dashscope_error(500, "InternalError", "internal failure")] * 2
+        failed = await talk(host.address, cut.session_id, "again")
+
+    for turn, calls in ((cut, 1), (failed, 2)):
+        assert turn.final.finished_reason == ReplyFinishedReason.ERROR
+        spans = trace_of(receiver, turn.final.id, {"chat": calls})
+        check_shape(spans, turn.session_id)  # every span within the reply
+        chats = named(spans, "chat ")
+        assert len(chats) == calls
+        (agent,) = named(spans, "invoke_agent")
+        assert agent["status"] == "error" and agent["end_ns"] >= chats[-1]["end_ns"] > agent["start_ns"]
+        for chat in chats:
+            attrs = chat["attributes"]
+            assert chat["status"] == "error" and json.loads(attrs["gen_ai.response.finish_reasons"]) == ["error"]
+            assert attrs["error.type"] == ("connection" if turn is cut else "upstream")
+    (chat,) = named(trace_of(receiver, cut.final.id, {"chat": 1}), "chat ")
+    attrs = chat["attributes"]
+    assert (attrs["gen_ai.usage.input_tokens"], attrs["gen_ai.usage.output_tokens"]) == (10, 2)
+    (output,) = json.loads(attrs["gen_ai.output.messages"])
+    assert (output["parts"], output["finish_reason"]) == ([{"type": "text", "content": "Partial answer"}], "error")
+    (agent,) = named(trace_of(receiver, cut.final.id, {"chat": 1}), "invoke_agent")
+    assert json.loads(agent["attributes"]["gen_ai.output.messages"])[0]["parts"] == output["parts"]
+    for chat in named(trace_of(receiver, failed.final.id, {"chat": 2}), "chat "):  # nothing arrived
+        assert not {"gen_ai.usage.input_tokens", "gen_ai.output.messages"} & chat["attributes"].keys()
 
 
 async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, receiver: Receiver) -> None:

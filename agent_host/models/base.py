@@ -88,6 +88,9 @@ class ChatModel:
         try:
             deltas = await self._open(messages, tools or [], tool_choice, params)
         except ModelError as exc:
+            # Nothing arrived; the (empty) partial still says when the attempt failed and how long it
+            # took, so a tracer times it as an answered call.
+            exc.partial = Accumulator().result(FinishedReason.ERROR, started)
             self._redact(exc)
             raise
         return self._accumulate(deltas, started)

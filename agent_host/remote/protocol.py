@@ -584,6 +584,11 @@ class HookCall:
         msg = hooks_pb2.HostMessage(invocation=self.invocation)
         err = encode_error(exc, msg.inner_error)  # an inner middleware's own exception, as it raised it
         err.inner = self.generation
+        # A detached watcher gets this late: it times (and reports) the failure by these.
+        err.created_at = now()
+        partial = getattr(exc, "partial", None)  # a failed model call's response so far
+        if isinstance(partial, ChatResponse):
+            codec.encode(partial, err.partial)
         self._context(err.context)
         return msg
 

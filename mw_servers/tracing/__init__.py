@@ -7,7 +7,7 @@ end times taken from the items' own timestamps (see docs/tracing.md):
 
 * ``invoke_agent <agent>`` per reply (on_reply): from its first to its last item;
 * ``chat <model>`` per model call (on_model_call): ends at the final ChatResponse's ``created_at``
-  and starts ``usage.time`` seconds before it;
+  and starts ``usage.time`` seconds before it (a failed call: its exception's ``partial``);
 * ``execute_tool <tool>`` per tool call (on_acting), timed by the reply's ToolResultStartEvent and
   ToolResultEndEvent for that call (tool items carry no timestamps); and one ``execute_tool``
   span per externally executed result, at the time the result arrived.
@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -136,6 +137,10 @@ class TracingMiddleware(MiddlewareBase):
             attrs["gen_ai.input.messages"] = _dumps([_message(m, "stop") for m in msgs])
         start = reply.first or _ns(getattr(inputs, "created_at", None))
         end = reply.last or start
+        failure = error if isinstance(error, Exception) else None  # not an interruption (CancelledError)
+        if failure is not None:  # the failure is the reply's last moment (no end event comes through here)
+            when = _failed_at(failure)
+            end = when if end is None else max(end, when)
         span = _tracer().start_span(f"invoke_agent {agent.name}", context=parent, attributes=attrs, start_time=start)
         if isinstance(inputs, ExternalExecutionResultEvent):  # the results arrived: spans of their own
             child = trace.set_span_in_context(span)
@@ -160,9 +165,13 @@ class TracingMiddleware(MiddlewareBase):
             span.set_attribute("agentscope.agent.hitl_pending_tools", _dumps(reply.hitl))
         if reply.external:
             span.set_attribute("agentscope.agent.external_execution_pending_tools", _dumps(reply.external))
+        partial = _partial(failure) if failure is not None else None
         if reply.msg is not None:
             finish = "stop" if reply.msg.finished_reason in (None, "completed") else str(reply.msg.finished_reason)
             span.set_attribute("gen_ai.output.messages", _dumps([_message(reply.msg, finish)]))
+        elif partial is not None and _parts(partial.content):  # what the user saw of a failed model call
+            output = {"role": "assistant", "parts": _parts(partial.content), "finish_reason": "error"}
+            span.set_attribute("gen_ai.output.messages", _dumps([output]))
         _end(span, error, end)
 
     # -- on_model_call: chat -----------------------------------------------------------------------
@@ -223,25 +232,40 @@ class TracingMiddleware(MiddlewareBase):
         if tools and getattr(choice, "mode", "auto") != "none":
             attrs["gen_ai.tool.definitions"] = _dumps([_tool_definition(t) for t in tools])
         attrs["gen_ai.input.messages"] = _dumps([_message(m, "stop") for m in kwargs.get("messages") or []])
-        end = _ns(final.created_at) if final is not None else None
+        # A failed call ends in an exception, which carries the response so far (ModelError.partial:
+        # its time, duration, usage and content) when a model client raised it.
+        failure = error if isinstance(error, Exception) else None  # not an interruption (CancelledError)
+        failed = failure is not None
+        if final is None and failure is not None:
+            final = _partial(failure)
+        end = _ns(final.created_at) if final is not None else _failed_at(failure) if failure is not None else None
         seconds = final.usage.time if final is not None and final.usage is not None else 0.0
         start = end - int(seconds * 1e9) if end is not None else None
         span = _tracer().start_span(f"chat {model_name}", context=parent, attributes=attrs, start_time=start)
         if final is None and error is None:  # cut before its response: nothing to report but that
             span.set_attribute("gen_ai.response.finish_reasons", _dumps(["interrupted"]))
-        if final is not None:
-            reason = _FINISH_REASONS.get(final.finished_reason, "unknown")
-            span.set_attribute("gen_ai.response.id", final.id)
+        if failed:
+            reason = "error"
             span.set_attribute("gen_ai.response.finish_reasons", _dumps([reason]))
+            kind = getattr(failure, "error_type", None)  # a ModelError's: upstream, rate_limit, ...
+            span.set_attribute("error.type", str(_jsonable(kind)) if kind else type(failure).__name__)
+        if final is not None:
+            if not failed:
+                reason = _FINISH_REASONS.get(final.finished_reason, "unknown")
+                span.set_attribute("gen_ai.response.finish_reasons", _dumps([reason]))
+            answered = not failed or bool(final.content)  # a call that failed before any chunk has no response
+            if answered:
+                span.set_attribute("gen_ai.response.id", final.id)
             usage = final.usage
-            if usage is not None:
+            if usage is not None and (not failed or usage.input_tokens or usage.output_tokens):
                 span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
                 span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
                 for name in ("cache_input_tokens", "cache_creation_input_tokens"):
                     if getattr(usage, name):  # only when the provider reported some
                         span.set_attribute(f"agentscope.usage.{name}", getattr(usage, name))
-            output = {"role": "assistant", "parts": _parts(final.content), "finish_reason": reason}
-            span.set_attribute("gen_ai.output.messages", _dumps([output]))
+            if answered:
+                output = {"role": "assistant", "parts": _parts(final.content), "finish_reason": reason}
+                span.set_attribute("gen_ai.output.messages", _dumps([output]))
         _end(span, error, end)
 
     # -- on_acting: execute_tool -------------------------------------------------------------------
@@ -374,6 +398,19 @@ def _parent(agent: Any) -> otel_context.Context:
     """The host's span of this hook invocation when it traces, else the current context."""
     carrier = getattr(agent, "trace_context", None)
     return propagate.extract(carrier) if carrier else otel_context.get_current()
+
+
+def _partial(error: BaseException) -> ChatResponse | None:
+    """A failed model call's response so far (ModelError.partial; a remote hook's InnerError.partial)."""
+    partial = getattr(error, "partial", None)
+    return partial if isinstance(partial, ChatResponse) else None
+
+
+def _failed_at(error: BaseException) -> int:
+    """When ``error`` happened: a remote hook gets it late, with the time (InnerError.created_at);
+    in process it arrives as it happens."""
+    at = _ns(getattr(error, "created_at", None))
+    return at if at is not None else time.time_ns()
 
 
 def _end(span: Any, error: BaseException | None, end: int | None) -> None:

@@ -33,7 +33,16 @@ from clients.launch import ServerProcess
 from clients.traces import DEFAULT_SETTLE, Receiver, format_trace
 
 from .host_util import Procs, run_cli
-from .model_servers import Reply, ScriptedServer, dashscope_chunk, dashscope_error, dashscope_stream, spec
+from .model_servers import (
+    Reply,
+    ScriptedServer,
+    dashscope_chunk,
+    dashscope_error,
+    dashscope_stream,
+    openai_chunk,
+    openai_stream,
+    spec,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -57,6 +66,17 @@ class AuthorSpans(MiddlewareBase):
 
         with trace.get_tracer("author").start_as_current_span("author work"):
             return await next_handler()
+
+
+class LowTemperature(MiddlewareBase):
+    """Overrides request parameters for each call, as docs/models.md "Per-call parameters from a
+    middleware" shows. Served in its own process."""
+
+    async def get_middleware_key(self) -> str:
+        return "lowtemp"
+
+    async def on_model_call(self, agent: Any, input_kwargs: dict[str, Any], next_handler: Any) -> Any:
+        return await next_handler(parameters={"temperature": 0.1, "max_tokens": 256})
 
 
 @pytest.fixture
@@ -363,6 +383,31 @@ async def test_failed_model_calls_are_traced_as_errors_within_their_reply(procs:
     assert json.loads(agent["attributes"]["gen_ai.output.messages"])[0]["parts"] == output["parts"]
     for chat in named(trace_of(receiver, failed.final.id, {"chat": 2}), "chat "):  # nothing arrived
         assert not {"gen_ai.usage.input_tokens", "gen_ai.output.messages"} & chat["attributes"].keys()
+
+
+async def test_chat_span_shows_the_parameters_a_middleware_set_for_the_call(procs: Procs, receiver: Receiver) -> None:
+    """A middleware outside the tracing server sends the call with temperature 0.1 and max_tokens
+    256 over the model's configured temperature 0.9: the chat span says what the request carried.
+    Before, it read only the model's parameters: 0.9, and no max_tokens."""
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, **FAST_EXPORT}
+    with ScriptedServer() as server:
+        config = procs.log_dir / "openai.yaml"
+        model = {**spec(server), "parameters": {"temperature": 0.9, "top_p": 0.5}}
+        config.write_text(json.dumps({"models": {"default": "a", "models": {"a": model}}}))
+        low = start(
+            procs, "low", ["-m", "agentmw.sdk", "tests.test_tracing:LowTemperature", "--address", "127.0.0.1:0"], env
+        )
+        tracer = start(procs, "tracing", TRACER, env)
+        middleware = ["--middleware", f"lowtemp={low.address}", "--middleware", f"tracing={tracer.address}"]
+        host = start(procs, "host", [*HOST, "--config", str(config), *middleware], env)
+        server.replies.append(openai_stream([openai_chunk("hello", finish="stop")]))
+        turn = await talk(host.address, "", "hi")
+        sent = server.requests[0].body
+    assert (sent["temperature"], sent["max_tokens"], sent["top_p"]) == (0.1, 256, 0.5)
+    (chat,) = named(trace_of(receiver, turn.final.id, {"chat": 1}), "chat ")
+    attrs = chat["attributes"]
+    assert (attrs["gen_ai.request.temperature"], attrs["gen_ai.request.max_tokens"]) == (0.1, 256)
+    assert attrs["gen_ai.request.top_p"] == 0.5  # the model's own, under the call's
 
 
 async def test_tracing_server_down_and_restarted_between_replies(procs: Procs, receiver: Receiver) -> None:

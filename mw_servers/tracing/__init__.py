@@ -222,7 +222,8 @@ class TracingMiddleware(MiddlewareBase):
             "gen_ai.request.model": model_name,
             "gen_ai.conversation.id": agent.state.session_id or NO_SESSION,
         }
-        params = getattr(model, "parameters", None) or {}
+        # What the request carried: the call's own parameters (a middleware's) over the model's.
+        params = {**(getattr(model, "parameters", None) or {}), **(kwargs.get("parameters") or {})}
         for name in _REQUEST_PARAMS:
             if isinstance(params.get(name), (int, float)):
                 attrs[f"gen_ai.request.{name}"] = params[name]

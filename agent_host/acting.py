@@ -139,6 +139,15 @@ class Acting(AgentBase):
         )
         behavior = getattr(decision, "behavior", None)
         if behavior in (PermissionBehavior.ASK, PermissionBehavior.PASSTHROUGH):
+            if call.state == ToolCallState.ALLOWED:  # asked again, as AgentScope does: said, since it never ends
+                log.warning(
+                    "session=%s: tool call %s (%s) was confirmed by the user and is asked for again (%s): a "
+                    "permission middleware must let a confirmed call (tool_call.state ALLOWED) through",
+                    self.state.session_id,
+                    call.id,
+                    call.name,
+                    blame_of(self.layers["on_check_permission"], "on_check_permission"),
+                )
             call.state = ToolCallState.ASKING
             call.suggested_rules = list(decision.suggested_rules)
             self.state.version += 1

@@ -50,6 +50,7 @@ from agentmw.v1 import host_pb2
 from clients.chat_view import Player, View
 from clients.host_client import (
     DEFAULT_HOST,
+    MAX_CONFIRMS,
     CommandLine,
     ConfirmAnswer,
     ExternalAnswer,
@@ -251,6 +252,12 @@ def _audio_dir(parser: argparse.ArgumentParser, text: str) -> Path:
 
 
 def _report(turn: Turn) -> int:
+    if turn.asked_again:
+        names = ", ".join(sorted({c.name for c in turn.asked_again}))
+        print(
+            f"  (the host asked again for {names} after each of {MAX_CONFIRMS} confirmations: a permission"
+            " middleware asks for every call, confirmed ones too; stopped answering)"
+        )
     if turn.parked:
         print(f"  (the reply is waiting; answer with: agent-chat --session {turn.session_id} --yes | --deny)")
         return 3

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,6 +216,14 @@ class Turn:
     end: ReplyEndEvent | None = None
     parked: bool = False  # it still waits for a confirmation / external result
     items: list[Any] = field(default_factory=list)
+    # Calls asked for again after every one of MAX_CONFIRMS confirmations (answering stopped).
+    asked_again: list[ToolCallBlock] = field(default_factory=list)
+
+
+# Confirmations of one call in one turn before ``converse`` stops answering: the host runs the
+# permission chain again for a confirmed call (as AgentScope does), so a middleware that asks for
+# every call, confirmed or not, would have the reply ask, and an answering client confirm, for ever.
+MAX_CONFIRMS = 3
 
 
 ConfirmAnswer = Callable[[ToolCallBlock], Awaitable[ConfirmResult | None]]
@@ -263,12 +272,19 @@ async def converse(
     ``refuse_if_busy`` with every call (a busy session fails it with ABORTED instead of waiting)."""
     turn = Turn(session_id)
     pending = {c.id: c for c in parked_on}
+    confirmed: Counter[str] = Counter()
     while True:
         if inputs is None:
-            inputs = await answer(list(pending.values()), reply_id, on_confirm, on_external)
+            turn.asked_again = [
+                c for c in pending.values() if c.state == ToolCallState.ASKING and confirmed[c.id] >= MAX_CONFIRMS
+            ]
+            if not turn.asked_again:
+                inputs = await answer(list(pending.values()), reply_id, on_confirm, on_external)
             if inputs is None:
                 turn.parked = bool(pending)
                 return turn
+            if isinstance(inputs, UserConfirmResultEvent):
+                confirmed.update(r.tool_call.id for r in inputs.confirm_results if r.confirmed)
         call = client.reply(turn.session_id, inputs, structured_schema, refuse_if_busy=refuse_if_busy)
         structured_schema = None
         on_call(call)

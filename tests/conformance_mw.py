@@ -1532,3 +1532,16 @@ class CatchByBase(MiddlewareBase):
 
 
 MIDDLEWARE.update({cls.__name__: cls for cls in (RaisesOwnError, CatchByBase)})
+
+
+class AsksEveryTime(MiddlewareBase):
+    """on_check_permission asks the user for every call, also one the user has confirmed (its
+    state ALLOWED): the mistake docs/hooks.md warns of."""
+
+    async def on_check_permission(self, agent, input_kwargs, next_handler):
+        from agentmw.data import PermissionBehavior, PermissionDecision
+
+        return PermissionDecision(behavior=PermissionBehavior.ASK, message="sure?")
+
+
+MIDDLEWARE[AsksEveryTime.__name__] = AsksEveryTime

@@ -130,6 +130,34 @@ async def test_hitl_parked_across_restart_then_resumed_with_edited_input(procs: 
     assert slots[KEY] == {"starts": 1, "ends": [{"reply_id": reply_id, "finished_reason": "completed"}]}
 
 
+async def test_a_middleware_asking_again_for_a_confirmed_call_is_said_and_not_answered_for_ever(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """The permission chain runs again for a call the user confirmed (as in AgentScope). A
+    middleware that asks for every call, confirmed or not, brings the question back each time:
+    the host logs it, naming the middleware, and an answering client stops after MAX_CONFIRMS
+    confirmations of the call (the reply stays parked). Before, agent-chat --yes confirmed for
+    ever (4,123 parked replies in 30 s) and nothing said why."""
+    from clients.host_client import MAX_CONFIRMS
+
+    asker = procs.start(
+        "asker", ["-m", "agentmw.sdk", "tests.conformance_mw:AsksEveryTime", "--address", "127.0.0.1:0"]
+    )
+    host = procs.host(tmp_path / "s.db", "--middleware", f"asker={asker.address}")
+    confirms: list[str] = []
+
+    async def yes(call: ToolCallBlock) -> ConfirmResult:
+        confirms.append(call.id)
+        return ConfirmResult(confirmed=True, tool_call=call)
+
+    async with HostClient(host.address) as client, asyncio.timeout(30):
+        turn = await converse(client, "", UserMsg("email bob@example.com saying hi"), on_confirm=yes)
+    assert turn.parked and [c.name for c in turn.asked_again] == ["send_email"], turn
+    assert len(confirms) == MAX_CONFIRMS and len(set(confirms)) == 1, confirms
+    said = "was confirmed by the user and is asked for again (on_check_permission middleware 'asker')"
+    assert said in host.tail(100), host.tail(20)
+
+
 async def test_external_execution_round_trip(procs: Procs, tmp_path: Path) -> None:
     host = procs.host(tmp_path / "sessions.db")
     ran: list[str] = []

@@ -82,10 +82,21 @@ class FunctionTool(Tool):
         return result
 
 
+@typing.overload
+def tool(name: Callable[..., Any]) -> FunctionTool: ...
+
+
+@typing.overload
 def tool(
     name: str | None = None, description: str = "", input_schema: dict[str, Any] | None = None, **flags: Any
-) -> Callable[[Callable[..., Any]], FunctionTool]:
-    """Decorator: ``@tool(description=..., input_schema={...})`` over a function."""
+) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+
+
+def tool(name: Any = None, description: str = "", input_schema: dict[str, Any] | None = None, **flags: Any) -> Any:
+    """Decorator: ``@tool(description=..., input_schema={...})`` over a function, or bare ``@tool``
+    (its name, docstring and signature say it all)."""
+    if callable(name):  # bare @tool: the function itself
+        return tool()(name)
 
     def wrap(func: Callable[..., Any]) -> FunctionTool:
         schema = input_schema or _schema_from_signature(func)

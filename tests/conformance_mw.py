@@ -1545,3 +1545,27 @@ class AsksEveryTime(MiddlewareBase):
 
 
 MIDDLEWARE[AsksEveryTime.__name__] = AsksEveryTime
+
+
+class ToolsAfterWarmup(MiddlewareBase):
+    """A tool source whose backend is down until the file ``ready`` exists: its list_tools raises
+    until then, and lists one tool after."""
+
+    def __init__(self, ready: str = "") -> None:
+        self.ready = ready
+
+    async def list_tools(self):
+        import os
+
+        if not os.path.exists(self.ready):
+            raise ConnectionError("the tool backend is down")
+
+        @tool
+        def lookup(item: str) -> str:
+            """Looks an item up."""
+            return f"found {item}"
+
+        return [lookup]
+
+
+MIDDLEWARE[ToolsAfterWarmup.__name__] = ToolsAfterWarmup

@@ -385,7 +385,7 @@ async def test_a_fail_open_middleware_down_at_start_is_attached_once_it_answers(
     and once its server answers the host attaches it (a required one: the test below)."""
     port = unused_port()
     host = host_with(procs, tmp_path, port, "fail_open: true, timeout: 3")
-    assert "is fail_open and cannot be reached" in host.tail(50) and "starting without it" in host.tail(50)
+    assert "is fail_open and cannot be attached yet" in host.tail(50) and "starting without it" in host.tail(50)
     session, items = await _reply(host.address, "", UserMsg("hello"))
     assert isinstance(items[-1], Msg) and items[-1].finished_reason == ReplyFinishedReason.COMPLETED
     assert KEY not in (await get_session(host.address, session))[2]  # it took no part
@@ -412,7 +412,7 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
     answers and the host attaches it."""
     port = unused_port()
     host = host_with(procs, tmp_path, port, "timeout: 3")
-    assert "is required (fail_closed) and cannot be reached" in host.tail(50)
+    assert "is required (fail_closed) and cannot be attached yet" in host.tail(50)
 
     assert await _health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -469,6 +469,25 @@ async def test_a_middleware_whose_tools_do_not_answer_at_start_is_waited_for(pro
     tools.with_suffix(".hang").unlink()
     attached = await _until_listed(host.address, "tm", lambda m: not m.pending, "not attached once it answered")
     assert list(attached.tools) == ["tm__t"], attached
+
+
+async def test_a_tool_source_whose_list_tools_raises_at_start_is_waited_for(procs: Procs, tmp_path: Path) -> None:
+    """A served middleware whose list_tools raises (its backend is down): the SDK answers ListTools
+    with UNAVAILABLE, saying what it raised, and the host starts without it, as for a tool source
+    still warming up, and attaches it once list_tools answers. Before, the raw exception reached
+    the host as UNKNOWN and the host did not start, fail_open or not."""
+    ready = tmp_path / "ready"
+    served = ["-m", "agentmw.sdk", "tests.conformance_mw:ToolsAfterWarmup", "--address", "127.0.0.1:0"]
+    tm = procs.start("tm", [*served, "--arg", f"ready={json.dumps(str(ready))}"])
+    host = host_with(procs, tmp_path, int(tm.address.rsplit(":", 1)[1]), "fail_open: true, timeout: 2", name="tm")
+    pending = (await _listed(host.address))["tm"]
+    assert pending.pending, pending
+    assert "ListTools: not ready: UNAVAILABLE: list_tools raised ConnectionError: the tool backend is down" in (
+        pending.last_error
+    ), pending
+    ready.write_text("")
+    attached = await _until_listed(host.address, "tm", lambda m: not m.pending, "not attached once it listed")
+    assert list(attached.tools) == ["tm__lookup"], attached
 
 
 def test_a_middleware_whose_tools_are_refused_at_start_says_listtools(procs: Procs, tmp_path: Path) -> None:

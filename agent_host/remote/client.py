@@ -44,6 +44,7 @@ from ..security import TlsFiles, bearer_metadata, channel, tls_hint
 from .errors import (
     MiddlewareFailure,
     NoAnswer,
+    NotReady,
     OutputLimitExceeded,
     ProtocolError,
     StreamBroken,
@@ -353,6 +354,9 @@ class RemoteMiddleware:
         unreachable (it may come back: at start the host waits for it), or anything else."""
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
             return NoAnswer(self.name, call, _no_answer(exc, waited))
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and self.channel.get_state() is grpc.ChannelConnectivity.READY:
+            # Connected: the server itself said it cannot serve yet, no outage of the connection.
+            return NotReady(self.name, call, f"not ready: UNAVAILABLE: {exc.details()}")
         cls = Unreachable if exc.code() is grpc.StatusCode.UNAVAILABLE else MiddlewareFailure
         return cls(self.name, call, self._failure(exc))
 

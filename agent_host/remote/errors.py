@@ -18,6 +18,7 @@ __all__ = [
     "KeptGoing",
     "MiddlewareFailure",
     "NoAnswer",
+    "NotReady",
     "OutputLimitExceeded",
     "ProtocolError",
     "RemoteMiddlewareError",
@@ -55,6 +56,11 @@ def broken_stream(code: grpc.StatusCode, details: str | None) -> str:
 class Unreachable(MiddlewareFailure):
     """The middleware's server cannot be connected to (down, restarting, a name not resolving):
     unlike a refusal (UNAUTHENTICATED, a protocol violation), waiting may cure it."""
+
+
+class NotReady(MiddlewareFailure):
+    """The server answered that it cannot serve yet (UNAVAILABLE on a connection that is up: a tool
+    source whose backend is down): like an unreachable one, waiting may cure it."""
 
 
 class NoAnswer(MiddlewareFailure):

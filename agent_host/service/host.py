@@ -61,7 +61,7 @@ from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
 from ..remote.client import CHANNEL_OPTIONS, Access
-from ..remote.errors import MiddlewareFailure, NoAnswer, Unreachable
+from ..remote.errors import MiddlewareFailure, NoAnswer, NotReady, Unreachable
 from ..runtime_state import RuntimeState
 from ..security import ANONYMOUS_ADMIN, Principal
 from ..store import (
@@ -91,7 +91,7 @@ INTERRUPT_GRACE = 5.0
 MAX_ATTACH_PAUSE = 30.0  # seconds at most between tries to attach a middleware not reached at start
 # What a middleware not reached at start may still cure by itself (a refusal will not: wrong token,
 # protocol violation), so the host starts without it and waits (Host.attach_when_it_answers).
-WAIT_FOR = (Unreachable, NoAnswer)
+WAIT_FOR = (Unreachable, NoAnswer, NotReady)
 MAX_SESSION_ID = 256  # characters of a session id a client chooses (the host mints 32)
 
 
@@ -676,11 +676,11 @@ class Host:
         health check says NOT_SERVING. A cluster restarted in any order comes up with no crash loop."""
         pending = Pending(mc, _not_attached(why))
         if mc.fail_open:
-            level, meanwhile = logging.WARNING, "is fail_open and cannot be reached (%s): starting without it"
+            level, meanwhile = logging.WARNING, "is fail_open and cannot be attached yet (%s): starting without it"
         else:
             level, meanwhile = (
                 logging.ERROR,
-                "is required (fail_closed) and cannot be reached (%s): replies are refused",
+                "is required (fail_closed) and cannot be attached yet (%s): replies are refused",
             )
         log.log(level, f"middleware %s at %s {meanwhile} until it answers", pending.name, mc.address, pending.why)
         self.pending[pending.name] = pending

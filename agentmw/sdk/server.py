@@ -81,11 +81,15 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
         self.key = key
         self.tools: dict[str, Tool] = {}
 
-    async def _refresh(self) -> None:
-        self.tools = {t.name: t for t in await self.middleware.list_tools()}
+    async def _refresh(self, context: Any) -> None:
+        try:
+            self.tools = {t.name: t for t in await self.middleware.list_tools()}
+        except Exception as exc:  # its backend down, say: not ready (at start the host waits, then asks again)
+            log.exception("list_tools of %s raised", type(self.middleware).__name__)
+            await abort(context, grpc.StatusCode.UNAVAILABLE, f"list_tools raised {type(exc).__name__}: {exc}")
 
     async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList:
-        await self._refresh()
+        await self._refresh(context)
         out = types_pb2.ToolDescriptorList()
         for t in self.tools.values():
             codec.encode(t.descriptor, out.tools.add())
@@ -94,7 +98,7 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
     async def CallTool(self, request: hooks_pb2.CallToolRequest, context: Any) -> Any:
         name = request.tool_call.name
         if name not in self.tools:
-            await self._refresh()
+            await self._refresh(context)
         tool = self.tools.get(name)
         if tool is None:
             await abort(context, grpc.StatusCode.NOT_FOUND, f"no tool named {name!r}")

@@ -1569,3 +1569,22 @@ class ToolsAfterWarmup(MiddlewareBase):
 
 
 MIDDLEWARE[ToolsAfterWarmup.__name__] = ToolsAfterWarmup
+
+
+from agentmw.data import events  # noqa: E402 (beside the class that needs it)
+
+
+class NotesWhenParked(MiddlewareBase):
+    """When the reply parks on a confirmation it appends a note of its own, a message after the
+    assistant's, whose tool call awaits the user (which the host refuses)."""
+
+    subscriptions = {"on_reply": subscribe(intercept=[events.RequireUserConfirmEvent], wants_context=True)}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, events.RequireUserConfirmEvent):
+                agent.state.context.append(AssistantMsg("(waiting for a confirmation)", name="notes"))
+            yield item
+
+
+MIDDLEWARE[NotesWhenParked.__name__] = NotesWhenParked

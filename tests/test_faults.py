@@ -739,3 +739,28 @@ async def test_a_fail_open_bypass_of_on_model_call_keeps_a_response_returned_ins
     ]
     assert remote.bypasses == 1
     await remote.close()
+
+
+async def test_a_message_appended_after_calls_awaiting_results_is_refused() -> None:
+    """A middleware appends a message of its own when the reply parks on a confirmation: after the
+    assistant's message whose tool call awaits the user. The host refuses it (a protocol violation
+    naming the middleware; the same rule as AgentState.append_message in-process), and the failed
+    reply closes the call as any failed reply does: nothing is left waiting in the session. Before,
+    the reply failed with a ReplyGrammarError and the call stayed stored ASKING with no result, not
+    parked, for good: every later turn carried a tool call without its result."""
+
+    @tool(description="Sends a note.", needs_confirmation=True)
+    def note(text: str) -> str:
+        return f"sent {text}"
+
+    async with attached("NotesWhenParked", timeout=5) as remote:
+        agent = Agent(model=OfflineRuleModel(reply_template=ANSWER), toolkit=Toolkit([note]), middlewares=[remote])
+        items = await reply(agent, "call note text=hi")
+    end = end_of(items)
+    assert end.finished_reason == ReplyFinishedReason.ERROR, end
+    said = "failed in on_reply: protocol violation: invalid append_message: a message cannot follow tool calls"
+    assert f"middleware 'NotesWhenParked' {said}" in end.error.message, end.error
+    assert not agent.awaiting_calls() and not [m for m in agent.state.context if m.name == "notes"]
+    (call,) = [b for m in agent.state.context for b in m.content if b.type == "tool_call"]
+    results = [b for m in agent.state.context for b in m.content if b.type == "tool_result"]
+    assert call.state.value == "finished" and [r.id for r in results] == [call.id], agent.state.context

@@ -695,7 +695,7 @@ class HookCall:
                 state.version += 1
             elif op == "append_message":
                 msg = codec.decode(mutation.append_message)
-                msg.check_role()  # before _own records anything (the same rule as in-process)
+                state.check_message(msg)  # before _own records anything (the same rules as in-process)
                 self._own(msg.content)
                 state.append_message(msg)
             elif op in ("append_blocks", "append_blocks_to_tail"):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ._common import new_id
-from .blocks import ContentBlock, PermissionRule
+from .blocks import ContentBlock, PermissionRule, ToolCallBlock, ToolResultBlock
 from .enums import Role
 from .messages import Msg
 
@@ -100,11 +100,24 @@ class AgentState(ReplyFields):
         return reply_message(self.context, self.reply_id, name)
 
     def append_message(self, msg: Msg) -> None:
-        """Append a message to the context, checked against the role rules (``Msg.check_role``:
-        ValueError). The one way a middleware adds a message, in-process and remote alike."""
-        msg.check_role()
+        """Append a message to the context, checked (``check_message``). The one way a middleware
+        adds a message, in-process and remote alike."""
+        self.check_message(msg)
         self.context.append(msg)
         self.version += 1
+
+    def check_message(self, msg: Msg) -> None:
+        """ValueError unless ``msg`` may be appended: the role rules (``Msg.check_role``), and not
+        after tool calls that await their results (a confirmation, an external result, a tool
+        running): the reply finds its calls in its message at the tail, and a model takes a tool
+        call only with its result right after it."""
+        msg.check_role()
+        tail = self.context[-1] if self.context else None
+        if tail is not None and tail.role == Role.ASSISTANT:
+            results = {b.id for b in tail.content if isinstance(b, ToolResultBlock)}
+            waiting = [b.id for b in tail.content if isinstance(b, ToolCallBlock) and b.id not in results]
+            if waiting:
+                raise ValueError(f"a message cannot follow tool calls that await their results ({', '.join(waiting)})")
 
     def append_context(self, name: str, blocks: Sequence[ContentBlock]) -> Msg:
         """Append blocks to this reply's assistant message, creating it when the tail is not it."""

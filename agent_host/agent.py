@@ -173,6 +173,7 @@ class Agent(Reasoning, Acting, Compression):
         self._tool_tasks: set[asyncio.Task] = set()  # concurrent tool calls in flight (see _concurrently)
         self._reply_tools: tuple[ReplyContext, Toolkit] | None = None  # see ``tools``
         self._bypassed: list[dict[str, str]] | None = None  # the reply's records not sent yet (record_bypass)
+        self._input_ids: list[str] = []  # the ids of the messages reply_stream was given (ReplyContext.input_ids)
         self.set_middlewares(middlewares)
 
     # -- configuration ---------------------------------------------------------------------
@@ -241,6 +242,8 @@ class Agent(Reasoning, Acting, Compression):
         sees a completed end followed by an error. Nothing before the end is held."""
         if not isinstance(inputs, UserInterruptEvent):  # one that interrupts nothing yields nothing (AgentScope)
             self.check_inputs(inputs)
+        # As the caller gave them: an on_reply layer may pass new messages on (ReplyContext.input_ids).
+        self._input_ids = [m.id for m in check_input_messages(inputs)] if isinstance(inputs, Msg | list) else []
         self._receive_reply_end = False
         self.replies_started += 1
         self.results_started = {c.id for c in self._unanswered_calls() if c.state == ToolCallState.SUBMITTED}
@@ -374,8 +377,11 @@ class Agent(Reasoning, Acting, Compression):
                 parked = self._parked()
                 if parked is not None:
                     raise ReplyError(parked)
+                given = self._input_ids if inputs is not None else state.reply_context.input_ids  # a continuation: kept
                 self._handle_incoming_messages(inputs)
-                state.reply_context = ReplyContext(reply_id=new_id(), structured_schema=structured_schema)
+                state.reply_context = ReplyContext(
+                    reply_id=new_id(), structured_schema=structured_schema, input_ids=list(given)
+                )
                 state.version += 1
                 await self.journal.begin_reply()  # the accepted user turn, before anything can happen
                 yield ReplyStartEvent(session_id=state.session_id, reply_id=state.reply_id, name=self.name)
@@ -490,8 +496,12 @@ class Agent(Reasoning, Acting, Compression):
         )
 
     def _handle_incoming_messages(self, inputs: Any) -> None:
-        for msg in check_input_messages(inputs):
+        msgs = check_input_messages(inputs)
+        for msg in msgs:
             self.state.context.append(copy.deepcopy(msg))
+        # Ids the caller gave that an on_reply layer passed on as other messages: the session took
+        # them all the same (a retry of one is known: host._is_retry).
+        self.state.remember_user_ids([i for i in self._input_ids if i not in {m.id for m in msgs}])
         self.state.version += 1
 
     # -- the decision table (docs/behaviour.md#decision-table) ------------------------------------

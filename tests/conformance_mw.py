@@ -1588,3 +1588,19 @@ class NotesWhenParked(MiddlewareBase):
 
 
 MIDDLEWARE[NotesWhenParked.__name__] = NotesWhenParked
+
+
+class PassesANewMessage(MiddlewareBase):
+    """on_reply passes the user's message on as a new one (a redactor's way: a new UserMsg, a new
+    id), masking digits."""
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        inputs = input_kwargs.get("inputs")
+        if isinstance(inputs, Msg) and inputs.role.value == "user":
+            masked = UserMsg("".join("#" if c.isdigit() else c for c in inputs.text), name=inputs.name)
+            input_kwargs["inputs"] = masked
+        async for item in next_handler():
+            yield item
+
+
+MIDDLEWARE[PassesANewMessage.__name__] = PassesANewMessage

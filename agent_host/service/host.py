@@ -853,26 +853,32 @@ def _valid_session_id(sid: str) -> bool:
 
 
 def _is_retry(state: AgentState, inputs: Any) -> bool:
-    """``inputs`` is a stored user message again (same id). The latest one, whose reply was
-    interrupted (its host stopped, its client cancelled or went away): the retry continues it. Any other end,
-    or an earlier message (answered before the latest was sent), is final: refused."""
+    """``inputs`` is a user message the session took before (same id). The latest one, whose reply
+    was interrupted (its host stopped, its client cancelled or went away): the retry continues it.
+    Any other end, or an earlier message (answered before the latest was sent), is final: refused.
+    The latest reply's message is known by the id the client gave (ReplyContext.input_ids), also
+    when an on_reply middleware passed it on as a new message or compression dropped it since."""
     if not isinstance(inputs, Msg):
         return False
-    ids = [m.id for m in state.context if m.role == Role.USER]
+    users = [m for m in state.context if m.role == Role.USER]
+    latest = state.reply_context.input_ids or [m.id for m in users[-1:]]  # (sessions stored before input_ids)
     tail = state.context[-1] if state.context else None
     if (
-        inputs.id in ids[-1:]
+        inputs.id in latest
         and tail is not None
-        and (tail.id == inputs.id or tail.finished_reason == ReplyFinishedReason.INTERRUPTED)
-    ):  # unanswered: its reply stored nothing before it was interrupted, or was cut short
+        and (tail.role == Role.USER or tail.finished_reason == ReplyFinishedReason.INTERRUPTED)
+    ):  # unanswered: its reply stored nothing after the message before it was interrupted, or was cut short
         return True
-    if inputs.id in ids or inputs.id in state.dropped_user_ids:  # answered (then maybe compressed away)
-        where = ": see GetSession" if inputs.id in ids else " (since compressed)"
-        raise ReplyRejected(
-            grpc.StatusCode.ALREADY_EXISTS,
-            f"message {inputs.id} was already answered in session {state.session_id!r}{where}",
-        )
-    return False
+    index = next((i for i, m in enumerate(state.context) if m.role == Role.USER and m.id == inputs.id), None)
+    if index is None and inputs.id not in state.dropped_user_ids and inputs.id not in latest:
+        return False
+    answer = next((m for m in state.context[(index or 0) + 1 :] if m.role == Role.ASSISTANT), None)
+    where = f"message {inputs.id} in session {state.session_id!r}"
+    if index is not None and answer is not None and answer.finished_reason == ReplyFinishedReason.INTERRUPTED:
+        why = f"{where} was interrupted, and other messages followed it: only the latest can be retried"
+    else:
+        why = f"{where} was already answered" + (": see GetSession" if index is not None else "")
+    raise ReplyRejected(grpc.StatusCode.ALREADY_EXISTS, why)
 
 
 def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:

@@ -25,6 +25,9 @@ class ReplyContext:
     # A max_iters a middleware set for this reply (``agent.max_iters = n``); None = the agent's own.
     # Taken as is, as AgentScope does: 0 asks for the final answer at once (docs/behaviour.md).
     max_iters: int | None = None
+    # The ids of the user messages the reply was started with, as its caller gave them (before any
+    # on_reply middleware passed them on, maybe as new messages): a retry is known by them.
+    input_ids: list[str] = field(default_factory=list)
 
     @property
     def structured_output_pending(self) -> bool:
@@ -87,7 +90,8 @@ class AgentState(ReplyFields):
     block_owners: dict[str, str] = field(default_factory=dict)
     # Bumped on every change a middleware could observe; remote layers resend their view when it moves.
     version: int = 0
-    # Ids of user messages dropped by compression (the latest MAX_DROPPED_IDS): they were answered.
+    # Ids of user messages the session took that are not in its context (the latest MAX_DROPPED_IDS):
+    # dropped by compression, or passed on under another id by an on_reply middleware.
     dropped_user_ids: list[str] = field(default_factory=list)
     # Whom the session belongs to (the authenticated user who created it; "" without authentication).
     owner: str = ""
@@ -138,13 +142,17 @@ class AgentState(ReplyFields):
         self.version += 1
         return True
 
+    def remember_user_ids(self, ids: list[str]) -> None:
+        """User message ids the session took that its context will not show (dropped_user_ids)."""
+        if ids:
+            self.dropped_user_ids = (self.dropped_user_ids + ids)[-MAX_DROPPED_IDS:]
+
     def drop_messages(self, n: int) -> None:
         """Remove the oldest ``n`` messages, as compression does (``check_drop``: ValueError), and
         forget the owners of their blocks. The one way compression and a remote middleware (the
         drop_messages mutation) shorten the context."""
         check_drop(n, len(self.context))
-        dropped = [m.id for m in self.context[:n] if m.role == Role.USER]
-        self.dropped_user_ids = (self.dropped_user_ids + dropped)[-MAX_DROPPED_IDS:]
+        self.remember_user_ids([m.id for m in self.context[:n] if m.role == Role.USER])
         # Their owners too when a later block has the same id (a middleware's came first: remove_block).
         gone = {b.id for m in self.context[:n] for b in m.content}
         self.context = self.context[n:]

@@ -13,7 +13,7 @@ import copy
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from opentelemetry import propagate, trace
 
@@ -50,6 +50,7 @@ from agentmw.data.state import AgentState, checked_max_iters
 from agentmw.errors import error_text, own_cancellation
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
+from agentmw.wire import EMITTABLE
 
 from . import metrics
 from .acting import CUT_OFF, HOST_STOPPED, Acting
@@ -87,6 +88,7 @@ def implements(layer: Layer, hook: str) -> bool:
 
 
 _PROPAGATED = (GeneratorExit, KeyboardInterrupt, SystemExit)
+_REASONING_ITEMS = EMITTABLE["on_reasoning"]  # what a reasoning step may yield (a Msg is taken apart)
 
 
 def check_input_messages(inputs: Any) -> list[Msg]:
@@ -411,11 +413,14 @@ class Agent(Reasoning, Acting, Compression):
                     await self.compress_context()
                     for event in self._inject_runtime_state():  # on_reply sees it, on_reasoning does not
                         yield event
+                    checked = bool(self.layers["on_reasoning"])  # the core yields nothing else
                     async with closing(self._reasoning_chain(self, tool_choice=action.tool_choice)) as items:
                         async for item in items:
                             if isinstance(item, Msg):
                                 final_msg = item
                                 continue
+                            if checked and type(item) not in _REASONING_ITEMS:
+                                self._broke_reasoning(item)
                             yield item
                             if (
                                 isinstance(item, ModelCallEndEvent)
@@ -493,6 +498,15 @@ class Agent(Reasoning, Acting, Compression):
         return (
             f"the reply is parked, waiting on {names}: answer with a UserConfirmResultEvent or "
             "ExternalExecutionResultEvent, or end it with a UserInterruptEvent"
+        )
+
+    def _broke_reasoning(self, item: Any) -> NoReturn:
+        """An on_reasoning layer yielded what a reasoning step cannot (a block, a ToolChunk): the
+        reply fails naming the layers, as a remote layer's emit of it is a protocol violation
+        (wire.EMITTABLE). Else the reply grammar caught it, blaming on_reply middleware or none."""
+        blame = blame_of(self.layers["on_reasoning"], "on_reasoning")
+        raise ReplyError(
+            f"the reasoning step broke the hook contract ({blame}): on_reasoning cannot yield {type(item).__name__}"
         )
 
     def _handle_incoming_messages(self, inputs: Any) -> None:

@@ -1290,6 +1290,18 @@ class ActingYieldsCustom(MiddlewareBase):
 MIDDLEWARE[ActingYieldsCustom.__name__] = ActingYieldsCustom
 
 
+class ReasoningYieldsBlock(MiddlewareBase):
+    """on_reasoning yields a TextBlock, which is no item of a reasoning step, before the step's own."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        yield TextBlock(text="a block, not an event")
+        async for item in next_handler():
+            yield item
+
+
+MIDDLEWARE[ReasoningYieldsBlock.__name__] = ReasoningYieldsBlock
+
+
 class ColdModel(MiddlewareBase):
     """Asks for a low temperature when the user says "cold": on the ``current_model`` it is given,
     in place (``how`` "in_place"), or by passing an edited copy of it as the override

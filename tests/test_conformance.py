@@ -600,11 +600,12 @@ FIDELITY_CASES: list[tuple[Scenario, Check]] = [
 
 
 ACTING_YIELDS_CUSTOM = Scenario("acting_yields_custom", [Layer("ActingYieldsCustom")], message="call add a=1 b=2")
+REASONING_YIELDS_BLOCK = Scenario("reasoning_yields_block", [Layer("ReasoningYieldsBlock")])
 
 
 @pytest.fixture(scope="module")
 def fidelity_servers():
-    started = Servers([*(scenario for scenario, _ in FIDELITY_CASES), ACTING_YIELDS_CUSTOM])
+    started = Servers([*(scenario for scenario, _ in FIDELITY_CASES), ACTING_YIELDS_CUSTOM, REASONING_YIELDS_BLOCK])
     yield started
     started.stop()
 
@@ -616,6 +617,26 @@ async def test_fidelity_same_in_process_and_remote(scenario: Scenario, check: Ch
     check(local_events, local_state)
     check(remote_events, remote_state)  # each placement on its own: key order is not seen by ==
     assert remote_events == local_events and remote_state == local_state
+
+
+async def test_on_reasoning_yielding_a_block_names_the_middleware_in_process_as_remotely(
+    fidelity_servers: Servers,
+) -> None:
+    """on_reasoning yields a TextBlock (a block, not an event): the reply fails naming the
+    middleware and the hook, in-process as remotely. In-process the reply grammar caught it and
+    blamed 'no on_reply middleware: the agent itself'."""
+    scenario = REASONING_YIELDS_BLOCK
+    local_events, _ = await run(scenario, ["local"], None)
+    remote_events, _ = await run(scenario, ["remote"], fidelity_servers)
+    local_error, remote_error = local_events[-2]["error"]["message"], remote_events[-2]["error"]["message"]
+    assert local_error == (
+        "ReplyError: the reasoning step broke the hook contract (on_reasoning middleware 'ReasoningYieldsBlock'): "
+        "on_reasoning cannot yield TextBlock"
+    )
+    # (The SDK cannot send a block as an item at all: the author's yield raises there.)
+    assert remote_error == (
+        "CodecError: TextBlock cannot flow through a hook (raised by middleware 'ReasoningYieldsBlock' in on_reasoning)"
+    )
 
 
 async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_remotely(

@@ -7,6 +7,8 @@ or only watches them, OBSERVE); an in-process middleware sees every item regardl
 
 from __future__ import annotations
 
+import difflib
+import warnings
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -113,6 +115,28 @@ class MiddlewareBase:
     """
 
     subscriptions: dict[str, Subscription] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Mistakes in a class's declaration, said where it is defined (in-process as when served):
+        ``subscriptions`` that is not hook names mapped to ``subscribe(...)`` (TypeError), and a
+        method named like a misspelt hook (a warning: it would never be called)."""
+        super().__init_subclass__(**kwargs)
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        declared = cls.__dict__.get("subscriptions", {})
+        if not isinstance(declared, dict):
+            raise TypeError(f"{where}.subscriptions: expected a dict of hook name -> subscribe(...)")
+        for hook, sub in declared.items():
+            if hook not in HOOKS:
+                raise TypeError(f"{where}.subscriptions: {hook!r} is not a hook position ({', '.join(HOOKS)})")
+            if not isinstance(sub, Subscription):
+                raise TypeError(f"{where}.subscriptions[{hook!r}]: expected subscribe(...), got {type(sub).__name__}")
+        for name, value in cls.__dict__.items():
+            if name.startswith("on_") and name not in HOOKS and callable(value):
+                like = difflib.get_close_matches(name, HOOKS, n=1, cutoff=0.8)
+                if like:
+                    warnings.warn(
+                        f"{where}.{name} is not a hook position, so it is never called: {like[0]}?", stacklevel=2
+                    )
 
     async def on_reply(
         self, agent: Any, input_kwargs: ReplyKwargs, next_handler: NextHandler

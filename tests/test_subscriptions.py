@@ -206,3 +206,38 @@ def test_a_declaration_that_cannot_work_at_its_hook_is_refused(description: dict
     with pytest.raises(ValueError, match=error):
         SubscriptionTable(hooks_pb2.HookDescription(**description))
     assert SubscriptionTable(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_SYSTEM_PROMPT, cacheable=True)).cacheable
+
+
+def test_a_malformed_declaration_is_said_where_the_class_is_defined() -> None:
+    """``subscriptions`` that is not hook names mapped to subscribe(...) is a TypeError where the
+    class is defined (in-process as served); a method named like a misspelt hook is warned of.
+    Before, a list in place of subscribe(...) was accepted in-process and crashed serve() with a
+    20-line AttributeError, and ``on_replay`` was served, silently never called."""
+    import warnings
+
+    from agentmw.middleware import MiddlewareBase
+
+    with pytest.raises(TypeError, match=r"Listed.subscriptions\['on_reply'\]: expected subscribe\(...\), got list"):
+
+        class Listed(MiddlewareBase):
+            subscriptions = {"on_reply": [ReplyEndEvent]}  # type: ignore[dict-item]
+
+    with pytest.raises(TypeError, match=r"Misnamed.subscriptions: 'on_replay' is not a hook position \(on_reply, "):
+
+        class Misnamed(MiddlewareBase):
+            subscriptions = {"on_replay": subscribe()}
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+
+        class Typo(MiddlewareBase):
+            async def on_replay(self, agent, input_kwargs, next_handler):  # type: ignore[no-untyped-def]
+                yield None
+
+            def on_error(self) -> None:  # a method of its own, no hook's near-namesake: no warning
+                pass
+
+    assert [str(w.message) for w in said] == [
+        f"{__name__}.test_a_malformed_declaration_is_said_where_the_class_is_defined.<locals>.Typo.on_replay "
+        "is not a hook position, so it is never called: on_reply?"
+    ]

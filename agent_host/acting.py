@@ -176,6 +176,10 @@ class Acting(AgentBase):
                     if isinstance(item, ToolResponse):
                         response = item
                         break
+                    if self._interrupt_requested and getattr(item, "state", None) == ToolResultState.INTERRUPTED:
+                        # The toolkit's own end of the cancelled run: the interruption's text is
+                        # streamed once, below, not once from here and once from there.
+                        raise asyncio.CancelledError
                     self._check_acting_item(item)
                     for event in tool_chunk_events(reply_id, call.id, item):
                         yield event

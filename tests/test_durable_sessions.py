@@ -34,10 +34,13 @@ from agentmw.data import (
     ToolResultEndEvent,
     ToolResultStartEvent,
     ToolResultState,
+    ToolResultTextDeltaEvent,
     UserConfirmResultEvent,
     UserMsg,
+    block_text,
 )
 from agentmw.data.state import AgentState
+from agentmw.tools import INTERRUPTED_TOOL_TEXT
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient
 from clients.launch import ServerProcess
@@ -110,6 +113,30 @@ async def test_a_reply_cut_off_while_its_tool_result_is_being_stored_ends_well_f
     assert not any("ReplyGrammarError" in str(getattr(i, "error", "")) for i in items), items
     _, state, _ = await get_session(host.address, call.session_id)
     assert "ReplyGrammarError" not in str(state.context)
+
+
+async def test_a_cancelled_tool_streams_its_interrupted_text_once(procs: Procs, tmp_path: Path) -> None:
+    """The client cancels while a tool runs: the interrupted result's text reaches it once, as it
+    is stored. Before, the toolkit's own interrupted chunk streamed and then the host's, so the
+    client showed the text twice."""
+    effects = tmp_path / "effects.txt"
+    fx = side_effects(procs, effects)
+    host = procs.host(tmp_path / "sessions.db", "--middleware", f"fx={fx.address}")
+    items: list[object] = []
+    async with HostClient(host.address) as client:
+        call = client.reply("", UserMsg("call fx__slow_note text=slow seconds=60"))
+        async with asyncio.timeout(20):
+            async for item in call:
+                items.append(item)
+                if isinstance(item, ToolResultStartEvent):
+                    await wait_until(lambda: lines(effects) == ["slow"])  # the tool runs: cancel lands in it
+                    call.cancel()
+    assert [i.delta for i in items if isinstance(i, ToolResultTextDeltaEvent)] == [INTERRUPTED_TOOL_TEXT]
+    _, state, _ = await get_session(host.address, call.session_id)
+    _, results = calls_and_results(state)
+    assert [(r.state, block_text(r.output)) for r in results.values()] == [
+        (ToolResultState.INTERRUPTED, INTERRUPTED_TOOL_TEXT)
+    ]
 
 
 async def test_kill_while_a_tool_runs_keeps_results_and_runs_nothing_again(procs: Procs, tmp_path: Path) -> None:

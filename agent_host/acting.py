@@ -51,6 +51,10 @@ UNENDED_REPLY_TEXT = "<system-reminder>{cause} before this reply ended; the repl
 
 
 class Acting(AgentBase):
+    # The interrupt comes from the host stopping (Host.close), not from the user: a tool cut short
+    # is then said to have maybe taken effect, as after a crash, not to have been stopped by the user.
+    host_stopping: bool = False
+
     async def _acting(self, tool_calls: list[ToolCallBlock]) -> AsyncIterator[Any]:
         """Run the executable calls batch by batch (docs/behaviour.md#acting): consecutive concurrency-safe calls run
         together, the others one by one. Stop after a batch in which a call parked (confirmation,
@@ -186,10 +190,9 @@ class Acting(AgentBase):
             except asyncio.CancelledError:  # the tool run was interrupted (docs/behaviour.md#interruption)
                 if not self._interrupt_requested:  # e.g. its batch was abandoned: no result of its own
                     raise
-                response = ToolResponse(
-                    content=[TextBlock(text=INTERRUPTED_TOOL_TEXT)], state=ToolResultState.INTERRUPTED, id=call.id
-                )
-                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=INTERRUPTED_TOOL_TEXT)
+                text = IN_DOUBT_TOOL_TEXT.format(cause=HOST_STOPPED) if self.host_stopping else INTERRUPTED_TOOL_TEXT
+                response = ToolResponse(content=[TextBlock(text=text)], state=ToolResultState.INTERRUPTED, id=call.id)
+                yield ToolResultTextDeltaEvent(reply_id=reply_id, tool_call_id=call.id, delta=text)
                 drain = False
             else:
                 drain = response is not None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sqlite3
 import statistics
 from collections.abc import Callable
@@ -137,6 +138,35 @@ async def test_a_cancelled_tool_streams_its_interrupted_text_once(procs: Procs, 
     assert [(r.state, block_text(r.output)) for r in results.values()] == [
         (ToolResultState.INTERRUPTED, INTERRUPTED_TOOL_TEXT)
     ]
+
+
+async def test_a_tool_cut_short_by_a_host_stop_may_have_taken_effect(procs: Procs, tmp_path: Path) -> None:
+    """SIGTERM while a tool runs (past the drain grace): the tool's result says that the host
+    stopped and that it may or may not have taken effect (it had), as after a kill, in what the
+    client sees and in what is stored. Before, it said "interrupted by the user", who did nothing."""
+    effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
+    fx = side_effects(procs, effects)
+    args = ("--middleware", f"fx={fx.address}", "--drain-grace", "0.5")
+    host = procs.host(db, *args)
+    items: list[object] = []
+    async with HostClient(host.address) as client:
+        call = client.reply("", UserMsg("call fx__slow_note text=slow seconds=60"))
+        async with asyncio.timeout(20):
+            async for item in call:
+                items.append(item)
+                if isinstance(item, ToolResultStartEvent):
+                    await wait_until(lambda: lines(effects) == ["slow"])  # its effect happened
+                    host.popen.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+    assert host.popen.wait(20) == 0  # type: ignore[union-attr]
+    deltas = [i.delta for i in items if isinstance(i, ToolResultTextDeltaEvent)]
+    assert len(deltas) == 1 and "The host stopped" in deltas[0] and "may or may not have taken effect" in deltas[0]
+    assert next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason == ReplyFinishedReason.INTERRUPTED
+
+    host = procs.host(db, *args, name="host2")
+    _, state, _ = await get_session(host.address, call.session_id)
+    _, results = calls_and_results(state)
+    assert [(r.state, block_text(r.output)) for r in results.values()] == [(ToolResultState.INTERRUPTED, deltas[0])]
+    assert lines(effects) == ["slow"]
 
 
 async def test_kill_while_a_tool_runs_keeps_results_and_runs_nothing_again(procs: Procs, tmp_path: Path) -> None:

@@ -827,6 +827,8 @@ class Host:
             self.forget_pending(name)
         tasks = [r.task for r in self._runs if r.task is not None]
         for run in self._runs:
+            if run.agent is not None:  # not the user's doing: its results say the host stopped
+                run.agent.host_stopping = True
             run.interrupt()
         if tasks:
             _done, pending = await asyncio.wait(tasks, timeout=timeout)

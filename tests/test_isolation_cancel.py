@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,28 @@ async def _appears(path: Path, timeout: float = 5.0) -> bool:
         while not path.exists():
             await asyncio.sleep(0.02)
     return True
+
+
+async def test_a_host_stop_cuts_off_a_held_reply_with_the_documented_end(tmp_path: Path) -> None:
+    """SIGTERM (drain grace 0.5 s) while a middleware holds the reply and never answers: after the
+    grace the reply is interrupted, cut off INTERRUPT_GRACE later, and its client gets the cut-off
+    ABORTED, as on a cancel. Before, the server's own stop grace ran out at that very moment and
+    the client got "UNAVAILABLE: Cancelling all calls" instead."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "held.json").write_text(json.dumps({"stop_reading": True}))
+    with processes(tmp_path) as procs:
+        evil = procs.start("evil", ["-m", "tests.evil_mw", "--scripts", str(scripts), "--address", "127.0.0.1:0"])
+        config = tmp_path / "host.yaml"
+        config.write_text(f"middleware:\n  - {{name: evil, address: {evil.address}, timeout: 60}}\n")
+        host = procs.host(tmp_path / "s.db", "--config", str(config), "--drain-grace", "0.5")
+        async with HostClient(host.address) as client:
+            call = client.reply("held", UserMsg("hi"))
+            stop = asyncio.get_running_loop().call_later(0.5, host.popen.send_signal, signal.SIGTERM)  # type: ignore[union-attr]
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                async with asyncio.timeout(INTERRUPT_GRACE * 4):
+                    _ = [item async for item in call]
+            stop.cancel()
+        assert ended.value.code() == grpc.StatusCode.ABORTED, ended.value.details()
+        assert "cut off" in (ended.value.details() or "")
+        assert host.popen.wait(INTERRUPT_GRACE * 3) == 0  # type: ignore[union-attr]

@@ -49,7 +49,7 @@ from ..security import (
 from ..store import STORE_ERRORS, SessionRecord, open_store, store_failure
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
-from .host import BATCH_BYTES, WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
+from .host import BATCH_BYTES, INTERRUPT_GRACE, WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
 
 log = logging.getLogger("agentmw.host")
 
@@ -68,6 +68,9 @@ CONNECT_TIMEOUT = Policy.connect_timeout  # an attach failure is answered no soo
 ATTACH_FAILED = "no usable middleware server answered there (the host's log says why)"
 
 START_WAIT = 5.0  # seconds a Reply call may take to send its StartReply (a client sends it at once)
+# Seconds the server waits for its calls when the host stops, past the interrupt grace: a reply
+# cut off at INTERRUPT_GRACE still sends its client the documented ABORTED end, not "Cancelling all calls".
+STOP_GRACE = INTERRUPT_GRACE + 5.0
 
 
 _Answer = TypeVar("_Answer")
@@ -517,7 +520,7 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     cut.cancel()
     log.info("stopping: interrupting %d replies in flight", len(host._runs))
     closing = asyncio.create_task(host.close())
-    await server.stop(5.0)
+    await server.stop(STOP_GRACE)
     await closing
 
 

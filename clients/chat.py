@@ -199,12 +199,26 @@ async def _turn(
                 refuse_if_busy=args.no_wait,
                 **resume,
             )
+    except grpc.aio.AioRpcError as exc:
+        answered = [c for c in current if c.answered]
+        if answered:
+            raise BrokenReply(exc, answered[-1].session_id) from None
+        raise
     finally:
         loop.remove_signal_handler(signal.SIGINT)
 
 
 class UnknownSession(Exception):
     pass
+
+
+class BrokenReply(Exception):
+    """A reply failed after the host had begun it (e.g. the host died): the connection worked, so
+    TLS is no suspect, and the session keeps what was stored, so its id is worth printing."""
+
+    def __init__(self, error: grpc.aio.AioRpcError, session_id: str) -> None:
+        super().__init__(error.details())
+        self.error, self.session_id = error, session_id
 
 
 async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
@@ -302,7 +316,9 @@ async def _sessions(args: argparse.Namespace, current: str) -> str:
     return "\n".join(rows) or "  (no sessions)"
 
 
-def _failure(args: argparse.Namespace, exc: grpc.aio.AioRpcError) -> str:
+def _failure(args: argparse.Namespace, exc: grpc.aio.AioRpcError | BrokenReply) -> str:
+    if isinstance(exc, BrokenReply):  # it had connected: no TLS hint
+        return f"{args.host}: {exc.error.code().name}: {exc.error.details()}"
     return f"{args.host}: {exc.code().name}: {exc.details()}{tls_note(exc, args)}"
 
 
@@ -350,7 +366,7 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
                 continue
             try:
                 turn = asyncio.run(_turn(args, session_id, UserMsg(text), view, interactive=True))
-            except grpc.aio.AioRpcError as exc:  # e.g. the host restarting: the chat goes on
+            except (grpc.aio.AioRpcError, BrokenReply) as exc:  # e.g. the host restarting: the chat goes on
                 print(f"agent-chat: {_failure(args, exc)} (not answered; try again)")
                 status = 1
                 continue
@@ -433,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except grpc.aio.AioRpcError as exc:
         print(f"agent-chat: {_failure(args, exc)}", file=sys.stderr)
+        return 1
+    except BrokenReply as exc:  # the session holds what the reply stored: say which, to go on with it
+        print(f"agent-chat: {_failure(args, exc)}", file=sys.stderr)
+        print(f"(session {exc.session_id})", file=sys.stderr)
         return 1
     except SecurityError as exc:
         print(f"agent-chat: {exc}", file=sys.stderr)

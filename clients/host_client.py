@@ -177,6 +177,7 @@ class ReplyCall:
         refuse_if_busy: bool = False,
     ) -> None:
         self.session_id = session_id
+        self.answered = False  # the host sent an event: the connection worked, the session exists
         self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
         start = host_pb2.ReplyRequest()
         record = {
@@ -199,6 +200,7 @@ class ReplyCall:
     async def __aiter__(self) -> AsyncIterator[Any]:
         try:
             async for event in self.call:
+                self.answered = True
                 self.session_id = event.session_id or self.session_id
                 for item in event.items:
                     yield codec.decode_item(item)

@@ -24,7 +24,9 @@ from agentmw.data import ToolCallState, ToolResultState
 from clients.launch import ROOT, ServerProcess
 
 from .audio_mw import FREQUENCY, RATE, SECONDS, tone
-from .host_util import Procs, chat, configured_host, get_session, processes
+from .durable_mw import lines as effect_lines
+from .host_util import Procs, chat, configured_host, get_session, processes, run_cli_aside
+from .test_durable_sessions import side_effects
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -338,6 +340,30 @@ async def test_host_restart_does_not_end_the_chat_and_ctrl_c_names_the_session(t
         (session,) = re.findall(r"\(session (\w+); continue with", out)
         _info, state, _ = await get_session(host.address, session)
         assert [m.text for m in state.context if m.role.value == "user"] == ["hello", "back again"]
+
+
+async def test_a_host_dying_mid_reply_is_not_blamed_on_tls_and_its_session_is_named(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """agent-chat -m while the host is killed mid-reply: it says the stream broke, without the TLS
+    hint (the connection had worked), and prints the session id, which the restarted host goes on
+    with. Before, it suggested TLS and never printed the id of the session it had stored."""
+    effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
+    fx = side_effects(procs, effects)
+    host = procs.host(db, "--middleware", f"fx={fx.address}")
+    running = run_cli_aside("clients.chat", "--host", host.address, "-m", "call fx__slow_note text=x seconds=30")
+    for _ in range(200):  # bounded: until the tool runs
+        if effect_lines(effects):
+            break
+        time.sleep(0.05)
+    host.kill()
+    done = running.result()
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "UNAVAILABLE" in done.stderr and "TLS" not in done.stderr, done.stderr
+    session = session_of(done)
+    host = procs.host(db, "--middleware", f"fx={fx.address}", name="host2")
+    _, state, _ = await get_session(host.address, session)
+    assert [m.text for m in state.context if m.role.value == "user"] == ["call fx__slow_note text=x seconds=30"]
 
 
 def test_failed_reply_exits_non_zero_and_a_bypass_is_shown(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_host.store import ReplyStatus, SqliteStore, open_store
+from agent_host.store import ReplyStatus, SessionStore, SqliteStore, open_store
+from agent_host.store.journal import RowJournal
 from agentmw.codec import codec
 from agentmw.data import (
     AssistantMsg,
@@ -71,6 +72,29 @@ async def test_every_kind_of_change_is_written(tmp_path: Path) -> None:
     assert reopened is not None and reopened.status == ReplyStatus.IDLE and not reopened.in_doubt
     assert codec.encode(reopened.state) == codec.encode(state)
     again.close()
+
+
+async def keeps_its_title(store: SessionStore, journal: RowJournal) -> None:
+    """Two turns, then compression drops the first: the listed title stays the first user message's."""
+    state = journal.state
+    state.context.append(UserMsg("Plan my trip to Lisbon"))
+    await journal.begin_reply()
+    state.context.append(AssistantMsg("Sure."))
+    await journal.end_reply()
+    state.context += [UserMsg("fourth"), AssistantMsg("ok")]
+    await journal.begin_reply()
+    state.context = state.context[2:]  # compression: the first turn is in the summary now
+    state.summary = "the user plans a trip"
+    await journal.end_reply()
+    assert [r.title for r in await store.list()] == ["Plan my trip to Lisbon"]
+
+
+async def test_the_title_stays_the_first_user_message_after_compression(tmp_path: Path) -> None:
+    """host.proto: the title is "the beginning of the first user message". Before, each write took
+    it from the context, so it changed once compression dropped that message."""
+    store = SqliteStore(tmp_path / "s.db")
+    await keeps_its_title(store, store.create("s"))
+    store.close()
 
 
 async def test_a_one_blob_database_is_migrated(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ from tests.certs import pki
 from .durable_mw import lines
 from .host_util import Procs, get_session, run_cli, stub
 from .test_durable_sessions import calls_and_results, reply, user_texts, wait_until
+from .test_durable_store import keeps_its_title
 from .test_security import TOKENS
 from .test_security import reply as secure_reply
 
@@ -981,6 +982,16 @@ async def test_a_database_of_schema_1_gets_the_owner_column(dsn: str, version_ro
         assert await conn.fetchval("SELECT version FROM agentmw_schema") == SCHEMA_VERSION
     finally:
         await conn.close()
+
+
+async def test_the_title_stays_the_first_user_message_after_compression(dsn: str) -> None:
+    """As on SQLite (tests/test_durable_store.py): compression does not change the listed title."""
+    store = await PostgresStore.connect(dsn, lease=5)
+    try:
+        async with store.hold("s") as hold:
+            await keeps_its_title(store, store.create("s", fence=hold.fence))
+    finally:
+        await store.aclose()
 
 
 async def test_a_version_3_database_gets_the_column_of_the_sessions_replies_make(dsn: str) -> None:

@@ -166,10 +166,13 @@ SELECT id, user_name, new_session, $4, now() + make_interval(secs => $5)
 FROM unnest($1::text[], $2::text[], $3::text[]) AS r(id, user_name, new_session)
 ON CONFLICT (id) DO UPDATE SET expires = excluded.expires
 """
+# The title is set once (the first user message, host.proto): compression may drop that message
+# from the context later, and a write must not retitle the session then.
 _UPSERT_SESSION = """
 INSERT INTO agentmw_sessions (session_id, title, message_count, status, in_flight, fence, meta, owner)
 VALUES ($1, $2, $3, $4, $5, $6, coalesce($7, ''::bytea), $8)
-ON CONFLICT (session_id) DO UPDATE SET updated_at = now(), title = excluded.title,
+ON CONFLICT (session_id) DO UPDATE SET updated_at = now(),
+    title = CASE agentmw_sessions.title WHEN '' THEN excluded.title ELSE agentmw_sessions.title END,
     message_count = excluded.message_count, status = excluded.status, in_flight = excluded.in_flight,
     fence = excluded.fence, meta = coalesce($7, agentmw_sessions.meta)
 """

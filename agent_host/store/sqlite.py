@@ -190,10 +190,14 @@ class SqliteStore(CachedJournals):
         now = _now()
         sid = w.session_id
         meta = w.meta if w.meta is not None else b""
+        # The title is set once (the first user message, host.proto): compression may drop that
+        # message from the context later, and a write must not retitle the session then.
         db.execute(
             "INSERT INTO sessions (session_id, created_at, updated_at, title, message_count, status, in_flight, "
             "fence, meta, owner) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(session_id) DO UPDATE SET "
-            "updated_at = excluded.updated_at, title = excluded.title, message_count = excluded.message_count, "
+            "updated_at = excluded.updated_at, "
+            "title = CASE sessions.title WHEN '' THEN excluded.title ELSE sessions.title END, "
+            "message_count = excluded.message_count, "
             "status = excluded.status, in_flight = excluded.in_flight, fence = excluded.fence"
             + (", meta = excluded.meta" if w.meta is not None else ""),
             (

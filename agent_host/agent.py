@@ -53,7 +53,7 @@ from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 from agentmw.wire import EMITTABLE
 
 from . import metrics
-from .acting import CUT_OFF, HOST_STOPPED, Acting
+from .acting import CUT_OFF, HOST_STOPPED, NOT_RUN_TOOL_TEXT, Acting
 from .agent_base import InputRefused, NoJournal, ReplyError, ReplyJournal
 from .compression import Compression
 from .models import ChatModel, ModelRegistry
@@ -435,7 +435,9 @@ class Agent(Reasoning, Acting, Compression):
         except asyncio.CancelledError:
             interrupted = True
         if interrupted:  # docs/behaviour.md#interruption: cleanup still flows out through every on_reply middleware
-            for event in self._close_unfinished_tool_calls(ToolResultState.INTERRUPTED, INTERRUPTED_TOOL_TEXT):
+            # A host stop is not the user's doing: the calls that did not start say so (as after a crash).
+            not_run = NOT_RUN_TOOL_TEXT.format(cause=HOST_STOPPED) if self.host_stopping else INTERRUPTED_TOOL_TEXT
+            for event in self._close_unfinished_tool_calls(ToolResultState.INTERRUPTED, not_run):
                 yield event
             yield ReplyEndEvent(
                 session_id=state.session_id, reply_id=state.reply_id, finished_reason=ReplyFinishedReason.INTERRUPTED

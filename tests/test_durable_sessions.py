@@ -143,14 +143,16 @@ async def test_a_cancelled_tool_streams_its_interrupted_text_once(procs: Procs, 
 async def test_a_tool_cut_short_by_a_host_stop_may_have_taken_effect(procs: Procs, tmp_path: Path) -> None:
     """SIGTERM while a tool runs (past the drain grace): the tool's result says that the host
     stopped and that it may or may not have taken effect (it had), as after a kill, in what the
-    client sees and in what is stored. Before, it said "interrupted by the user", who did nothing."""
+    client sees and in what is stored; the call after it, which never started, that the host
+    stopped before it ran. Before, both said "interrupted by the user", who did nothing."""
     effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
     fx = side_effects(procs, effects)
     args = ("--middleware", f"fx={fx.address}", "--drain-grace", "0.5")
     host = procs.host(db, *args)
     items: list[object] = []
     async with HostClient(host.address) as client:
-        call = client.reply("", UserMsg("call fx__slow_note text=slow seconds=60"))
+        asked = "call fx__slow_note text=slow seconds=60 and then call fx__note text=never"
+        call = client.reply("", UserMsg(asked))
         async with asyncio.timeout(20):
             async for item in call:
                 items.append(item)
@@ -159,13 +161,15 @@ async def test_a_tool_cut_short_by_a_host_stop_may_have_taken_effect(procs: Proc
                     host.popen.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
     assert host.popen.wait(20) == 0  # type: ignore[union-attr]
     deltas = [i.delta for i in items if isinstance(i, ToolResultTextDeltaEvent)]
-    assert len(deltas) == 1 and "The host stopped" in deltas[0] and "may or may not have taken effect" in deltas[0]
+    assert len(deltas) == 2 and "The host stopped" in deltas[0] and "may or may not have taken effect" in deltas[0]
+    assert deltas[1] == "<system-reminder>The host stopped before this tool call ran; it was not run.</system-reminder>"
     assert next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason == ReplyFinishedReason.INTERRUPTED
 
     host = procs.host(db, *args, name="host2")
     _, state, _ = await get_session(host.address, call.session_id)
     _, results = calls_and_results(state)
-    assert [(r.state, block_text(r.output)) for r in results.values()] == [(ToolResultState.INTERRUPTED, deltas[0])]
+    stored = [(r.state, block_text(r.output)) for r in results.values()]
+    assert stored == [(ToolResultState.INTERRUPTED, deltas[0]), (ToolResultState.INTERRUPTED, deltas[1])]
     assert lines(effects) == ["slow"]
 
 

@@ -465,6 +465,9 @@ class RemoteMiddleware:
             was, state = state, self.channel.get_state()
             if was is ready:
                 self.drops += 1
+                # Its idle streams went with the connection; one not marked done yet (its status
+                # still on the way) would be taken and fail the next call (a server restarted).
+                self._drop_idle()
             if state is ready and self.needs_describe():
                 try:
                     await self.connect(timeout=self.policy.timeout)

@@ -165,6 +165,7 @@ class ReplyRun:
         self.ended = False  # its stream's end is decided (end_now)
         self.final: ReplyRejected | None = None  # an end decided while the queue was full
         self.waiting = False  # for its session (this host's lock, the store's lease): not started
+        self.existed = False  # its session was stored when the reply was asked for (_check_access)
         self.withdrawn = False  # interrupted while waiting: it ends at once, nothing stored
         self.last_read = time.monotonic()  # when the client last took items
         self._grace: asyncio.TimerHandle | None = None
@@ -385,6 +386,11 @@ class Host:
             if journal is None:
                 if not isinstance(inputs, Msg):
                     raise ReplyRejected(grpc.StatusCode.NOT_FOUND, f"no session {sid!r} to resume")
+                if run.existed:  # deleted while this reply waited for it: not made anew, empty
+                    raise ReplyRejected(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"session {sid!r} was deleted while this reply waited for it: nothing of it was stored",
+                    )
                 journal = self.store.create(sid, fence=hold.fence, owner=run.owner)
             setup = self._setup  # this reply's middleware and tools, whatever attach/detach do meanwhile
             for a in setup.middleware:
@@ -445,6 +451,7 @@ class Host:
             what = f"no session {sid!r}" + ("" if isinstance(inputs, Msg) else " to resume")
             raise ReplyRejected(grpc.StatusCode.NOT_FOUND, what)
         run.session_owner = record.owner if record is not None else run.owner  # an admin may reply in it
+        run.existed = record is not None
         if not caller.name:  # no authentication: one anonymous owner, no per-owner limits
             return
         limits = self.config.security
@@ -552,7 +559,8 @@ class Host:
         user's session answers as one with no reply)."""
         if not await self._may_see(session_id, caller):
             return False
-        local = [r for r in self._runs if r.session_id == session_id]
+        # The reply that runs: not those that wait for the session behind it (other clients' messages).
+        local = [r for r in self._runs if r.session_id == session_id and not r.waiting]
         for run in local:
             run.interrupt()
         return await self.store.interrupt(session_id) or bool(local)
@@ -581,9 +589,11 @@ class Host:
         return record, state, self._agent(state).awaiting_calls()
 
     async def delete_session(self, session_id: str, caller: Principal = ANONYMOUS_ADMIN) -> bool:
+        """Delete a session no reply holds (SessionBusyError naming who does: a delete never waits
+        for a reply, which may wait on its client for good)."""
         if not await self._may_see(session_id, caller):
             return False
-        async with self._holding(session_id):
+        async with self._holding(session_id, wait=False):
             return await self.store.delete(session_id)
 
     @staticmethod

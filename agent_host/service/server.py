@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agentmw import loops, transport
 from agentmw.codec import CodecError, codec
-from agentmw.data import new_id
+from agentmw.data import Msg, new_id
 from agentmw.hooks import HOOKS
 from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import host_pb2, host_pb2_grpc
@@ -46,7 +46,7 @@ from ..security import (
     address_allowed,
     refuse_stream,
 )
-from ..store import STORE_ERRORS, SessionRecord, open_store, store_failure
+from ..store import STORE_ERRORS, SessionBusyError, SessionRecord, open_store, store_failure
 from ..store.postgres import redact
 from .builtin_tools import BUILTIN_TOOLS
 from .host import BATCH_BYTES, INTERRUPT_GRACE, WAIT_FOR, Attached, Host, Pending, ReplyRejected, ReplyRun, TooManyTools
@@ -112,6 +112,10 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
         inputs = start.get("input")
         if inputs is None:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "StartReply needs a message or a resumption event")
+        if not start.get("session_id") and not isinstance(inputs, Msg):  # nothing to resume in a new session
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a resumption event needs its session's session_id")
+        if isinstance(inputs, Msg) and not inputs.id:  # proto3's default: one of its own (a retry needs the client's)
+            inputs.id = new_id()
         session_id = start.get("session_id") or new_id()
         # A JSON object (the codec's struct_to_dict) when set; the host checks it before anything is stored.
         structured_schema = start.get("structured_schema")
@@ -163,7 +167,14 @@ class AgentHostServicer(host_pb2_grpc.AgentHostServicer):
 
     @_store_unavailable
     async def DeleteSession(self, request: Any, context: Any) -> host_pb2.DeleteSessionResponse:
-        deleted = await self.host.delete_session(request.session_id, CALLER.get())
+        try:
+            deleted = await self.host.delete_session(request.session_id, CALLER.get())
+        except SessionBusyError as exc:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{exc}: a reply of it runs (interrupt it with InterruptReply, or delete it once it ended)",
+            )
         return host_pb2.DeleteSessionResponse(deleted=deleted)
 
     @_store_unavailable

@@ -65,7 +65,13 @@ _RECORD = "SELECT session_id, created_at, updated_at, title, message_count, stat
 
 
 def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    # Microseconds: ListSessions orders by it, and replies in one second are ordered too.
+    return datetime.now(UTC).isoformat(timespec="microseconds")
+
+
+def _seconds(stamp: str) -> str:
+    """A stored time as the API gives it (to the second, as PostgreSQL's store does)."""
+    return datetime.fromisoformat(stamp).isoformat(timespec="seconds")
 
 
 SqliteJournal = RowJournal  # the shared row journal (journal.py); the name is kept for callers
@@ -374,7 +380,7 @@ def _lock(db: Path) -> IO[str]:
 
 def _record(r: Any) -> SessionRecord:
     status = ReplyStatus(r[5])
-    return SessionRecord(r[0], r[1], r[2], r[3], r[4], status == ReplyStatus.PARKED, status, r[6])
+    return SessionRecord(r[0], _seconds(r[1]), _seconds(r[2]), r[3], r[4], status == ReplyStatus.PARKED, status, r[6])
 
 
 __all__ = ["SqliteJournal", "SqliteStore"]

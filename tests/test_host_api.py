@@ -1,0 +1,121 @@
+"""The host's gRPC API as a client written from host.proto uses it: what each call answers when
+sessions are busy, deleted or interrupted, and what a client may leave unset. One host for the
+module (a slow offline model, so that replies overlap)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from agentmw.codec import codec
+from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
+from agentmw.v1 import host_pb2
+from clients.chat import HostClient
+from clients.launch import ServerProcess
+
+from .host_util import SLOW_MODEL, processes, stub
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = " ".join(f"w{i}" for i in range(60))  # about 1.2 s of the slow model's words
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("api")
+    (tmp / "host.yaml").write_text(SLOW_MODEL)
+    with processes(tmp) as procs:
+        yield procs.host(tmp / "s.db", "--config", str(tmp / "host.yaml"))
+
+
+async def reply(address: str, session_id: str, message: UserMsg) -> tuple[str, list[object]]:
+    async with HostClient(address) as client:
+        call = client.reply(session_id, message)
+        items = [item async for item in call]
+    return call.session_id, items
+
+
+def ended(items: list[object]) -> ReplyFinishedReason:
+    return next(i for i in items if isinstance(i, ReplyEndEvent)).finished_reason
+
+
+async def test_messages_without_an_id_get_one_each(host: ServerProcess) -> None:
+    """proto3 leaves Msg.id empty unless the client sets it: the host gives such a message an id
+    of its own, so a second one in the session is a new message. Before, the first was stored
+    with id "" and every later one was refused as already answered (ALREADY_EXISTS)."""
+    first, second = UserMsg("one"), UserMsg("two")
+    first.id = second.id = ""
+    session, items = await reply(host.address, "", first)
+    assert ended(items) == ReplyFinishedReason.COMPLETED
+    _, items = await reply(host.address, session, second)
+    assert ended(items) == ReplyFinishedReason.COMPLETED
+
+
+async def test_a_resumption_event_needs_its_session(host: ServerProcess) -> None:
+    """A resumption event with no session_id is INVALID_ARGUMENT (there is nothing to resume in a
+    new session). Before: NOT_FOUND naming an id the host had just made up."""
+    event = host_pb2.StartReply()
+    event.user_interrupt.SetInParent()
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        call = stub(channel).Reply(iter([host_pb2.ReplyRequest(start=event)]), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call:
+                pass
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "a resumption event needs its session's session_id"
+
+
+async def test_interrupt_ends_the_running_reply_not_those_waiting_for_the_session(host: ServerProcess) -> None:
+    """InterruptReply interrupts the reply that runs; a message of another client waiting for the
+    session behind it then runs as usual. Before, the waiting one was cancelled too ('interrupted
+    before it began'), its message dropped."""
+    session, _ = await reply(host.address, "", UserMsg("hello"))
+    running = asyncio.create_task(reply(host.address, session, UserMsg(LONG)))
+    await asyncio.sleep(0.4)
+    waiting = asyncio.create_task(reply(host.address, session, UserMsg("and then this")))
+    await asyncio.sleep(0.3)
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        done = await stub(channel).InterruptReply(host_pb2.InterruptReplyRequest(session_id=session), timeout=10)
+    assert done.interrupted
+    assert ended((await running)[1]) == ReplyFinishedReason.INTERRUPTED
+    assert ended((await waiting)[1]) == ReplyFinishedReason.COMPLETED
+
+
+async def test_a_session_a_reply_runs_in_is_not_deleted_and_the_delete_does_not_wait(host: ServerProcess) -> None:
+    """DeleteSession while a reply runs is FAILED_PRECONDITION at once, naming what to do; once
+    the reply ended the session is deleted. Before, the delete waited for the reply without bound
+    (DEADLINE_EXCEEDED for a reply whose client stopped reading)."""
+    session, _ = await reply(host.address, "", UserMsg("hello"))
+    running = asyncio.create_task(reply(host.address, session, UserMsg(LONG)))
+    await asyncio.sleep(0.4)
+    request = host_pb2.DeleteSessionRequest(session_id=session)
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub(channel).DeleteSession(request, timeout=0.8)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value
+        assert "interrupt it with InterruptReply, or delete it once it ended" in (refused.value.details() or "")
+        assert ended((await running)[1]) == ReplyFinishedReason.COMPLETED
+        assert (await stub(channel).DeleteSession(request, timeout=10)).deleted
+
+
+async def test_sessions_are_listed_most_recently_updated_first_within_a_second(host: ServerProcess) -> None:
+    """Replies in A, then B, then A again, all within a second or so: A is listed first. Before
+    (SQLite), times were kept to the second and ties went by creation, so B came first."""
+    fast = UserMsg("hi")
+    a, _ = await reply(host.address, "", fast)
+    b, _ = await reply(host.address, "", UserMsg("hi"))
+    await reply(host.address, a, UserMsg("again"))
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        listed = await stub(channel).ListSessions(host_pb2.ListSessionsRequest(limit=2), timeout=10)
+    assert [s.session_id for s in listed.sessions] == [a, b]
+    assert all(len(s.updated_at) == len("2026-12-02T05:40:01+00:00") for s in listed.sessions), listed
+
+
+def test_codec_round_trips_the_empty_id() -> None:
+    """(What the first test relies on: an unset Msg.id decodes as "", not as a fresh id.)"""
+    msg = UserMsg("x")
+    msg.id = ""
+    assert codec.decode(codec.encode(msg)).id == ""

@@ -88,6 +88,8 @@ class ReplyWatch:
     acted: dict[str, None] = field(default_factory=dict)  # middleware that ran a hook, in order
     trouble: dict[str, str] = field(default_factory=dict)  # middleware -> "bypassed" / "failed"
     last: Any = None
+    # Why it failed after its final Msg (the host could not store its end): the client got an ERROR end.
+    error: Any = None
 
 
 _current: contextvars.ContextVar[ReplyWatch | None] = contextvars.ContextVar("agentmw_reply", default=None)
@@ -104,6 +106,9 @@ def reply(agent: Any) -> Iterator[ReplyWatch]:
     try:
         yield watch
         outcome = _outcome(agent, watch.last)
+    except Exception:  # its end could not be stored (a cancellation stays "cancelled")
+        outcome = "error"
+        raise
     finally:
         OPEN_REPLIES.dec()
         _current.reset(token)
@@ -130,7 +135,7 @@ def _ended(agent: Any, watch: ReplyWatch, outcome: str) -> None:
         TOKENS.labels("output").inc(tokens_out)
     error = ""
     if outcome == "error":
-        info = final.error if final is not None else None
+        info = watch.error or (final.error if final is not None else None)
         REPLY_ERRORS.labels(info.type.value if info is not None else "unknown").inc()
         error = f" error={(info.message if info is not None else '')!r}"
     trouble = " ".join(f"{how}={name}" for name, how in watch.trouble.items())

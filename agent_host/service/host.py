@@ -406,8 +406,10 @@ class Host:
                     raise self._withdrawn()
                 final: Msg | None = None  # the reply's last item: sent once the reply is stored
                 end: list[Any] = []  # its ReplyEndEvent (and what follows): the same
-                try:
-                    with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
+                # The store write inside the reply's metrics and span: a reply whose end is not
+                # stored is counted and logged as failed, not as it would have ended.
+                with tracing.reply_span(agent, inputs), metrics.reply(agent) as watch:
+                    try:
                         async for item in agent.reply_stream(inputs, structured_schema):
                             watch.last = item
                             if final is not None:
@@ -419,17 +421,20 @@ class Host:
                                 end.append(item)
                             else:
                                 await run.put(item)
-                finally:
-                    if run.cut_off:  # cancelled half-way: close the reply as after a host crash
-                        agent.close_interrupted_reply(None, CUT_OFF)
-                    try:  # Shielded: a host shutdown that cancels this task must not lose the session.
-                        await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
-                    except STORE_ERRORS as exc:  # the client never sees it completed: it failed, UNAVAILABLE follows
-                        if end and isinstance(end[0], ReplyEndEvent):
+                    finally:
+                        if run.cut_off:  # cancelled half-way: close the reply as after a host crash
+                            agent.close_interrupted_reply(None, CUT_OFF)
+                        try:  # Shielded: a host shutdown that cancels this task must not lose the session.
+                            await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
+                        except (
+                            STORE_ERRORS
+                        ) as exc:  # the client never sees it completed: it failed, UNAVAILABLE follows
                             why = f"the reply was not stored: {store_failure(exc)}"
-                            error = ErrorInfo(type=ErrorType.UPSTREAM, message=why)
-                            await run.put(replace(end[0], finished_reason=ReplyFinishedReason.ERROR, error=error))
-                        raise
+                            watch.error = ErrorInfo(type=ErrorType.UPSTREAM, message=why)
+                            if end and isinstance(end[0], ReplyEndEvent):
+                                ended = replace(end[0], finished_reason=ReplyFinishedReason.ERROR, error=watch.error)
+                                await run.put(ended)
+                            raise
                 # Only now: a client that saw the reply's end can count on the session holding the
                 # reply (parked or ended), whichever host it asks next.
                 for item in end:

@@ -5,18 +5,24 @@ module (a slow offline model, so that replies overlap)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent_host.service.server import STOP_GRACE
 from agentmw.codec import codec
 from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.chat import HostClient
-from clients.launch import ServerProcess
+from clients.launch import ServerProcess, middleware_server
 
-from .host_util import SLOW_MODEL, processes, stub
+from .host_util import SLOW_MODEL, Procs, processes, stub
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,3 +125,42 @@ def test_codec_round_trips_the_empty_id() -> None:
     msg = UserMsg("x")
     msg.id = ""
     assert codec.decode(codec.encode(msg)).id == ""
+
+
+async def test_a_health_watch_hears_of_an_outage_and_the_drain_and_ends_with_the_host(procs: Procs) -> None:
+    """gRPC's client-side health checking Watches: a fail_closed middleware going away, then a
+    SIGHUP (a drain, as SIGTERM), reach the watcher by themselves; the stream ends when the host
+    stops, and the host exits at once and cleanly. Before, Watch heard of nothing that no Check
+    asked about, an open Watch held the stop for its whole grace, and SIGHUP killed the host
+    outright (nothing drained)."""
+    recorder = middleware_server("tests.host_util:RecorderMiddleware")  # restarts on its port
+    procs.procs.append(recorder.start())
+    host = procs.host(procs.log_dir / "s.db", "--middleware", f"rec={recorder.address}")
+    statuses: list[int] = []
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+        reading = asyncio.create_task(_collect(watch, statuses))
+        await _until(lambda: statuses[-1:] == [health_pb2.HealthCheckResponse.SERVING])
+        recorder.kill()
+        await _until(lambda: statuses[-1:] == [health_pb2.HealthCheckResponse.NOT_SERVING])
+        await asyncio.to_thread(recorder.restart)
+        await _until(lambda: statuses[-1:] == [health_pb2.HealthCheckResponse.SERVING])
+        stopped = time.monotonic()
+        host.popen.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+        assert await asyncio.to_thread(host.popen.wait, 10) == 0  # type: ignore[union-attr]
+        assert time.monotonic() - stopped < STOP_GRACE / 2
+        async with asyncio.timeout(5):
+            await reading
+    assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, statuses
+
+
+async def _collect(watch: Any, statuses: list[int]) -> None:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for answer in watch:
+            statuses.append(answer.status)
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.05)

@@ -71,6 +71,7 @@ START_WAIT = 5.0  # seconds a Reply call may take to send its StartReply (a clie
 # Seconds the server waits for its calls when the host stops, past the interrupt grace: a reply
 # cut off at INTERRUPT_GRACE still sends its client the documented ABORTED end, not "Cancelling all calls".
 STOP_GRACE = INTERRUPT_GRACE + 5.0
+WATCH_EVERY = 1.0  # seconds between health checks while a health Watch is open
 
 
 _Answer = TypeVar("_Answer")
@@ -415,12 +416,46 @@ class HostHealth(health.aio.HealthServicer):
     """grpc.health.v1: NOT_SERVING while a fail_closed middleware that replies wait for (not a
     detached watcher) or the session store cannot be reached, or such a middleware is not attached
     yet or hung (every reply is refused), or while draining; SERVING again once they are back.
-    Checked on each Check: nothing runs in between."""
+    Checked on each Check, and every WATCH_EVERY seconds while a Watch is open (gRPC's client-side
+    health checking watches: it would never hear of a change otherwise); nothing runs otherwise."""
 
     def __init__(self, host: Host) -> None:
         super().__init__()
         self.host = host
         self.serving = True
+        self.watches = 0
+        self.refresher: asyncio.Task[None] | None = None
+        self.stopped = asyncio.Event()
+
+    async def Watch(self, request: Any, context: Any) -> None:
+        self.watches += 1
+        if self.refresher is None or self.refresher.done():
+            self.refresher = asyncio.create_task(self._refresh_while_watched())
+        watching = asyncio.ensure_future(super().Watch(request, context))
+        stopped = asyncio.ensure_future(self.stopped.wait())
+        try:  # until the host stops: the stream then ends (OK), not held for the server's grace
+            await asyncio.wait([watching, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.watches -= 1
+            for waiting in (watching, stopped):
+                waiting.cancel()
+
+    async def _refresh_while_watched(self) -> None:
+        while self.watches:
+            await asyncio.sleep(WATCH_EVERY)
+            try:
+                await self.refresh()
+            except Exception:  # a store that fails its check says so in refresh; keep watching
+                log.exception("refreshing the health status")
+
+    async def stop(self) -> None:
+        """The host stops: NOT_SERVING to every watcher, then their streams end (else each held
+        the server's stop for its whole grace)."""
+        await self.enter_graceful_shutdown()
+        await asyncio.sleep(0.1)  # the watchers write it
+        self.stopped.set()
+        if self.refresher is not None:
+            self.refresher.cancel()
 
     async def refresh(self) -> None:
         required = [a for a in self.host.middleware if not a.config.fail_open and a.remote.holds_replies()]
@@ -472,7 +507,7 @@ async def build_host(config: HostConfig) -> Host:
     return host
 
 
-async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
+async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int, HostHealth]:
     sec = host.config.security
     options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", sec.max_message_bytes)]
     interceptors = [_Authorize(Authenticator(sec.users)), _DecodeErrors()]  # the first is the outermost
@@ -493,7 +528,7 @@ async def start_server(host: Host, listen: str) -> tuple[grpc.aio.Server, int]:
     except transport.CannotListen as exc:
         raise StartupError(f"listen: {exc}") from None
     await server.start()
-    return server, port
+    return server, port, health_servicer  # run_host tells the health service of the drain and the stop
 
 
 async def run_host(config: HostConfig, *, ready: Any = None) -> None:
@@ -502,7 +537,7 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
     the rest are interrupted and saved."""
     host = await build_host(config)
     try:
-        server, port = await start_server(host, config.listen)
+        server, port, health = await start_server(host, config.listen)
     except BaseException:
         await host.close()
         raise
@@ -513,7 +548,9 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
         ready(address)
     stop, now = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # SIGHUP as SIGTERM: a drain, not the default death with nothing saved (there is no reload).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
 
     def interrupted() -> None:  # Ctrl-C: no grace
         stop.set()
@@ -526,11 +563,14 @@ async def run_host(config: HostConfig, *, ready: Any = None) -> None:
         asyncio.create_task(host.drain(0 if now.is_set() else config.drain_grace)),
         asyncio.create_task(now.wait()),
     )
+    await asyncio.sleep(0)  # the drain has begun (host.draining): watchers hear NOT_SERVING at once
+    await health.refresh()
     await asyncio.wait([drain, cut], return_when=asyncio.FIRST_COMPLETED)
     drain.cancel()
     cut.cancel()
     log.info("stopping: interrupting %d replies in flight", len(host._runs))
     closing = asyncio.create_task(host.close())
+    await health.stop()
     await server.stop(STOP_GRACE)
     await closing
 

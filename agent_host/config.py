@@ -375,7 +375,9 @@ def check_middleware_address(address: str, where: str) -> None:
 
 
 def _port(text: str, where: str) -> int:
-    if not text.strip().isdigit() or int(text) > 65535:
+    # ASCII digits only: isdigit() alone takes '²' (int() then fails with a traceback) and other
+    # scripts' digits ('٣٠٠٠' was quietly port 3000).
+    if not (text.strip().isascii() and text.strip().isdigit()) or int(text) > 65535:
         raise ConfigError(f"{where}: {text!r} is not a port number (0-65535)")
     return int(text)
 

@@ -16,14 +16,17 @@ def description(doc: str | None) -> str:
     return (doc or "").replace("``", "")
 
 
-def non_negative(kind: Callable[[str], Number]) -> Callable[[str], Number]:
+def non_negative(kind: Callable[[str], Number], maximum: Number | None = None) -> Callable[[str], Number]:
     """An argparse ``type=``: a number of ``kind`` that is 0 or more (a usage error otherwise:
-    a negative limit or wait would be taken as "none" or "all" without a word)."""
+    a negative limit or wait would be taken as "none" or "all" without a word), and at most
+    ``maximum`` if given (e.g. an int32 proto field, which refuses a larger one with a traceback)."""
 
     def parse(text: str) -> Number:
         value = kind(text)  # a ValueError: argparse's "invalid <kind> value"
         if not value >= 0:  # NaN too
             raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be {maximum} or less, not {text}")
         return value
 
     parse.__name__ = getattr(kind, "__name__", "number")  # argparse names the type in its errors

@@ -47,7 +47,7 @@ def check_listen_address(address: str, *, unix: bool = True) -> str:
     if unix and address.startswith(("unix:", "unix-abstract:")):
         return address
     host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isdigit() and int(port) <= 65535):
+    if not (sep and host and port.isascii() and port.isdigit() and int(port) <= 65535):  # isdigit() takes '²'
         raise ValueError(f"{address!r} is not HOST:PORT (a port of 0-65535; 0: any free port)")
     return address
 
@@ -61,7 +61,7 @@ def bind_refused(address: str) -> OSError | None:
     as gRPC would bind it, or None when one of them binds (or it cannot tell: gRPC decides). The
     probe sets SO_REUSEPORT, so it refuses nothing gRPC would take, with or without the option."""
     host, _, port = address.rpartition(":")
-    if address.startswith(("unix:", "unix-abstract:")) or not port.isdigit() or int(port) == 0:
+    if address.startswith(("unix:", "unix-abstract:")) or not (port.isascii() and port.isdigit()) or int(port) == 0:
         return None
     try:
         found = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -28,7 +28,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent_host.config import ConfigError, check_middleware_address
+from agent_host.config import ConfigError, check_middleware_address, check_seconds
 from agentmw.codec import codec
 from agentmw.commandline import non_negative
 from agentmw.security import CLIENT_MAX_MESSAGE, SecurityError, TlsFiles, bearer_metadata
@@ -211,6 +211,24 @@ def _text(command: str, result: Any) -> str:
 # The command line.
 
 
+INT32_MAX = 2**31 - 1  # ListSessionsRequest.limit is an int32
+
+
+def _timeout(text: str) -> float:
+    """--timeout: 0 (the host's default) or what the host's own rule takes; anything else is a usage
+    error here (exit 2), not the host's INVALID_ARGUMENT (exit 1)."""
+    value = float(text)  # a ValueError: argparse's "invalid float value"
+    if value == 0:
+        return value
+    try:
+        return check_seconds(value, "the timeout")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 0 (the host's default) or finite and above 0, not {text}") from None
+
+
+_timeout.__name__ = "float"  # argparse names the type in its errors: "invalid float value"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = CommandLine(add_help=False)
     common.add_argument(
@@ -231,7 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     attach.add_argument("address", help="HOST:PORT or a gRPC target name (dns:, unix:, ...)")
     attach.add_argument("--name", default="", help="default: the middleware's key")
     attach.add_argument("--fail-open", action="store_true", help="skip it when it fails instead of failing replies")
-    attach.add_argument("--timeout", type=float, default=0.0, help="seconds per message (default: the host's)")
+    attach.add_argument("--timeout", type=_timeout, default=0.0, help="seconds per message (default: the host's)")
     attach.add_argument("--position", type=int, help="onion position, 0 = outermost (default: innermost)")
     detach = mw_commands.add_parser("detach", parents=[common], help="detach a middleware by name")
     detach.add_argument("name")
@@ -239,7 +257,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sessions = commands.add_parser("sessions", parents=[common], help="list, show or delete sessions")
     s_commands = sessions.add_subparsers(dest="action", required=True, metavar="ACTION")
     listing = s_commands.add_parser("list", parents=[common], help="sessions, most recently updated first")
-    listing.add_argument("--limit", type=non_negative(int), default=0, help="at most this many (default 0: all)")
+    listing.add_argument(
+        "--limit", type=non_negative(int, INT32_MAX), default=0, help="at most this many (default 0: all)"
+    )
     show = s_commands.add_parser("show", parents=[common], help="one session: messages, pending calls, slots")
     show.add_argument("session_id")
     delete = s_commands.add_parser("delete", parents=[common], help="delete a session")

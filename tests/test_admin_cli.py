@@ -169,11 +169,35 @@ def test_attach_checks_the_address_form_first(tmp_path: Path) -> None:
     ), done.stderr
 
 
-def test_a_negative_limit_is_a_usage_error() -> None:
-    """--limit -1 is refused (exit 2) before any call; it listed every session (0 = all)."""
-    done = run_cli("clients.admin", "--host", "127.0.0.1:1", "sessions", "list", "--limit", "-1", timeout=30)
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        # --limit -1 listed every session (0 = all).
+        (
+            ["sessions", "list", "--limit", "-1"],
+            "agentmw sessions list: error: argument --limit: must be 0 or more, not -1",
+        ),
+        # Beyond ListSessionsRequest's int32: a protobuf ValueError traceback.
+        (
+            ["sessions", "list", "--limit", "99999999999"],
+            "agentmw sessions list: error: argument --limit: must be 2147483647 or less, not 99999999999",
+        ),
+        # The host refused these (INVALID_ARGUMENT, exit 1) after the call.
+        *(
+            (
+                ["middleware", "attach", "127.0.0.1:9", "--timeout", bad],
+                "agentmw middleware attach: error: argument --timeout: "
+                f"must be 0 (the host's default) or finite and above 0, not {bad}",
+            )
+            for bad in ("-1", "nan", "inf")
+        ),
+    ],
+)
+def test_a_bad_number_is_a_usage_error(args: list[str], error: str) -> None:
+    """Refused in one line with exit 2 (docs/host.md: a usage error) before any call."""
+    done = run_cli("clients.admin", "--host", "127.0.0.1:1", *args, timeout=30)
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.splitlines()[-1] == "agentmw sessions list: error: argument --limit: must be 0 or more, not -1"
+    assert done.stderr.splitlines()[-1] == error, done.stderr
 
 
 @pytest.mark.parametrize(

@@ -807,6 +807,10 @@ def test_a_setting_that_would_be_misread_is_a_configuration_error(tmp_path: Path
         # TLS files: where they were given (it said "security.tls" for a flag too)
         ("security:\n  tls: {cert: c.pem}\n", {}, {}, "{path}: security.tls.cert: a TLS certificate needs its key"),
         ("", {"AGENTMW_TLS_KEY": "k.pem"}, {}, "environment AGENTMW_TLS_KEY: a TLS certificate needs its key"),
+        # Digits that str.isdigit() takes: '²' ended in int()'s traceback, '٣٠٠٠' was port 3000.
+        ("", {"AGENTMW_METRICS_PORT": "²"}, {}, "environment AGENTMW_METRICS_PORT: '²' is not a port number"),
+        ("", {}, {"metrics_port": "٣٠٠٠"}, "flag --metrics-port: '٣٠٠٠' is not a port number"),
+        ("", {}, {"listen": "127.0.0.1:²"}, "flag --listen: '127.0.0.1:²' is not HOST:PORT"),
     ],
 )
 def test_a_bad_setting_says_where_it_came_from(

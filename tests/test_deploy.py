@@ -297,3 +297,51 @@ def test_several_hosts_roll_one_at_a_time() -> None:
 
 def _labels(w: dict[str, Any]) -> dict[str, str]:
     return w["spec"]["template"]["metadata"]["labels"]
+
+
+def docker_ignores(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves ``path`` out of the build context under .dockerignore ``patterns``
+    (moby's patternmatcher: a pattern is rooted at the context, ``*`` stays within one path element,
+    ``**`` spans any number, and a directory that matches takes everything under it)."""
+    parts = path.split("/")
+    for pattern in patterns:
+        regex = ""
+        for piece in re.split(r"(\*\*/?|\*|\?)", pattern.strip("/")):
+            if piece.startswith("**"):
+                regex += "(.*/)?" if piece.endswith("/") else ".*"
+            else:
+                regex += {"*": "[^/]*", "?": "[^/]"}.get(piece, re.escape(piece))
+        if any(re.fullmatch(regex, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            return True
+    return False
+
+
+def test_the_docker_build_context_leaves_out_what_builds_and_runs_make_here() -> None:
+    """.dockerignore leaves out every .gitignore entry, the venvs and trees that the Makefile makes
+    (its `clean` target's list) and the tools' caches; the build stage's ``COPY . .`` sent ~2.9 GB
+    (.venv-mem0, .venv-agentscope-full, .bench-versus: it listed only .venv and .venv-agentscope)."""
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [p.strip() for p in lines if p.strip() and not p.lstrip().startswith("#")]
+    assert not [p for p in patterns if p.startswith("!")], "exceptions: extend docker_ignores first"
+    made = [
+        line.strip().strip("/").replace("*", "x")
+        for line in (ROOT / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    makefile = (ROOT / "Makefile").read_text()
+    variables = dict(re.findall(r"^(\w+)\s*:=\s*(\S+)", makefile, re.M))
+    (clean,) = re.findall(r"^clean:\n\trm -rf ([^\n]+)", makefile, re.M)
+    made += [re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], word) for word in clean.split()]
+    assert {".venv", ".venv-agentscope", ".venv-agentscope-full", ".venv-mem0", ".bench-versus"} <= set(made)
+    # Nested ones, and the caches that carry their own .gitignore (mypy's).
+    made += ["agentmw/__pycache__", "mw_servers/examples/node/node_modules", "sdk/build", ".mypy_cache"]
+    assert [p for p in made if not docker_ignores(f"{p}/some/file", patterns)] == []
+    # What the build stage builds from stays in.
+    needed = [
+        "pyproject.toml",
+        "sdk/setup.py",
+        "agentmw/__init__.py",
+        "agent_host/cli.py",
+        "mw_servers/examples/timing.py",
+    ]
+    assert [p for p in needed if docker_ignores(p, patterns)] == []

@@ -1,6 +1,7 @@
 """``agentmw``: operate a running agent host (the AgentHost RPCs and grpc.health.v1).
 
     agentmw status                                   # host health; attached middleware and their health
+    agentmw alive [--timeout 5]                      # the host answers at all (a liveness probe)
     agentmw middleware list
     agentmw middleware attach 127.0.0.1:50071 --name timing [--fail-open] [--timeout 5] [--position 0]
     agentmw middleware detach timing
@@ -11,7 +12,8 @@
 ``--host ADDRESS`` (default: $AGENTMW_HOST, else 127.0.0.1:50070, the host's default listen) and
 ``--json`` (machine-readable output) go before or after the command; so do agent-chat's TLS flags
 and ``--token-file`` (or $AGENTMW_TOKEN) for a secured host (docs/security.md). Exit status: 0 done; 1 the
-host is unreachable, NOT_SERVING (status), or refused the request; 2 usage.
+host is unreachable, NOT_SERVING (status), or refused the request (alive: does not answer within
+--timeout, whatever its health); 2 usage.
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class Admin:
         reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
         serving = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         return {"host": self.address, "health": serving, "middleware": self.middleware_list()}
+
+    def alive(self) -> dict[str, Any]:
+        """The health check answered, SERVING or not: NOT_SERVING (draining, a fail_closed
+        middleware or the store down) is a reason not to send replies, not to restart the host;
+        a frozen or dead host does not answer (its kernel still accepts the TCP connection)."""
+        reply = self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout)
+        return {"host": self.address, "health": health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}
 
     def middleware_list(self) -> list[dict[str, Any]]:
         found = self.stub.ListMiddleware(host_pb2.ListMiddlewareRequest(), timeout=self.timeout)
@@ -174,6 +183,8 @@ def _text(command: str, result: Any) -> str:
         return "\n".join(lines + _middleware_lines(result["middleware"]))
     if command == "middleware list":
         return "\n".join(_middleware_lines(result))
+    if command == "alive":
+        return f"host {result['host']}: answers ({result['health']})"
     if command == "middleware detach":  # it is gone (one waiting to be attached no longer waits)
         return f"detached {result['name']} at {result['address']}"
     if command == "middleware attach":
@@ -229,6 +240,13 @@ def _timeout(text: str) -> float:
 _timeout.__name__ = "float"  # argparse names the type in its errors: "invalid float value"
 
 
+def _seconds(text: str) -> float:
+    try:
+        return check_seconds(float(text), "the timeout")
+    except ValueError:  # float()'s too
+        raise argparse.ArgumentTypeError(f"must be finite and above 0, not {text}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     common = CommandLine(add_help=False)
     common.add_argument(
@@ -241,6 +259,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = CommandLine(prog="agentmw", description="Operate a running agentmw host.", parents=[common])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("status", parents=[common], help="host health and attached middleware")
+    alive = commands.add_parser(
+        "alive", parents=[common], help="exit 0 if the host answers its health check, SERVING or not (liveness)"
+    )
+    alive.add_argument("--timeout", type=_seconds, default=5.0, help="seconds to wait for the answer (default 5)")
 
     mw = commands.add_parser("middleware", parents=[common], help="list, attach or detach middleware")
     mw_commands = mw.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -290,12 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = f"{args.command} {args.action}" if getattr(args, "action", None) else args.command
     try:
-        admin = Admin(args.host, *credentials(args))
+        admin = Admin(args.host, *credentials(args), timeout=args.timeout if command == "alive" else TIMEOUT)
     except SecurityError as exc:
         print(f"agentmw: {exc}", file=sys.stderr)
         return 2
     run: dict[str, Callable[[], Any]] = {
         "status": admin.status,
+        "alive": admin.alive,
         "middleware list": admin.middleware_list,
         "middleware attach": lambda: admin.attach(args.address, args.name, args.fail_open, args.timeout, args.position),
         "middleware detach": lambda: admin.detach(args.name),

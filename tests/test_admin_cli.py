@@ -313,3 +313,22 @@ def test_status_shows_a_hung_fail_open_middleware_skipped(setup: tuple[Procs, Se
     finally:
         os.kill(hung.pid, signal.SIGCONT)
         hung.stop()
+
+
+def test_alive_answers_for_a_not_serving_host_and_fails_for_a_frozen_one(tmp_path: Path) -> None:
+    """`agentmw alive` (deploy/k8s's liveness probe): exit 0 while the host is NOT_SERVING (its
+    fail_closed middleware is down: readiness fails, a restart would not help), exit 1 in one line
+    once it is frozen (SIGSTOP, as a wedged event loop: the TCP connection is still accepted, which
+    is all the tcpSocket probe it replaces checked)."""
+    with processes(tmp_path) as procs:
+        host = procs.host(tmp_path / "sessions.db", "--middleware", f"rec=127.0.0.1:{unused_port()}")
+        assert agentmw(host, "status").returncode == 1, "NOT_SERVING: the middleware is not up"
+        alive = agentmw(host, "alive")
+        assert alive.returncode == 0 and alive.stdout.strip() == f"host {host.address}: answers (NOT_SERVING)", alive
+        os.kill(host.pid, signal.SIGSTOP)
+        try:
+            frozen = agentmw(host, "alive", "--timeout", "1")
+        finally:
+            os.kill(host.pid, signal.SIGCONT)
+    assert frozen.returncode == 1, frozen.stdout + frozen.stderr
+    assert frozen.stderr.strip() == f"agentmw: cannot reach the host at {host.address} (DEADLINE_EXCEEDED)", frozen

@@ -29,6 +29,7 @@ from agent_host.config import HostConfig, load_config
 from agent_host.service.host import Host
 from agent_host.store.postgres import is_dsn
 from agentmw.middleware import MiddlewareBase
+from clients import admin
 from clients.launch import ROOT
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -139,6 +140,8 @@ def test_container_runs_what_the_image_has(workload: dict[str, Any], container: 
     by_name = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("readinessProbe", "livenessProbe"):
         spec = container[probe]
+        if "exec" in spec:  # the host's liveness: test_host_liveness_fails_only_when_it_does_not_answer
+            continue
         check = spec.get("grpc") or spec.get("tcpSocket")
         assert check is not None and by_name.get(check["port"], check["port"]) in ports, f"{probe} port"
     assert "grpc" in container["readinessProbe"], "readiness is grpc.health.v1 (native gRPC probe)"
@@ -276,12 +279,30 @@ def test_host_pods_drain_within_their_termination_grace(host: dict[str, Any], tm
     (the default, 30 s): the kubelet killed it mid-drain, and no reply in flight was saved."""
     spec = host["spec"]["template"]["spec"]
     (container,) = spec["containers"]
-    assert "grpc" in container["readinessProbe"] and "tcpSocket" in container["livenessProbe"]
+    assert "grpc" in container["readinessProbe"]
     pause = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
     assert pause[0] == "sleep"
     config = host_config(host, tmp_path)
     close = inspect.signature(Host.close).parameters["timeout"].default
     assert spec["terminationGracePeriodSeconds"] >= float(pause[1]) + config.drain_grace + close + 5
+
+
+@pytest.mark.parametrize("host", HOSTS, ids=[w["metadata"]["name"] for w in HOSTS])
+def test_host_liveness_fails_only_when_it_does_not_answer(host: dict[str, Any]) -> None:
+    """Liveness is `agentmw alive` on the host's gRPC port: any health answer, NOT_SERVING too (a
+    middleware or database outage, a drain: readiness's business, not a reason to restart). It was
+    a tcpSocket probe, which a frozen host passes (its kernel accepts the connection; the health
+    check times out); a grpc probe would fail, and restart the host, on NOT_SERVING.
+    tests/test_admin_cli.py runs the command against a NOT_SERVING and a frozen host."""
+    (container,) = host["spec"]["template"]["spec"]["containers"]
+    grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+    liveness = container["livenessProbe"]
+    command = liveness["exec"]["command"]
+    assert command[0] in SCRIPTS and SCRIPTS[command[0]] == "clients.admin:main", command
+    args = admin.parse_args(command[1:])
+    assert args.command == "alive" and args.host == f"127.0.0.1:{grpc_port}", command
+    assert args.timeout < liveness["timeoutSeconds"], "the kubelet would kill the check before it answers"
+    assert container["readinessProbe"]["grpc"]["port"] in (grpc_port, "grpc")
 
 
 def test_several_hosts_roll_one_at_a_time() -> None:

@@ -37,14 +37,28 @@ REPLIES = Counter(
     ["outcome"],
 )
 REPLY_ERRORS = Counter("agentmw_reply_errors", "Replies that ended with an error, by error type", ["type"])
-REPLY_SECONDS = Histogram("agentmw_reply_duration_seconds", "Wall time of a reply (to its end or park)")
-OPEN_REPLIES = Gauge("agentmw_open_replies", "Replies running now (each streams to one open Reply call)")
+# Replies last from tens of milliseconds to minutes (tool rounds): the default buckets stop at 10 s.
+LONG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600)
+REPLY_SECONDS = Histogram(
+    "agentmw_reply_duration_seconds", "Wall time of a reply (to its end or park)", buckets=LONG_BUCKETS
+)
+OPEN_REPLIES = Gauge(
+    "agentmw_open_replies",
+    "Replies running now: from having their session (lock, lease, loaded) to their end or park; "
+    "Reply calls waiting for a busy session are not counted",
+)
+REFUSED = Counter(
+    "agentmw_replies_refused",
+    "Reply calls ended by a gRPC status instead of a reply's end (refused before the reply began: a "
+    "required middleware missing, draining, limits, a busy session; or cut off), by status code",
+    ["code"],
+)
 TOKENS = Counter("agentmw_tokens", "Model tokens of ended replies", ["kind"])
 HOOK_SECONDS = Histogram(
     "agentmw_hook_duration_seconds",
     "Wall time of one remote hook invocation, the inner chain included (on_reply spans the reply)",
     ["middleware", "hook"],
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 MIDDLEWARE_FAILURES = Counter(
     "agentmw_middleware_failures",
@@ -113,6 +127,12 @@ def reply(agent: Any) -> Iterator[ReplyWatch]:
         OPEN_REPLIES.dec()
         _current.reset(token)
         _ended(agent, watch, outcome)
+
+
+def reply_refused(session_id: str, code: str, why: str) -> None:
+    """A Reply call that ended with a status, not a reply's end: counted and said once."""
+    REFUSED.labels(code).inc()
+    log.info("reply session=%s refused %s: %s", session_id, code, why)
 
 
 def _outcome(agent: Any, final: Any) -> str:
@@ -276,5 +296,6 @@ __all__ = [
     "model_attempt_failed",
     "quiet_failure",
     "reply",
+    "reply_refused",
     "serve",
 ]

@@ -476,6 +476,8 @@ async def test_a_required_middleware_down_at_start_holds_replies_until_it_answer
         await _reply(host.address, "held", UserMsg("hello"))
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "required middleware rec (fail_closed) is not attached yet: cannot connect to" in refused.value.details()
+    # Said and counted (agentmw_replies_refused_total), though no reply began: before, no trace of it.
+    assert "refused UNAVAILABLE: required middleware rec (fail_closed) is not attached yet" in host.tail(50)
     with pytest.raises(grpc.aio.AioRpcError) as nothing:
         await get_session(host.address, "held")
     assert nothing.value.code() == grpc.StatusCode.NOT_FOUND, "a refused reply stores nothing"

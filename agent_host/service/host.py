@@ -210,6 +210,7 @@ class ReplyRun:
         """End the stream with ``final`` without waiting for the client: the reply's task ends at
         once; a client still reading gets every queued item, then ``final`` (batches)."""
         self.ended = True
+        metrics.reply_refused(self.session_id, final.code.name, str(final))
         if self.queue.qsize() <= QUEUE_SIZE - 2:
             self.queue.put_nowait(final)
             self.queue.put_nowait(_END)

@@ -666,8 +666,10 @@ async def test_a_reply_whose_end_cannot_be_stored_never_ends_completed(procs: Pr
         assert "the reply was not stored: the session store is unreachable" in end.error.message
         assert not isinstance(items[-1], Msg), "the final Msg goes out only once the reply is stored"
         # Logged and counted as what the client got (before: outcome=completed, no reply error).
-        (line,) = [x for x in host.tail(100).splitlines() if f"reply session={call.session_id}" in x]
+        said = [x for x in host.tail(100).splitlines() if f"reply session={call.session_id}" in x]
+        (line,) = [x for x in said if " outcome=" in x]
         assert "outcome=error" in line and "the reply was not stored" in line, line
+        assert any(" refused UNAVAILABLE: " in x for x in said), said  # and the status that followed
     finally:
         await relay.cut()
 

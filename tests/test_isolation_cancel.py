@@ -12,8 +12,10 @@ silent) for one session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from agent_host.remote.protocol import STOP_AFTER_INTERRUPT
 from agent_host.service.host import INTERRUPT_GRACE
 from agentmw.data import CustomEvent, ReplyEndEvent, ReplyFinishedReason, Role, UserMsg
 from clients.chat import HostClient
+from clients.launch import ServerProcess
 
 from .host_util import get_session, processes
 
@@ -73,10 +76,10 @@ async def test_a_cancelled_reply_leaves_behind_a_middleware_that_keeps_emitting(
             assert evil.running and host.running
 
 
-async def test_a_cancelled_reply_is_cut_off_when_a_middleware_holds_it(tmp_path: Path) -> None:
-    """It stops reading and never answers, with a timeout longer than the grace: the host cuts the
-    interrupted reply off after INTERRUPT_GRACE (ABORTED, saying so; its stream cancelled) instead
-    of waiting the middleware's timeout; the session keeps a closed reply and answers the next."""
+@contextlib.contextmanager
+def holding_host(tmp_path: Path, *args: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A host, and its middleware (tests/evil_mw.py, timeout 60 s) that holds session "held"'s
+    reply: it stops reading and never answers (while tmp_path/scripts/held.json exists)."""
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "held.json").write_text(json.dumps({"stop_reading": True}))
@@ -84,7 +87,14 @@ async def test_a_cancelled_reply_is_cut_off_when_a_middleware_holds_it(tmp_path:
         evil = procs.start("evil", ["-m", "tests.evil_mw", "--scripts", str(scripts), "--address", "127.0.0.1:0"])
         config = tmp_path / "host.yaml"
         config.write_text(f"middleware:\n  - {{name: evil, address: {evil.address}, timeout: 60}}\n")
-        host = procs.host(tmp_path / "s.db", "--config", str(config))
+        yield procs.host(tmp_path / "s.db", "--config", str(config), *args), evil
+
+
+async def test_a_cancelled_reply_is_cut_off_when_a_middleware_holds_it(tmp_path: Path) -> None:
+    """It stops reading and never answers, with a timeout longer than the grace: the host cuts the
+    interrupted reply off after INTERRUPT_GRACE (ABORTED, saying so; its stream cancelled) instead
+    of waiting the middleware's timeout; the session keeps a closed reply and answers the next."""
+    with holding_host(tmp_path) as (host, evil):
         async with HostClient(host.address) as client:
             call = client.reply("held", UserMsg("hi"))
             loop = asyncio.get_running_loop()
@@ -109,7 +119,7 @@ async def test_a_cancelled_reply_is_cut_off_when_a_middleware_holds_it(tmp_path:
 
             info, _, _ = await get_session(host.address, "held")
             assert not info.replying and not info.summary.parked
-            (scripts / "held.json").unlink()
+            (tmp_path / "scripts" / "held.json").unlink()
             items: list[Any] = [i async for i in client.reply("held", UserMsg("again"))]
             end = next(i for i in items if isinstance(i, ReplyEndEvent))
             assert end.finished_reason == ReplyFinishedReason.COMPLETED
@@ -128,14 +138,7 @@ async def test_a_host_stop_cuts_off_a_held_reply_with_the_documented_end(tmp_pat
     grace the reply is interrupted, cut off INTERRUPT_GRACE later, and its client gets the cut-off
     ABORTED, as on a cancel. Before, the server's own stop grace ran out at that very moment and
     the client got "UNAVAILABLE: Cancelling all calls" instead."""
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
-    (scripts / "held.json").write_text(json.dumps({"stop_reading": True}))
-    with processes(tmp_path) as procs:
-        evil = procs.start("evil", ["-m", "tests.evil_mw", "--scripts", str(scripts), "--address", "127.0.0.1:0"])
-        config = tmp_path / "host.yaml"
-        config.write_text(f"middleware:\n  - {{name: evil, address: {evil.address}, timeout: 60}}\n")
-        host = procs.host(tmp_path / "s.db", "--config", str(config), "--drain-grace", "0.5")
+    with holding_host(tmp_path, "--drain-grace", "0.5") as (host, _):
         async with HostClient(host.address) as client:
             call = client.reply("held", UserMsg("hi"))
             stop = asyncio.get_running_loop().call_later(0.5, host.popen.send_signal, signal.SIGTERM)  # type: ignore[union-attr]

@@ -30,6 +30,10 @@ MESSAGE_SIZE_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
 ]
 
+# The trailing metadata key of an UNAVAILABLE a server sends itself ("not ready yet": hooks.proto,
+# ListTools), which a connection that broke cannot carry: the host tells the two apart by it.
+NOT_READY = "agentmw-not-ready"
+
 # The options every server of ours starts with (gRPC channel arguments): one process per port (a
 # second server on a taken port fails to bind instead of sharing it), and the pings it accepts.
 SERVER_OPTIONS: list[tuple[str, int]] = [

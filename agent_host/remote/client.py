@@ -27,7 +27,7 @@ from agentmw.data import ChatResponse, ToolCallBlock, ToolChunk, ToolDescriptor,
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, check_middleware_key
 from agentmw.subscriptions import SubscriptionTable
 from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
-from agentmw.transport import HOST_KEEPALIVE_MS, MESSAGE_SIZE_OPTIONS
+from agentmw.transport import HOST_KEEPALIVE_MS, MESSAGE_SIZE_OPTIONS, NOT_READY
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
 from agentmw.wire import EMITTABLE
 
@@ -354,8 +354,8 @@ class RemoteMiddleware:
         unreachable (it may come back: at start the host waits for it), or anything else."""
         if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
             return NoAnswer(self.name, call, _no_answer(exc, waited))
-        if exc.code() is grpc.StatusCode.UNAVAILABLE and self.channel.get_state() is grpc.ChannelConnectivity.READY:
-            # Connected: the server itself said it cannot serve yet, no outage of the connection.
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and any(k == NOT_READY for k, _ in exc.trailing_metadata() or ()):
+            # The server itself said it cannot serve yet (hooks.proto, ListTools): no connection outage.
             return NotReady(self.name, call, f"not ready: UNAVAILABLE: {exc.details()}")
         cls = Unreachable if exc.code() is grpc.StatusCode.UNAVAILABLE else MiddlewareFailure
         return cls(self.name, call, self._failure(exc))

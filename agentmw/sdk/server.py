@@ -46,7 +46,14 @@ from agentmw.security import (
 )
 from agentmw.subscriptions import to_proto
 from agentmw.tools import Tool, Toolkit, error_response
-from agentmw.transport import MESSAGE_SIZE_OPTIONS, SERVER_OPTIONS, CannotListen, check_listen_address, listen
+from agentmw.transport import (
+    MESSAGE_SIZE_OPTIONS,
+    NOT_READY,
+    SERVER_OPTIONS,
+    CannotListen,
+    check_listen_address,
+    listen,
+)
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
 from .session import HookSession, HostReader
@@ -86,6 +93,7 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             self.tools = {t.name: t for t in await self.middleware.list_tools()}
         except Exception as exc:  # its backend down, say: not ready (at start the host waits, then asks again)
             log.exception("list_tools of %s raised", type(self.middleware).__name__)
+            context.set_trailing_metadata(((NOT_READY, "list_tools"),))  # hooks.proto, ListTools
             await abort(context, grpc.StatusCode.UNAVAILABLE, f"list_tools raised {type(exc).__name__}: {exc}")
 
     async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList:

@@ -299,6 +299,9 @@ async def test_a_refused_stream_call_is_always_unauthenticated(procs: Procs, tmp
     async with HostClient(host.address, None, "wrong-token") as shared:
         replies += await asyncio.gather(*(bad_reply(shared) for _ in range(BAD_CALLS)))
     assert set(replies) == {"UNAUTHENTICATED: a valid token or certificate is required"}, replies
+    # Said in the host's log, for the operator: the call and the peer, never the token (before: nothing).
+    refusals = [x for x in host.tail(200).splitlines() if "refused /agentmw.v1.AgentHost/Reply from ipv4:" in x]
+    assert refusals and all("no valid token or certificate" in x and "wrong-token" not in x for x in refusals)
     async with grpc.aio.insecure_channel(recorder.address) as channel:
         hooks = [await bad_hook_call(channel) for _ in range(BAD_CALLS)]
         hooks += await asyncio.gather(*(bad_hook_call(channel) for _ in range(BAD_CALLS)))

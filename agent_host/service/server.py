@@ -343,10 +343,12 @@ class _Authorize(grpc.aio.ServerInterceptor):
     def _caller(self, method: str, context: grpc.aio.ServicerContext) -> Principal | tuple[grpc.StatusCode, str]:
         """Who the call is from, or why it is refused (a status and its details)."""
         caller = self.auth.authenticate(context.invocation_metadata(), context.auth_context())
-        if caller is None:
+        if caller is None:  # said for the operator (who tries, from where), never the credential itself
+            log.warning("refused %s from %s: no valid token or certificate", method, context.peer())
             return grpc.StatusCode.UNAUTHENTICATED, "a valid token or certificate is required"
         needed = METHOD_ROLES.get(method.rsplit("/", 1)[-1], ADMIN)
         if needed == ADMIN and not caller.admin:
+            log.warning("refused %s from user %r at %s: it needs the admin role", method, caller.name, context.peer())
             return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs the admin role"
         return caller
 

@@ -31,7 +31,6 @@ from agentmw.data import (
     UserConfirmResultEvent,
 )
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError
-from agentmw.wire import EMITTABLE
 
 from .agent_base import AgentBase, ReplyError
 from .chunk_events import tool_chunk_events, tool_output_events
@@ -184,7 +183,7 @@ class Acting(AgentBase):
                         # The toolkit's own end of the cancelled run: the interruption's text is
                         # streamed once, below, not once from here and once from there.
                         raise asyncio.CancelledError
-                    self._check_acting_item(item)
+                    self.check_yield("on_acting", "the tool call", item)
                     for event in tool_chunk_events(reply_id, call.id, item):
                         yield event
             except asyncio.CancelledError:  # the tool run was interrupted (docs/behaviour.md#interruption)
@@ -225,21 +224,12 @@ class Acting(AgentBase):
         dropped, any other item fails the reply as before it (docs/behaviour.md#acting). Middleware
         code, not core work: an interruption does not cut it."""
         async for item in items:
-            self._check_acting_item(item)
+            self.check_yield("on_acting", "the tool call", item)
             log.warning(
                 "on_acting yielded a %s after the ToolResponse of call %s (%s): dropped",
                 type(item).__name__,
                 call.id,
                 call.name,
-            )
-
-    def _check_acting_item(self, item: Any) -> None:
-        """on_acting yields only ToolChunks and ToolResponses: anything else fails the reply, naming
-        the layers, as a remote layer's emit of it is a protocol violation (wire.EMITTABLE)."""
-        if type(item) not in EMITTABLE["on_acting"]:
-            blame = blame_of(self.layers["on_acting"], "on_acting")
-            raise ReplyError(
-                f"the tool call broke the hook contract ({blame}): on_acting cannot yield {type(item).__name__}"
             )
 
     async def _acting_impl(self, tool_call: ToolCallBlock) -> AsyncIterator[Any]:

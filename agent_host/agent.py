@@ -13,7 +13,7 @@ import copy
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 
@@ -91,10 +91,15 @@ _PROPAGATED = (GeneratorExit, KeyboardInterrupt, SystemExit)
 _REASONING_ITEMS = EMITTABLE["on_reasoning"]  # what a reasoning step may yield (a Msg is taken apart)
 
 
+def input_messages(inputs: Any) -> list[Any]:
+    """The items of a reply's message input as a list (None: none), unchecked."""
+    return [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
+
+
 def check_input_messages(inputs: Any) -> list[Msg]:
     """The messages of a new reply, or ReplyError saying why they cannot be one: no system messages,
     no tool calls, tool results or thinking, and the role rules (docs/behaviour.md#reply-loop)."""
-    msgs = [] if inputs is None else [inputs] if isinstance(inputs, Msg) else list(inputs)
+    msgs = input_messages(inputs)
     for msg in msgs:
         if not isinstance(msg, Msg):
             raise ReplyError(f"reply inputs must be Msg objects, got {type(msg).__name__}")
@@ -245,7 +250,7 @@ class Agent(Reasoning, Acting, Compression):
         if not isinstance(inputs, UserInterruptEvent):  # one that interrupts nothing yields nothing (AgentScope)
             self.check_inputs(inputs)
         # As the caller gave them: an on_reply layer may pass new messages on (ReplyContext.input_ids).
-        self._input_ids = [m.id for m in check_input_messages(inputs)] if isinstance(inputs, Msg | list) else []
+        self._input_ids = [m.id for m in input_messages(inputs)] if isinstance(inputs, Msg | list) else []
         self._receive_reply_end = False
         self.replies_started += 1
         self.results_started = {c.id for c in self._unanswered_calls() if c.state == ToolCallState.SUBMITTED}
@@ -419,8 +424,8 @@ class Agent(Reasoning, Acting, Compression):
                             if isinstance(item, Msg):
                                 final_msg = item
                                 continue
-                            if checked and type(item) not in _REASONING_ITEMS:
-                                self._broke_reasoning(item)
+                            if checked and type(item) not in _REASONING_ITEMS:  # one lookup per item
+                                self.check_yield("on_reasoning", "the reasoning step", item)
                             yield item
                             if (
                                 isinstance(item, ModelCallEndEvent)
@@ -502,22 +507,14 @@ class Agent(Reasoning, Acting, Compression):
             "ExternalExecutionResultEvent, or end it with a UserInterruptEvent"
         )
 
-    def _broke_reasoning(self, item: Any) -> NoReturn:
-        """An on_reasoning layer yielded what a reasoning step cannot (a block, a ToolChunk): the
-        reply fails naming the layers, as a remote layer's emit of it is a protocol violation
-        (wire.EMITTABLE). Else the reply grammar caught it, blaming on_reply middleware or none."""
-        blame = blame_of(self.layers["on_reasoning"], "on_reasoning")
-        raise ReplyError(
-            f"the reasoning step broke the hook contract ({blame}): on_reasoning cannot yield {type(item).__name__}"
-        )
-
     def _handle_incoming_messages(self, inputs: Any) -> None:
         msgs = check_input_messages(inputs)
         for msg in msgs:
             self.state.context.append(copy.deepcopy(msg))
         # Ids the caller gave that an on_reply layer passed on as other messages: the session took
         # them all the same (a retry of one is known: host._is_retry).
-        self.state.remember_user_ids([i for i in self._input_ids if i not in {m.id for m in msgs}])
+        stored = {m.id for m in msgs}
+        self.state.remember_user_ids([i for i in self._input_ids if i not in stored])
         self.state.version += 1
 
     # -- the decision table (docs/behaviour.md#decision-table) ------------------------------------

@@ -29,8 +29,10 @@ from agentmw.data import (
 )
 from agentmw.data.state import AgentState
 from agentmw.tools import Toolkit
+from agentmw.wire import EMITTABLE
 
 from .models import ChatModel, ModelRegistry
+from .reply_grammar import blame_of
 from .structured_output import StructuredOutputTool
 
 TRUNCATED_REMINDER = (
@@ -231,6 +233,13 @@ class AgentBase:
                 kept.append(block)
         kept.append(TextBlock(text=TRUNCATED_REMINDER.format(size=size, limit=limit)))
         return kept
+
+    def check_yield(self, hook: str, what: str, item: Any) -> None:
+        """A layer of ``hook`` yields only what that position takes (wire.EMITTABLE): anything else
+        fails the reply naming the layers, as a remote layer's emit of it is a protocol violation."""
+        if type(item) not in EMITTABLE[hook]:
+            blame = blame_of(self.layers[hook], hook)
+            raise ReplyError(f"{what} broke the hook contract ({blame}): {hook} cannot yield {type(item).__name__}")
 
     def _error_result(self, call: ToolCallBlock, message: str, state: ToolResultState) -> list[Any]:
         events = self._result_start(call)

@@ -150,6 +150,7 @@ KNOWN_ERRORS.update(
 # (base, name, known class) -> class. Bounded: the names come from the other process, any text.
 _rebuilt: dict[tuple[type, str, type | None], type[Any]] = {}
 _MAX_REBUILT = 1024
+MAX_TYPE_NAME = 256  # characters of an exception class name (or base's) read from the other side
 MAX_BASES = 16  # base class names of an exception read from the other side
 MAX_ATTRIBUTES = 8192  # bytes of an exception's attributes read from the other side
 _E = TypeVar("_E", bound=BaseException)
@@ -236,7 +237,7 @@ def decode_error_attributes(error: hooks_pb2.Fail | hooks_pb2.InnerError) -> dic
     error_type = error_type_of(error)
     if error_type is not None:
         attributes["error_type"] = error_type
-    attributes["bases"] = [name for name in error.bases[:MAX_BASES] if len(name) <= 256]
+    attributes["bases"] = [name for name in error.bases[:MAX_BASES] if len(name) <= MAX_TYPE_NAME]
     others: Any = {}
     if error.attributes_json and len(error.attributes_json) <= MAX_ATTRIBUTES:
         with contextlib.suppress(ValueError, RecursionError):  # not JSON: as if none

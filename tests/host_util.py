@@ -189,6 +189,16 @@ async def get_session(address: str, session_id: str) -> tuple[host_pb2.Session, 
     return session, codec.decode(session.state), json.loads(session.middle_context_json)
 
 
+async def reply_once(address: str, session_id: str, inputs: object) -> tuple[str, list[object]]:
+    """One Reply call that answers nothing (a parked reply stays parked): (session id, items)."""
+    from clients.chat import HostClient
+
+    async with HostClient(address) as client:
+        call = client.reply(session_id, inputs)
+        items = [item async for item in call]
+    return call.session_id, items
+
+
 def kinds(items: list[Any]) -> list[str]:
     return [type(i).__name__ for i in items]
 

@@ -19,10 +19,10 @@ from agent_host.service.server import STOP_GRACE
 from agentmw.codec import codec
 from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
-from clients.chat import HostClient
 from clients.launch import ServerProcess, middleware_server
 
 from .host_util import SLOW_MODEL, Procs, processes, stub
+from .host_util import reply_once as reply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,13 +35,6 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     (tmp / "host.yaml").write_text(SLOW_MODEL)
     with processes(tmp) as procs:
         yield procs.host(tmp / "s.db", "--config", str(tmp / "host.yaml"))
-
-
-async def reply(address: str, session_id: str, message: UserMsg) -> tuple[str, list[object]]:
-    async with HostClient(address) as client:
-        call = client.reply(session_id, message)
-        items = [item async for item in call]
-    return call.session_id, items
 
 
 def ended(items: list[object]) -> ReplyFinishedReason:

@@ -42,16 +42,9 @@ from clients.chat import HostClient, converse
 from clients.launch import ServerProcess, unused_port
 
 from .host_util import KEY, SLOW_MODEL, Procs, get_session, kinds, run_cli, stub
+from .host_util import reply_once as _reply
 
 pytestmark = pytest.mark.timeout(60)
-
-
-async def _reply(address: str, session_id: str, inputs: object) -> tuple[str, list[object]]:
-    """One Reply call, no answering: (session id, items)."""
-    async with HostClient(address) as client:
-        call = client.reply(session_id, inputs)
-        items = [item async for item in call]
-    return call.session_id, items
 
 
 def _end(items: list[object]) -> ReplyEndEvent:

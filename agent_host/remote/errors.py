@@ -10,9 +10,7 @@ import grpc
 
 from agentmw.data import ErrorType
 from agentmw.errors import clipped
-from agentmw.wire import rebuilt_error
-
-MAX_TYPE_NAME = 256  # characters of an exception class name a middleware reports
+from agentmw.wire import MAX_TYPE_NAME, rebuilt_error
 
 __all__ = [
     "KeptGoing",

@@ -427,9 +427,7 @@ class Host:
                             agent.close_interrupted_reply(None, CUT_OFF)
                         try:  # Shielded: a host shutdown that cancels this task must not lose the session.
                             await asyncio.shield(journal.park() if agent.awaiting_calls() else journal.end_reply())
-                        except (
-                            STORE_ERRORS
-                        ) as exc:  # the client never sees it completed: it failed, UNAVAILABLE follows
+                        except STORE_ERRORS as exc:  # the client gets an ERROR end, then UNAVAILABLE
                             why = f"the reply was not stored: {store_failure(exc)}"
                             watch.error = ErrorInfo(type=ErrorType.UPSTREAM, message=why)
                             if end and isinstance(end[0], ReplyEndEvent):
@@ -878,8 +876,8 @@ def _is_retry(state: AgentState, inputs: Any) -> bool:
     when an on_reply middleware passed it on as a new message or compression dropped it since."""
     if not isinstance(inputs, Msg):
         return False
-    users = [m for m in state.context if m.role == Role.USER]
-    latest = state.reply_context.input_ids or [m.id for m in users[-1:]]  # (sessions stored before input_ids)
+    # (The last user message's id for a session stored before input_ids were kept.)
+    latest = state.reply_context.input_ids or [m.id for m in state.context if m.role == Role.USER][-1:]
     tail = state.context[-1] if state.context else None
     if (
         inputs.id in latest
@@ -890,9 +888,9 @@ def _is_retry(state: AgentState, inputs: Any) -> bool:
     index = next((i for i, m in enumerate(state.context) if m.role == Role.USER and m.id == inputs.id), None)
     if index is None and inputs.id not in state.dropped_user_ids and inputs.id not in latest:
         return False
-    answer = next((m for m in state.context[(index or 0) + 1 :] if m.role == Role.ASSISTANT), None)
+    answer = None if index is None else next((m for m in state.context[index + 1 :] if m.role == Role.ASSISTANT), None)
     where = f"message {inputs.id} in session {state.session_id!r}"
-    if index is not None and answer is not None and answer.finished_reason == ReplyFinishedReason.INTERRUPTED:
+    if answer is not None and answer.finished_reason == ReplyFinishedReason.INTERRUPTED:
         why = f"{where} was interrupted, and other messages followed it: only the latest can be retried"
     else:
         why = f"{where} was already answered" + (": see GetSession" if index is not None else "")

@@ -175,6 +175,7 @@ class Agent(Reasoning, Acting, Compression):
         # the reply interrupted first) needs one.
         self.results_started: set[str] = set()
         self.interrupted_at: float | None = None  # time.monotonic() of this reply's interrupt()
+        self.open_calls: set[Any] = set()  # remote hook calls of this reply now on a stream (told of an interrupt)
         self._core_tasks: set[asyncio.Task] = set()  # tasks awaiting core work now (see _interruptible)
         self._cancelled_tasks: set[asyncio.Task] = set()
         self._tool_tasks: set[asyncio.Task] = set()  # concurrent tool calls in flight (see _concurrently)

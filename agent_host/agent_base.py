@@ -105,6 +105,7 @@ class AgentBase:
     layers: dict[str, list[Layer]]
     results_started: set[str]  # tool results with a ToolResultStartEvent in this reply (Agent.__init__)
     interrupted_at: float | None  # time.monotonic() of the reply's interrupt() (remote layers cut late emits)
+    open_calls: set[Any]  # remote hook calls on a stream now (remote.protocol.HookCall): told of an interrupt
     _core_tasks: set[asyncio.Task]
     _cancelled_tasks: set[asyncio.Task]
     _tool_tasks: set[asyncio.Task]
@@ -139,13 +140,23 @@ class AgentBase:
     def _interrupt_requested(self) -> bool:
         return self.interrupted_at is not None
 
+    @property
+    def interrupted(self) -> bool:
+        """The reply in progress was interrupted: what is left of it is cleanup. A middleware that
+        does something for the listener alone (speech) stops; a remote one's view says the same at
+        once (hooks.proto, Interrupted)."""
+        return self.interrupted_at is not None
+
     def interrupt(self) -> None:
         """Interrupt the reply in progress. Only the in-flight core work (the model stream, the tool
         run) is cancelled, and core work not yet started is skipped; the reply itself goes on to close
         open tool calls and end with ReplyEndEvent(INTERRUPTED), which flows out through every on_reply
-        middleware (remote ones too) like any other event."""
+        middleware (remote ones too) like any other event. Remote middleware in the middle of a call
+        are told at once (hooks.proto, Interrupted), as in-process ones see ``interrupted``."""
         if self.interrupted_at is None:
             self.interrupted_at = time.monotonic()
+            for call in list(self.open_calls):
+                call.notify_interrupted()
         for task in self._core_tasks - self._cancelled_tasks:
             self._cancelled_tasks.add(task)
             task.cancel()

@@ -139,6 +139,8 @@ def to_proto(hook_number: int, sub: Subscription) -> hooks_pb2.HookDescription:
         done_with_inner=sub.done_with_inner,
         only_when=sub.only_when,
         cacheable=sub.cacheable,
+        # The SDK reads an Interrupted message whenever it comes (HookSession.fetch, HostReader).
+        interrupt_notice=not sub.detached and HOOKS_BY_NUMBER[hook_number].kind is not Kind.TRANSFORM,
     )
     for kind, mode in sub.modes.items():
         for item_type in _item_types(kind):
@@ -173,6 +175,7 @@ class SubscriptionTable:
         "detached",
         "done_with_inner",
         "eager_next",
+        "interrupt_notice",
         "only_when",
         "wants_context",
     )
@@ -211,6 +214,7 @@ class SubscriptionTable:
             )
         self.only_when = desc.only_when
         self.cacheable = desc.cacheable
+        self.interrupt_notice = desc.interrupt_notice and not desc.detached
 
     def skips(self, slot: Any) -> bool:
         """Declared ``only_when`` and that member of the middleware's ``slot`` is not True: the hook

@@ -582,6 +582,30 @@ class CountAfterYield(MiddlewareBase):
                 slot["n"] += 1
 
 
+class StopsWhenInterrupted(MiddlewareBase):
+    """Speaks on after the text (the TTS pattern): "tick" events, each after a wait of up to 2 s in
+    which it looks at ``agent.interrupted`` every 10 ms; once the reply is interrupted it stops and
+    says how many it sent. ``run_ahead``: it emits without waiting for the consumer, as TTS does."""
+
+    def __init__(self, run_ahead: bool = False) -> None:
+        self.subscriptions = {"on_reply": subscribe(intercept=[TextBlockEndEvent], run_ahead=run_ahead)}
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            yield item
+            if not isinstance(item, TextBlockEndEvent):
+                continue
+            ticks = 0
+            while ticks < 3 and not agent.interrupted:
+                ticks += 1
+                yield CustomEvent(name="tick", value={"n": ticks})
+                for _ in range(200):
+                    if agent.interrupted:
+                        break
+                    await asyncio.sleep(0.01)
+            yield CustomEvent(name="stopped", value={"ticks": ticks, "interrupted": agent.interrupted})
+
+
 class SlotSetThenDeleted(MiddlewareBase):
     """Sets its slot when the reply starts and deletes it when the reply ends: none is left."""
 

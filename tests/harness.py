@@ -57,6 +57,7 @@ class Scenario:
     fallback: dict[str, list[str]] = field(default_factory=dict)
     max_iters: int = 10
     max_retries: int = 0  # per model, with FAST_RETRY's waits
+    interrupt_at: str = ""  # the user interrupts ``message``'s reply at the first event of this class
 
 
 FAST_RETRY = RetryPolicy(initial_delay=0.01, max_delay=0.01, deadline=5)
@@ -123,7 +124,11 @@ async def run(scenario: Scenario, placement: list[str], servers: Servers | None)
         for text in scenario.earlier:
             async for _ in agent.reply_stream(UserMsg(text)):
                 pass
-        events = [item async for item in agent.reply_stream(UserMsg(scenario.message))]
+        events = []
+        async for item in agent.reply_stream(UserMsg(scenario.message)):
+            events.append(item)
+            if type(item).__name__ == scenario.interrupt_at and not agent.interrupted:
+                agent.interrupt()
         state = normalize(
             {
                 "context": agent.state.context,

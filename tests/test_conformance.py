@@ -69,6 +69,14 @@ def _swallow(events, state):
     assert state["middle_context"]["SwallowFirstEnd"] == {"swallowed": 1}
 
 
+def _stops_when_interrupted(events, state):
+    # Interrupted at its first tick, it stops at once (remotely: told by the host's Interrupted
+    # notice, also while it emits without reading), and the reply ends as interrupted replies do.
+    ticks = [e["value"] for e in events if e["class"] == "CustomEvent"]
+    assert ticks == [{"n": 1}, {"ticks": 1, "interrupted": True}]
+    assert kinds(events)[-2:] == ["ReplyEndEvent", "Msg"] and events[-2]["error"] is None
+
+
 def _inject(events, state):
     names = kinds(events)
     i = names.index("TextBlockEndEvent")
@@ -360,6 +368,17 @@ CASES: list[tuple[Scenario, Check]] = [
         _count_after_yield,
     ),
     (Scenario("detached_watcher", [Layer("DetachedWatcher")], message="call add a=2 b=2"), _detached),
+    *(
+        (
+            Scenario(
+                f"stops_when_interrupted{'_run_ahead' if ahead else ''}",
+                [Layer("StopsWhenInterrupted", {"run_ahead": ahead})],
+                interrupt_at="CustomEvent",
+            ),
+            _stops_when_interrupted,
+        )
+        for ahead in (False, True)
+    ),
     (Scenario("slot_set_then_deleted", [Layer("SlotSetThenDeleted")]), _slot_deleted),
     (
         Scenario(

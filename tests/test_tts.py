@@ -37,7 +37,7 @@ from agentmw.data import (
 )
 from agentmw.tools import Toolkit, tool
 from clients.launch import ROOT, ServerProcess
-from mw_servers.tts import EspeakEngine
+from mw_servers.tts import EspeakEngine, TTSMiddleware
 
 from .dashscope_tts_server import RATE as DS_RATE
 from .dashscope_tts_server import DashScopeTTSServer, speech
@@ -364,3 +364,63 @@ async def test_agent_chat_saves_the_speech_as_wav_and_plays_it(
         pcm = w.readframes(w.getnframes())
     assert_speech("audio/pcm;rate=22050", pcm)
     assert str(path) in played.read_text().split("\n")
+
+
+# -- interruption -----------------------------------------------------------------------------------
+
+SPEECH = " ".join([LONG] * 12)  # ~330 words: hundreds of audio pieces, so speech that goes on is plain
+
+
+def _audio_after(items: list[Any], index: int) -> int:
+    return sum(isinstance(x, DataBlockDeltaEvent) for x in items[index + 1 :])
+
+
+@pytest.mark.parametrize("realtime", [False, True], ids=["standard", "realtime"])
+@pytest.mark.parametrize("placement", ["remote", "in-process"])
+async def test_an_interrupt_stops_the_speech_at_its_next_piece(procs: Procs, placement: str, realtime: bool) -> None:
+    """The user interrupts while the reply is being spoken (barge-in), once nearly all of its text
+    has streamed: the speech stops within the pieces already under way, its audio block is ended,
+    and the reply ends well formed, with no failure of the TTS middleware. Remotely the host's
+    Interrupted notice reaches the server while it emits audio without reading (run_ahead);
+    in-process the same class reads agent.interrupted. Before, all of the text was spoken after
+    the interrupt (remotely, a speech past 2 s was left behind as a failure)."""
+    flags = ["--realtime"] if realtime else []
+    script = [{"text": SPEECH}]
+    if placement == "remote":
+        rm = await RemoteMiddleware(tts_server(procs, *flags).address, policy=Policy(timeout=10)).connect()
+        layers: list[Any] = [rm]
+    else:
+        layers = [TTSMiddleware(EspeakEngine(), realtime=realtime)]
+    texts = SPEECH.count(" ") + 1  # the offline model streams a word per delta
+
+    async def run(interrupt: bool) -> tuple[list[Any], int]:
+        """The reply's items, and the index of the audio delta it was interrupted at (the first one
+        after nine tenths of the text deltas)."""
+        agent = Agent(model=OfflineRuleModel(script=script), middlewares=layers)
+        items: list[Any] = []
+        seen, at = 0, -1
+        async for item in agent.reply_stream(UserMsg("hi")):
+            items.append(item)
+            seen += isinstance(item, TextBlockDeltaEvent)
+            if at < 0 and isinstance(item, DataBlockDeltaEvent) and seen >= 0.9 * texts:
+                at = len(items) - 1
+                if interrupt:
+                    agent.interrupt()
+        return items, at
+
+    try:
+        whole, at_whole = await run(interrupt=False)
+        items, at = await run(interrupt=True)
+    finally:
+        if placement == "remote":
+            await rm.close()
+    left, after = _audio_after(whole, at_whole), _audio_after(items, at)
+    assert left > 100, f"without the interrupt, {left} audio pieces follow that point"
+    assert after < left / 10, f"{after} audio pieces went out after the interrupt ({left} without it)"
+    names = kinds(items)
+    assert names.count("DataBlockStartEvent") == names.count("DataBlockEndEvent") == 1, names
+    end = next(x for x in items if isinstance(x, ReplyEndEvent))
+    # INTERRUPTED when the interrupt cut the model's stream (realtime speech starts while it
+    # streams); COMPLETED when the model's part was done (standard speech starts after the text).
+    assert end.finished_reason in (ReplyFinishedReason.INTERRUPTED, ReplyFinishedReason.COMPLETED), end
+    assert not any(isinstance(x, CustomEvent) for x in items), "no failure, no bypass"

@@ -123,6 +123,7 @@ class HookCall:
     received_bytes: int = 0  # bytes of its messages, against policy.max_bytes
     read_bytes: int = sys.maxsize  # bytes of the last message read (no part of it is larger)
     flusher: asyncio.Task[None] | None = None  # the task writing the observed copies queued (copies)
+    sending: bool = False  # a write of this invocation is in flight (_send): another must wait for it
     copy_error: Exception | None = None  # how that task failed (raised at the next write or read)
 
     def __init__(self, mw: RemoteMiddleware, spec: HookSpec, agent: Any, input_kwargs: dict, next_handler: Any) -> None:
@@ -287,20 +288,31 @@ class HookCall:
             await self._send(self._with_pending())
 
     async def _close(self) -> None:
-        if self.flusher is not None:  # the invocation ended half-way: its copies are moot
-            self.flusher.cancel()
-            self.flusher = None
-        if self.watchdog is not None:
-            self.watchdog.cancel()
-        if self.call is not None:
-            call, self.call = self.call, None
-            if self.clean:  # ended with finish / fail: the stream can carry the next invocation
-                self.mw.release_stream(self.spec.name, call)
-            else:
-                call.cancel()
-        if self.inner is not None:
-            inner, self.inner = self.inner, None
-            await close(inner)
+        open_calls = getattr(self.agent, "open_calls", None)
+        if open_calls is not None:
+            open_calls.discard(self)
+        flusher, self.flusher = self.flusher, None
+        try:
+            if flusher is not None and self.clean:
+                # An interrupt's notice went out while the finish came in: the stream is reusable
+                # once it is written (the watchdog bounds the write). Its failure is in copy_error.
+                await flusher
+            elif flusher is not None:  # the invocation ended half-way: its copies are moot
+                flusher.cancel()
+        finally:
+            if flusher is not None and not (flusher.done() and not flusher.cancelled() and self.copy_error is None):
+                self.clean = False
+            if self.watchdog is not None:
+                self.watchdog.cancel()
+            if self.call is not None:
+                call, self.call = self.call, None
+                if self.clean:  # ended with finish / fail: the stream can carry the next invocation
+                    self.mw.release_stream(self.spec.name, call)
+                else:
+                    call.cancel()
+            if self.inner is not None:
+                inner, self.inner = self.inner, None
+                await close(inner)
 
     # -- the protocol -----------------------------------------------------------------------------
 
@@ -328,6 +340,9 @@ class HookCall:
             return
         self.call, self.reused = self.mw.take_stream(self.spec.name)
         self._watch()
+        open_calls = getattr(self.agent, "open_calls", None)  # an Agent of the host's (interrupt() tells them)
+        if open_calls is not None:
+            open_calls.add(self)
         table = self.table
         advance = 0  # credits granted: run the inner pipeline to its next intercepted item first
         if table.eager_next:  # the middleware calls next first thing: do not wait for it
@@ -660,6 +675,7 @@ class HookCall:
         ctx.structured_output_pending = (
             state.reply_context.structured_schema is not None and state.reply_context.structured_output is None
         )
+        ctx.interrupted = getattr(agent, "interrupted_at", None) is not None
         if self.table is not None and self.table.wants_context:
             ctx.context.SetInParent()
             for msg in state.context:
@@ -781,6 +797,20 @@ class HookCall:
             what = f"{what} within {self.mw.policy.timeout:g}s (timeout)"
         raise NoAnswer(self.mw.name, self.spec.name, what) from None
 
+    def notify_interrupted(self) -> None:
+        """The reply was interrupted (Agent.interrupt, from another task): the next context sent says
+        so, and a hook that declared interrupt_notice is told at once (hooks.proto, Interrupted), in
+        order with whatever else goes out: as a queued copy, written now unless a write of this
+        invocation is in flight (then right after it: _send)."""
+        self.sent_fingerprint = None
+        if self.call is None or self.table is None or not self.table.interrupt_notice or self.copy_error is not None:
+            return
+        notice = hooks_pb2.HostMessage(invocation=self.invocation)
+        notice.interrupted.SetInParent()
+        self.copies.append(notice)
+        if self.flusher is None and not self.sending:
+            self.flusher = self.loop.create_task(self._flush_copies())
+
     def _queue_copy(self, copy: hooks_pb2.HostMessage) -> None:
         """An observed copy goes out when the host next yields to its event loop, together with
         any others taken from the inner pipeline until then (one Batch: a burst of deltas costs one
@@ -838,6 +868,7 @@ class HookCall:
 
     async def _send(self, msg: hooks_pb2.HostMessage) -> None:
         self.waiting_since, self.waiter = time.monotonic(), asyncio.current_task(self.loop)
+        self.sending = True
         try:
             await self.call.write(msg)  # a middleware that stops reading blocks it
         except asyncio.CancelledError:
@@ -854,6 +885,9 @@ class HookCall:
             raise self._broken(code, await self.call.details()) from None
         finally:
             self.waiting_since = self.waiter = None
+            self.sending = False
+            if self.copies and self.flusher is None:  # an interrupt's notice queued while this was written
+                self.flusher = self.loop.create_task(self._flush_copies())
 
     def _broken(self, code: grpc.StatusCode, details: str | None) -> StreamBroken:
         """The stream failed underneath, with this status. UNAVAILABLE is a connection gone (the

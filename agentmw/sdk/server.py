@@ -174,6 +174,8 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str, streams: _Str
         except Exception:
             log.exception("%s: the hook session failed", hook)
             raise
+        finally:
+            reader.close()
 
     return grpc.stream_stream_rpc_method_handler(
         run,

@@ -348,6 +348,17 @@ class HookSession:
         self.flush_scheduled = False
         if self.actions:
             self.flush_task = self.loop.create_task(self.send(hooks_pb2.MiddlewareMessage(), check=False))
+            # The author's code runs ahead (emits without asking for more): unless it waits for the
+            # inner pipeline meanwhile (fetch reads), an Interrupted would wait unseen. Read on now.
+            if not self.read_lock.locked():
+                self.reader.read_ahead(self._peek)
+
+    def _peek(self, msg: hooks_pb2.HostMessage) -> None:
+        """A message read ahead: an interrupt of this invocation shows in the view at once (the
+        message itself is handed over in order by the next read)."""
+        messages = msg.batch.messages if msg.WhichOneof("message") == "batch" else (msg,)
+        if any(m.invocation == self.invocation and m.WhichOneof("message") == "interrupted" for m in messages):
+            self.view.interrupted = True
 
     async def send(self, msg: hooks_pb2.MiddlewareMessage, *, check: bool = True, synced: bool = False) -> None:
         """Send pending actions (in order) together with ``msg``'s command. ``check``: first turn
@@ -412,6 +423,9 @@ class HookSession:
                     if msg.resume.HasField("context"):
                         self.view.refresh(msg.resume.context)
                     continue
+                if which == "interrupted":  # the reply was interrupted: agent.interrupted (hooks.proto)
+                    self.view.interrupted = True
+                    continue
                 body = getattr(msg, which)
                 if getattr(body, "inner", self.generation) == self.generation:  # else stale: ignored later
                     if which == "item":
@@ -460,20 +474,53 @@ class HostReader:
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self.context = context
         self.buffer: deque[hooks_pb2.HostMessage] = deque()
+        self.ahead: asyncio.Task[hooks_pb2.HostMessage | None] | None = None  # a read started early
 
     async def read(self) -> hooks_pb2.HostMessage | None:
         """The next message, or None once the host closed the stream."""
         while not self.buffer:
-            try:
-                msg = await self.context.read()
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                return None
-            if msg is grpc.aio.EOF:
-                return None
+            if self.ahead is None:  # the usual case, inline: this is the per-item path
+                try:
+                    msg = await self.context.read()
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    return None
+                if msg is grpc.aio.EOF:
+                    return None
+            else:
+                ahead, self.ahead = self.ahead, None
+                msg = await ahead
+                if msg is None:
+                    return None
             if msg.WhichOneof("message") != "batch":
                 return msg
             self.buffer.extend(msg.batch.messages)
         return self.buffer.popleft()
+
+    async def _read_one(self) -> hooks_pb2.HostMessage | None:
+        try:
+            msg = await self.context.read()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            return None
+        return None if msg is grpc.aio.EOF else msg
+
+    def read_ahead(self, peek: Callable[[hooks_pb2.HostMessage], None]) -> None:
+        """Start reading the next message now, unless one is at hand or being read; ``peek`` sees
+        it as soon as it arrives, and ``read`` hands it over in order."""
+        if self.ahead is not None or self.buffer:
+            return
+
+        def arrived(task: asyncio.Task[hooks_pb2.HostMessage | None]) -> None:
+            if not task.cancelled() and (msg := task.result()) is not None:
+                peek(msg)
+
+        self.ahead = asyncio.get_running_loop().create_task(self._read_one())
+        self.ahead.add_done_callback(arrived)
+
+    def close(self) -> None:
+        """The stream is over: a read started early is given up."""
+        if self.ahead is not None:
+            self.ahead.cancel()
+            self.ahead = None
 
     async def next_begin(self) -> hooks_pb2.HostMessage | None:
         """The next invocation's begin message (None when the host closed the stream). Messages

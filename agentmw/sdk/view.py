@@ -454,6 +454,9 @@ class AgentView:
         self.state = StateView(session, key)
         # The host's W3C trace context for this call ("traceparent", ...), empty when it does not trace.
         self.trace_context: dict[str, str] = {}
+        # The reply was interrupted (as the host's Agent.interrupted): set by the host's Interrupted
+        # message the moment it arrives, or by a context; it never turns back within a call.
+        self.interrupted = False
 
     @property
     def max_iters(self) -> int:
@@ -504,6 +507,7 @@ class AgentView:
         state.session_id, state.owner = ctx.session_id, ctx.session_owner
         state.reply_context.reply_id = ctx.reply_id
         state.reply_context.structured_output_pending = ctx.structured_output_pending
+        self.interrupted = self.interrupted or ctx.interrupted
         if ctx.model_ids:
             self._model_ids = tuple(ctx.model_ids)
         self._session.sync_state()  # local changes first: they must not be overwritten by older host state

@@ -10,7 +10,9 @@ once, then ``DataBlockStartEvent``, ``DataBlockDeltaEvent``s (incremental base64
 pushed to the engine, audio goes out as soon as the engine returns it, between the text deltas,
 and the rest after the block's end. Each text
 block gets an audio block of its own id; an engine error becomes a ``CustomEvent("tts_error")``
-and the text goes on untouched.
+and the text goes on untouched. Once the reply is interrupted (``agent.interrupted``, remotely as
+soon as the host's notice arrives) nothing more is spoken: speech under way stops at its next
+piece, its audio block is ended, and the rest of the reply's text stays silent.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +93,7 @@ class TTSMiddleware(MiddlewareBase):
                 if live is not None and live.utterance is not None and not live.failed:
                     chunk_task = asyncio.ensure_future(live.utterance.next_chunk())
                     await asyncio.wait((item_task, chunk_task), return_when=asyncio.FIRST_COMPLETED)
-                    if chunk_task.done():  # audio first: it was made before the item arrived
+                    if chunk_task.done() and not agent.interrupted:  # audio first: made before the item came
                         async for out in self._chunk_result(live, chunk_task):
                             yield out
                         continue
@@ -100,6 +102,13 @@ class TTSMiddleware(MiddlewareBase):
                 if item is _END:
                     return
                 yield item
+                if agent.interrupted:  # the listener has gone: stop speaking, end what is open
+                    for block in blocks.values():
+                        async for out in self._silence(block):
+                            yield out
+                    blocks.clear()
+                    live = None
+                    continue
                 if isinstance(item, TextBlockDeltaEvent) and item.delta:
                     block = blocks.setdefault(item.block_id, _Block(item.reply_id))
                     block.text.append(item.delta)
@@ -111,7 +120,7 @@ class TTSMiddleware(MiddlewareBase):
                 elif isinstance(item, TextBlockEndEvent) and item.block_id in blocks:
                     block = blocks.pop(item.block_id)
                     live = None if live is block else live
-                    async for out in self._finish(block):
+                    async for out in self._finish(block, agent):
                         yield out
         finally:
             if item_task is not None:
@@ -122,19 +131,23 @@ class TTSMiddleware(MiddlewareBase):
                 if block.utterance is not None:
                     await block.utterance.aclose()
 
-    async def _finish(self, block: _Block) -> AsyncIterator[Any]:
-        """The rest of a block's speech, after its end: the whole text (standard) or a flush."""
+    async def _finish(self, block: _Block, agent: Any) -> AsyncIterator[Any]:
+        """The rest of a block's speech, after its end: the whole text (standard) or a flush;
+        it stops at the first piece after an interrupt."""
         try:
             if block.utterance is not None:
                 if not block.failed:
                     block.utterance.flush()
-                    while (chunk := await block.utterance.next_chunk()) is not None:
+                    while (chunk := await block.utterance.next_chunk()) is not None and not agent.interrupted:
                         for out in self._audio(block, chunk):
                             yield out
             elif "".join(block.text).strip():
-                async for chunk in self._speech("".join(block.text)):
-                    for out in self._audio(block, chunk):
-                        yield out
+                async with contextlib.aclosing(self._speech("".join(block.text))) as speech:
+                    async for chunk in speech:
+                        if agent.interrupted:  # closing the stream cancels the engine's synthesis
+                            break
+                        for out in self._audio(block, chunk):
+                            yield out
         except Exception as exc:
             if not block.failed:
                 yield self._error(block, exc)
@@ -144,7 +157,15 @@ class TTSMiddleware(MiddlewareBase):
         if block.audio_id:
             yield DataBlockEndEvent(reply_id=block.reply_id, block_id=block.audio_id)
 
-    async def _speech(self, text: str) -> AsyncIterator[bytes]:
+    async def _silence(self, block: _Block) -> AsyncIterator[Any]:
+        """A block that will not be spoken (the reply was interrupted): its engine let go, its audio
+        block, if one was open, ended."""
+        if block.utterance is not None:
+            await block.utterance.aclose()
+        if block.audio_id:
+            yield DataBlockEndEvent(reply_id=block.reply_id, block_id=block.audio_id)
+
+    async def _speech(self, text: str) -> AsyncGenerator[bytes, None]:
         """The engine's audio of ``text``, each piece within the engine's timeout (the SDKs' own
         timeouts are per read and retried: a stalled service held a block past the host's timeout,
         which then failed the whole reply)."""

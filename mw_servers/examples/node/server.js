@@ -131,6 +131,8 @@ function serveStream(call, hookName, handler) {
     if (body && body.context) inv.context = body.context;
     // After a second call_next, messages still in flight from the first pipeline are ignored.
     if (body && body.inner !== undefined && body.inner !== inv.inner) return;
+    // `interrupted` (hooks.proto) comes only to hooks that declare interrupt_notice, which this
+    // server does not; once a reply is interrupted, every context it gets says `interrupted: true`.
     if (which === 'item') step(() => handler.item(inv, msg.item));
     else if (which === 'inner_done') step(() => handler.innerDone(inv, msg.inner_done));
     else if (which === 'inner_error') step(() => handler.innerError(inv, msg.inner_error));

@@ -3,8 +3,8 @@
 * Metrics live in prometheus_client's default registry (so the process metrics come along) and are
   served over HTTP only when asked (``--metrics-port`` / ``metrics_port:``; ``serve``).
 * ``reply(agent)`` wraps one reply: the open-replies gauge, the outcome counter, and at the end one
-  info line: session, reply, outcome, duration, tokens, which middleware acted and which failed or
-  were bypassed.
+  info line: session, reply, outcome, duration, tokens, which middleware served it (a detached
+  watcher's copies go out later: not listed) and which failed or were bypassed.
 * ``hook_started`` / ``hook_failed`` / ``hook_ended`` are called once per remote hook invocation:
   its latency, failures and bypasses, and each middleware's health (its last error; one warning
   when it starts failing and one info line when it serves again, not a traceback per reply).
@@ -99,7 +99,7 @@ class ReplyWatch:
 
     session_id: str
     started: float = field(default_factory=time.perf_counter)
-    acted: dict[str, None] = field(default_factory=dict)  # middleware that ran a hook, in order
+    acted: dict[str, None] = field(default_factory=dict)  # middleware that served a hook, in order
     trouble: dict[str, str] = field(default_factory=dict)  # middleware -> "bypassed" / "failed"
     last: Any = None
     # Why it failed after its final Msg (the host could not store its end): the client got an ERROR end.
@@ -221,15 +221,17 @@ def hook_started() -> float:
     return time.perf_counter()
 
 
-def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool) -> None:
-    """The middleware failed in one invocation; ``bypassed``: the host goes on without it."""
+def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool, in_reply: bool = True) -> None:
+    """The middleware failed in one invocation; ``bypassed``: the host goes on without it.
+    ``in_reply`` False: a detached watcher's delivery, after the invocation ended (its reply may
+    be over, and the task that delivers belongs to whichever reply released it): no reply's."""
     h = health(mw)
     h.failures += 1
     h.last_error, h.last_error_at, h.failed_at = str(exc), now(), time.perf_counter()
     MIDDLEWARE_FAILURES.labels(mw.name, hook).inc()
     if bypassed:
         BYPASSES.labels(mw.name, hook).inc()
-    watch = _current.get()
+    watch = _current.get() if in_reply else None
     if watch is not None:
         watch.trouble[mw.name] = "bypassed" if bypassed else "failed"
     if not h.failing:  # once per outage, not per reply
@@ -252,19 +254,30 @@ def _hook_seconds(name: str, hook: str) -> Any:
     return HOOK_SECONDS.labels(name, hook)
 
 
-def hook_ended(mw: Any, hook: str, started: float, exc: BaseException | None) -> None:
-    """One invocation ended (``exc``: how, if it raised): its latency; and, when it was served
-    by a middleware that had been failing, the news that it is back."""
+def hook_ended(mw: Any, hook: str, started: float, exc: BaseException | None, *, served: bool = True) -> None:
+    """One invocation ended (``exc``: how, if it raised): its latency; and, when the middleware
+    served it, that it acted in the reply and, if it had been failing, the news that it is back.
+    ``served`` False: it did not, though nothing raised: a detached watcher's invocation ends
+    before its copies are even delivered (detached.py tells how that went: ``answers_again`` or
+    ``hook_failed``), and a hook the server no longer implements ran without it."""
     _hook_seconds(mw.name, hook).observe(time.perf_counter() - started)
+    if exc is not None or not served:
+        return
     h = _health.get(mw)
-    failed_now = h is not None and h.failed_at >= started
-    if exc is None and not failed_now:
-        watch = _current.get()
-        if watch is not None:
-            watch.acted[mw.name] = None
-        if h is not None and h.failing:
-            h.failing = False
-            log.info("middleware %s at %s answers again", mw.name, mw.address)
+    if h is not None and h.failed_at >= started:  # it failed in this invocation, which went on without it
+        return
+    watch = _current.get()
+    if watch is not None:
+        watch.acted[mw.name] = None
+    answers_again(mw)
+
+
+def answers_again(mw: Any) -> None:
+    """A call of it worked: if it had been failing, it is not any more (one info line)."""
+    h = _health.get(mw)
+    if h is not None and h.failing:
+        h.failing = False
+        log.info("middleware %s at %s answers again", mw.name, mw.address)
 
 
 def middleware_status(mw: Any) -> dict[str, Any]:
@@ -287,6 +300,7 @@ def middleware_status(mw: Any) -> dict[str, Any]:
 __all__ = [
     "MiddlewareHealth",
     "ReplyWatch",
+    "answers_again",
     "health",
     "hook_ended",
     "hook_failed",

@@ -98,17 +98,31 @@ async def _describe(mw: RemoteMiddleware) -> None:
 class DetachedDelivery:
     """The copies of one detached invocation, from its begin to its inner_done."""
 
-    __slots__ = ("batches", "box", "closed", "dropping", "hook", "invocation", "mw", "pending", "task", "wake")
+    __slots__ = (
+        "batches",
+        "box",
+        "closed",
+        "dropping",
+        "hook",
+        "invocation",
+        "mw",
+        "pending",
+        "reply",
+        "task",
+        "wake",
+    )
 
-    def __init__(self, mw: RemoteMiddleware, hook: str, invocation: int) -> None:
-        self.mw, self.hook, self.invocation = mw, hook, invocation
+    def __init__(self, call: HookCall) -> None:
+        self.mw, self.hook, self.invocation = call.mw, call.spec.name, call.invocation
+        state = call.agent.state  # which reply, said should its delivery fail (after the reply, mostly)
+        self.reply = (state.session_id, state.reply_id)
         self.pending: list[hooks_pb2.HostMessage] = []
         self.batches: list[list[hooks_pb2.HostMessage]] = []  # flushed, not yet written
         self.dropping = False
         self.closed = False  # ended or abandoned on the host's side
         self.task: asyncio.Task[None] | None = None  # its own sender, once a batch filled up
         self.wake: asyncio.Future[None] | None = None  # that sender waiting for more batches
-        self.box = _outbox(mw)
+        self.box = _outbox(call.mw)
         self.box.open += 1
 
     def add(self, msg: hooks_pb2.HostMessage) -> None:
@@ -210,15 +224,24 @@ class DetachedDelivery:
                 continue
             if answer.WhichOneof("command") in ("finish", "fail"):
                 mw.release_stream(self.hook, call)
+                metrics.answers_again(mw)  # a watcher's invocation is served only now
                 return
 
     def _failed(self, call: grpc.aio.StreamStreamCall, exc: BaseException) -> None:
         call.cancel()
-        self.mw.bypasses += 1
-        self.mw.failed()
-        log.warning(
-            "detached middleware %r stopped watching %s: %s", self.mw.name, self.hook, str(exc) or type(exc).__name__
-        )
+        mw = self.mw
+        mw.bypasses += 1
+        mw.failed()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            why = f"{exc.code().name}: {exc.details()}"
+        elif isinstance(exc, TimeoutError):
+            why = f"no answer within {mw.policy.timeout:g}s"
+        else:
+            why = str(exc) or type(exc).__name__
+        reply = f"session={self.reply[0]} reply={self.reply[1] or '-'}"
+        log.warning("detached middleware %r stopped watching %s of %s: %s", mw.name, self.hook, reply, why)
+        failure = MiddlewareFailure(mw.name, self.hook, f"its copies of {reply} were not delivered: {why}")
+        metrics.hook_failed(mw, self.hook, failure, bypassed=True, in_reply=False)
 
 
 async def _send_all(group: list[DetachedDelivery]) -> None:
@@ -302,7 +325,7 @@ class Watch:
                 return result
         except Exception as exc:
             if begin:  # its copies end with the error
-                delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
+                delivery = DetachedDelivery(call)
                 delivery.add(begin)
                 delivery.add(call._error_message(exc))
                 delivery.end()
@@ -356,7 +379,7 @@ class Watch:
                         yield item
                     return
                 call.generation = 1
-                delivery = DetachedDelivery(call.mw, call.spec.name, call.invocation)
+                delivery = DetachedDelivery(call)
                 delivery.add(begin)
                 table = call.table
                 assert table is not None
@@ -395,7 +418,7 @@ class Watch:
     def _ended(self, exc: BaseException | None) -> None:
         call = self.call
         tracing.end_hook_span(call.span, exc)
-        metrics.hook_ended(call.mw, call.spec.name, self.started, exc)
+        metrics.hook_ended(call.mw, call.spec.name, self.started, exc, served=False)
 
 
 async def _nothing() -> AsyncIterator[Any]:

@@ -242,7 +242,9 @@ class HookCall:
             if isinstance(raised, _Unconverted):
                 raised = raised.error
             tracing.end_hook_span(self.span, raised)
-            metrics.hook_ended(self.mw, self.spec.name, started, raised)
+            # Served by the middleware: not by a watcher, whose copies are still to be delivered.
+            served = self.table is not None and not self.table.detached
+            metrics.hook_ended(self.mw, self.spec.name, started, raised, served=served)
             await self._close()
 
     async def _bypass(self, exc: MiddlewareFailure, *, record: bool = True) -> AsyncIterator[Any]:

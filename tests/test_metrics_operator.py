@@ -1,0 +1,59 @@
+"""What the host tells its operator about middleware that fail: the per-reply log line, the
+status fields of ListMiddleware (``agentmw status``) and /metrics, kept to what the host knows.
+
+Real processes only: a host (with --metrics-port 0), middleware servers (the tracing server, a
+pass-through on every hook, the recorder of tests/host_util.py), ``python -m clients.admin`` and
+``python -m clients.chat`` as users run them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from clients.launch import ServerProcess
+
+from .host_util import chat, processes
+from .test_admin_cli import agentmw, host_log
+
+pytestmark = pytest.mark.timeout(120)
+
+TRACER = ["-m", "mw_servers.tracing", "--address", "127.0.0.1:0"]
+REPLY = re.compile(r"INFO reply (session=\S+ reply=\S+) outcome=\S+ duration=\S+ tokens=\S+ (middleware=.*)$")
+
+
+def replies(host: ServerProcess) -> list[tuple[str, str]]:
+    """(``session=… reply=…``, the rest of its line from ``middleware=`` on) of each reply logged."""
+    found = (REPLY.search(line.strip()) for line in host.tail(400).splitlines())
+    return [(m.group(1), m.group(2)) for m in found if m]
+
+
+def attach(host: ServerProcess, address: str, name: str, *flags: str) -> None:
+    done = agentmw(host, "middleware", "attach", address, "--name", name, *flags)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_watcher_is_not_reported_as_having_acted_before_its_copies_are_delivered(tmp_path: Path) -> None:
+    """The tracing server (every hook detached), killed between two replies: the reply after the
+    kill ran its invocations on the host's side, and their copies then went nowhere. The reply
+    lines do not list the watcher as having acted (a watcher's copies go out after the line is
+    written); the failed delivery is a warning naming that reply. Before, the line said
+    ``middleware=tr`` for it, as for the replies before the kill."""
+    with processes(tmp_path) as procs:
+        tracer = procs.start("tracing", TRACER)
+        host = procs.host(tmp_path / "sessions.db")
+        attach(host, tracer.address, "tr", "--fail-open", "--timeout", "1")
+        assert chat(host.address, "--message", "hello").returncode == 0
+        host_log(host, "outcome=completed")
+        tracer.kill()
+        assert chat(host.address, "--message", "after the kill").returncode == 0
+        log = host_log(host, "stopped watching")
+        assert chat(host.address, "--message", "bypassed now").returncode == 0
+        host_log(host, "bypassed=tr")
+        lines = replies(host)
+    assert len(lines) == 3, log
+    assert [rest for _, rest in lines] == ["middleware=-", "middleware=-", "middleware=- bypassed=tr"], lines
+    watching = [x for x in log.splitlines() if "detached middleware 'tr' stopped watching" in x]
+    assert watching and all(f"of {lines[1][0]}:" in x for x in watching), (watching, lines)

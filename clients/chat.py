@@ -220,6 +220,15 @@ class BrokenReply(Exception):
         super().__init__(error.details())
         self.error, self.session_id = error, session_id
 
+    def why(self) -> str:
+        """What broke, for the user. UNAVAILABLE once the stream had begun is the host gone (killed,
+        restarting, draining) or the connection lost, whose details ("Socket closed") do not say so;
+        or the host's own outage (its store), which its details name."""
+        what = f"{self.error.code().name}: {self.error.details()}"
+        if self.error.code() is grpc.StatusCode.UNAVAILABLE:
+            return f"the reply broke off: the host went away or could not go on ({what})"
+        return f"the reply broke off ({what})"
+
 
 async def _parked(args: argparse.Namespace, session_id: str) -> dict[str, Any]:
     """What a session is parked on, as ``converse`` resume arguments ({} when it is not)."""
@@ -318,7 +327,7 @@ async def _sessions(args: argparse.Namespace, current: str) -> str:
 
 def _failure(args: argparse.Namespace, exc: grpc.aio.AioRpcError | BrokenReply) -> str:
     if isinstance(exc, BrokenReply):  # it had connected: no TLS hint
-        return f"{args.host}: {exc.error.code().name}: {exc.error.details()}"
+        return f"{args.host}: {exc.why()}"
     return f"{args.host}: {exc.code().name}: {exc.details()}{tls_note(exc, args)}"
 
 
@@ -366,7 +375,15 @@ def _interactive(args: argparse.Namespace, session_id: str, parked: dict[str, An
                 continue
             try:
                 turn = asyncio.run(_turn(args, session_id, UserMsg(text), view, interactive=True))
-            except (grpc.aio.AioRpcError, BrokenReply) as exc:  # e.g. the host restarting: the chat goes on
+            except BrokenReply as exc:  # begun, so stored in part: not "not answered"; the chat goes on
+                sid = exc.session_id
+                print(
+                    f"agent-chat: {_failure(args, exc)}; session {sid} keeps what was stored: once the host"
+                    f" is back, go on here or with agent-chat --session {sid}"
+                )
+                status = 1
+                continue
+            except grpc.aio.AioRpcError as exc:  # e.g. the host restarting: the chat goes on
                 print(f"agent-chat: {_failure(args, exc)} (not answered; try again)")
                 status = 1
                 continue

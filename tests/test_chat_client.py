@@ -366,6 +366,35 @@ async def test_a_host_dying_mid_reply_is_not_blamed_on_tls_and_its_session_is_na
     assert [m.text for m in state.context if m.role.value == "user"] == ["call fx__slow_note text=x seconds=30"]
 
 
+async def test_a_host_dying_mid_reply_in_the_chat_says_so_and_names_the_session(procs: Procs, tmp_path: Path) -> None:
+    """Interactive agent-chat while the host is killed mid-reply: it says the host went away during
+    the reply and names the session (stored, to go on with), not "(not answered; try again)", which
+    tells the user nothing was stored. The chat goes on, with the restarted host, in that session."""
+    effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
+    fx = side_effects(procs, effects)
+    host = procs.host(db, "--middleware", f"fx={fx.address}")
+    chat_ = Chat(host.address)
+    try:
+        chat_.expect("you> ")
+        chat_.send("call fx__slow_note text=x seconds=30")
+        for _ in range(200):  # bounded: until the tool runs
+            if effect_lines(effects):
+                break
+            time.sleep(0.05)
+        host.kill()
+        said = chat_.expect("(not answered; try again)", "went away")
+        chat_.expect("you> ")
+        out = chat_.seen
+        assert said == "went away" and "TLS" not in out, out
+        (session,) = re.findall(r"session (\w+) keeps", out)
+        assert f"agent-chat --session {session}" in out, out
+        host = procs.host(db, "--middleware", f"fx={fx.address}", name="host2")
+        _, state, _ = await get_session(host.address, session)
+        assert [m.text for m in state.context if m.role.value == "user"] == ["call fx__slow_note text=x seconds=30"]
+    finally:
+        chat_.close()
+
+
 def test_failed_reply_exits_non_zero_and_a_bypass_is_shown(tmp_path: Path) -> None:
     with processes(tmp_path) as procs:
         recorder = procs.recorder()

@@ -70,6 +70,12 @@ BYPASSES = Counter(
     "Failed hook invocations the host went on without (fail_open, or a detached hook)",
     ["middleware", "hook"],
 )
+DESCRIBE_FAILURES = Counter(
+    "agentmw_middleware_describe_failures",
+    "Describes of an attached middleware that failed: asked again after a failure or a dropped "
+    "connection, or while it hung (a hook call that waited for one fails with it, counted as its own)",
+    ["middleware"],
+)
 MODEL_FAILURES = Counter(
     "agentmw_model_failed_attempts",
     "Model call attempts that failed (each followed by a retry, a fallback, or the reply's error), by model",
@@ -225,19 +231,31 @@ def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool, in_re
     """The middleware failed in one invocation; ``bypassed``: the host goes on without it.
     ``in_reply`` False: a detached watcher's delivery, after the invocation ended (its reply may
     be over, and the task that delivers belongs to whichever reply released it): no reply's."""
-    h = health(mw)
-    h.failures += 1
-    h.last_error, h.last_error_at, h.failed_at = str(exc), now(), time.perf_counter()
+    _went_wrong(mw, exc, bypassed=bypassed).failures += 1
     MIDDLEWARE_FAILURES.labels(mw.name, hook).inc()
     if bypassed:
         BYPASSES.labels(mw.name, hook).inc()
     watch = _current.get() if in_reply else None
     if watch is not None:
         watch.trouble[mw.name] = "bypassed" if bypassed else "failed"
-    if not h.failing:  # once per outage, not per reply
+
+
+def describe_failed(mw: Any, exc: BaseException) -> None:
+    """Describing an attached middleware again failed (RemoteMiddleware.connect): a Describe's
+    failure, counted as one; no hook call's (one that waited for it says so itself)."""
+    DESCRIBE_FAILURES.labels(mw.name).inc()
+    _went_wrong(mw, exc, bypassed=mw.policy.fail_open or not mw.holds_replies())
+
+
+def _went_wrong(mw: Any, exc: BaseException, *, bypassed: bool) -> MiddlewareHealth:
+    """Its last error; and one warning when it starts failing (once per outage, not per reply)."""
+    h = health(mw)
+    h.last_error, h.last_error_at, h.failed_at = str(exc), now(), time.perf_counter()
+    if not h.failing:
         h.failing = True
         then = "replies go on without it" if bypassed else "replies that reach it fail"
         log.warning("middleware %s at %s is failing, %s until it is back: %s", mw.name, mw.address, then, exc)
+    return h
 
 
 def middleware_error(mw: Any, call: str, what: str) -> None:
@@ -301,6 +319,7 @@ __all__ = [
     "MiddlewareHealth",
     "ReplyWatch",
     "answers_again",
+    "describe_failed",
     "health",
     "hook_ended",
     "hook_failed",

@@ -9,6 +9,7 @@ pass-through on every hook, the recorder of tests/host_util.py), ``python -m cli
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from clients.launch import ServerProcess
 
 from .host_util import chat, processes
-from .test_admin_cli import agentmw, host_log
+from .test_admin_cli import METRICS, agentmw, agentmw_json, host_log, scrape
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,3 +58,32 @@ def test_a_watcher_is_not_reported_as_having_acted_before_its_copies_are_deliver
     assert [rest for _, rest in lines] == ["middleware=-", "middleware=-", "middleware=- bypassed=tr"], lines
     watching = [x for x in log.splitlines() if "detached middleware 'tr' stopped watching" in x]
     assert watching and all(f"of {lines[1][0]}:" in x for x in watching), (watching, lines)
+
+
+def test_describing_a_watcher_again_is_not_counted_as_a_hook_failure(tmp_path: Path) -> None:
+    """The tracing server killed: each reply re-describes it aside, and each of those Describes
+    fails. They are counted as Describes (agentmw_middleware_describe_failures_total), not as
+    failed or bypassed hook calls under a hook named "Describe", nor in status' hook failures,
+    which are the hook calls /metrics counts. Before, every Describe was one more failure and one
+    more bypass of a hook "Describe", and status' failures counted them too."""
+    with processes(tmp_path) as procs:
+        tracer = procs.start("tracing", TRACER)
+        host = procs.host(tmp_path / "sessions.db", "--metrics-port", "0")
+        url = METRICS.search(host.tail(50))
+        assert url is not None, host.tail(50)
+        attach(host, tracer.address, "tr", "--fail-open", "--timeout", "1")
+        tracer.kill()
+        deadline = time.monotonic() + 30
+        while True:  # replies until a Describe aside has failed (each takes up to the timeout, 1 s)
+            assert chat(host.address, "--message", "hello").returncode == 0
+            (tr,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
+            if "failed in Describe" in tr["last_error"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert "failed in Describe" in tr["last_error"], tr
+        samples = scrape(url.group(1))
+    of_tr = {(name, dict(by).get("hook")): v for (name, by), v in samples.items() if ("middleware", "tr") in by}
+    assert not [key for key in of_tr if key[1] == "Describe"], of_tr
+    hook_failures = sum(v for (name, _), v in of_tr.items() if name == "agentmw_middleware_failures_total")
+    assert tr["failures"] == hook_failures, (tr, of_tr)
+    assert of_tr[("agentmw_middleware_describe_failures_total", None)] >= 1, of_tr

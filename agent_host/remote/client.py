@@ -223,7 +223,18 @@ class RemoteMiddleware:
         again, each fails at once, so an outage costs one call the wait, not every reply). A
         Describe that does not wait still connects when the channel is connecting, or idle after
         a restart. (Detached hooks never wait for a Describe: detached.py runs theirs aside.)
+
+        A failure after attach is counted as what it is, a Describe's (metrics.describe_failed),
+        wherever it was asked for: a hook call, a reconnection, a probe, a watcher's aside.
         """
+        try:
+            return await self._describe(timeout)
+        except MiddlewareFailure as exc:
+            if self.key:  # attached (an attach that fails is the attach's to report)
+                metrics.describe_failed(self, exc)
+            raise
+
+    async def _describe(self, timeout: float | None) -> RemoteMiddleware:
         attach = not self.key
         drops = self.drops  # a drop from here on is after this Describe: it describes again
         request = hooks_pb2.DescribeRequest(protocol_version=PROTOCOL_VERSION)

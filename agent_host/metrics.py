@@ -67,7 +67,8 @@ MIDDLEWARE_FAILURES = Counter(
 )
 BYPASSES = Counter(
     "agentmw_middleware_bypasses",
-    "Failed hook invocations the host went on without (fail_open, or a detached hook)",
+    "Hook invocations the host went on without the middleware: failed ones (fail_open, or a detached "
+    "hook), and a fail_open one's skipped for the rest of a reply after one failed",
     ["middleware", "hook"],
 )
 DESCRIBE_FAILURES = Counter(
@@ -211,6 +212,7 @@ class MiddlewareHealth:
     last_error_at: str = ""  # ISO 8601, UTC
     failed_at: float = 0.0  # perf_counter of the last failure
     failures: int = 0
+    bypasses: int = 0  # counted with agentmw_middleware_bypasses, by count_bypass() alone
 
 
 _health: weakref.WeakKeyDictionary[Any, MiddlewareHealth] = weakref.WeakKeyDictionary()
@@ -234,10 +236,24 @@ def hook_failed(mw: Any, hook: str, exc: BaseException, *, bypassed: bool, in_re
     _went_wrong(mw, exc, bypassed=bypassed).failures += 1
     MIDDLEWARE_FAILURES.labels(mw.name, hook).inc()
     if bypassed:
-        BYPASSES.labels(mw.name, hook).inc()
+        count_bypass(mw, hook)
     watch = _current.get() if in_reply else None
     if watch is not None:
         watch.trouble[mw.name] = "bypassed" if bypassed else "failed"
+
+
+def count_bypass(mw: Any, hook: str) -> None:
+    """The host went on without ``mw`` in one ``hook`` call: one count, which status (``bypasses``)
+    and /metrics both show."""
+    health(mw).bypasses += 1
+    _bypasses(mw.name, hook).inc()
+
+
+@functools.lru_cache(maxsize=1024)
+def _bypasses(name: str, hook: str) -> Any:
+    """BYPASSES' child (as _hook_seconds): a fail_open middleware skipped for the rest of a reply
+    is counted at each of its hook calls."""
+    return BYPASSES.labels(name, hook)
 
 
 def describe_failed(mw: Any, exc: BaseException) -> None:
@@ -309,7 +325,7 @@ def middleware_status(mw: Any) -> dict[str, Any]:
         "last_error": h.last_error,
         "last_error_at": h.last_error_at,
         "failures": h.failures,
-        "bypasses": getattr(mw, "bypasses", 0),
+        "bypasses": h.bypasses,
         "failing": h.failing,
         "skipped_for": max(getattr(mw, "suspended_until", 0.0) - time.monotonic(), 0.0),
     }
@@ -319,6 +335,7 @@ __all__ = [
     "MiddlewareHealth",
     "ReplyWatch",
     "answers_again",
+    "count_bypass",
     "describe_failed",
     "health",
     "hook_ended",

@@ -87,3 +87,47 @@ def test_describing_a_watcher_again_is_not_counted_as_a_hook_failure(tmp_path: P
     hook_failures = sum(v for (name, _), v in of_tr.items() if name == "agentmw_middleware_failures_total")
     assert tr["failures"] == hook_failures, (tr, of_tr)
     assert of_tr[("agentmw_middleware_describe_failures_total", None)] >= 1, of_tr
+
+
+def test_status_and_metrics_count_the_same_bypasses(tmp_path: Path) -> None:
+    """A fail_open middleware on every hook, killed: in each reply its first hook call fails and
+    is bypassed, and the host goes on without it for the rest of the reply, skipping its other
+    hook calls (README: counted as bypasses); then a watcher whose copies go nowhere. Status'
+    ``bypasses`` and agentmw_middleware_bypasses_total say the same number, for each. Before,
+    status counted the skipped calls and /metrics did not."""
+    with processes(tmp_path) as procs:
+        every = procs.start(
+            "every", ["-m", "agentmw.sdk", "tests.conformance_mw:PassThrough", "--address", "127.0.0.1:0"]
+        )
+        tracer = procs.start("tracing", TRACER)
+        host = procs.host(tmp_path / "sessions.db", "--metrics-port", "0")
+        url = METRICS.search(host.tail(50))
+        assert url is not None, host.tail(50)
+        attach(host, every.address, "every", "--fail-open", "--timeout", "1")
+        attach(host, tracer.address, "tr", "--fail-open", "--timeout", "1")
+        assert chat(host.address, "--message", "hello").returncode == 0
+        every.kill()
+        tracer.kill()
+        for i in range(2):
+            assert chat(host.address, "--message", f"call add a={i} b=2").returncode == 0
+        host_log(host, "stopped watching")
+        deadline = time.monotonic() + 20
+        while True:  # the watcher's deliveries fail after their replies, each after its timeout (1 s)
+            listed: list = agentmw_json(host, "middleware", "list")  # type: ignore[assignment]
+            status = {m["name"]: m["bypasses"] for m in listed}
+            counted = bypasses_counted(scrape(url.group(1)))
+            if status == counted or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    assert status["every"] > 0 and status["tr"] > 0, status
+    assert status == counted
+
+
+def bypasses_counted(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    """agentmw_middleware_bypasses_total per middleware, its hooks summed."""
+    counted: dict[str, float] = {}
+    for (metric, labels), value in samples.items():
+        if metric == "agentmw_middleware_bypasses_total":
+            name = dict(labels)["middleware"]
+            counted[name] = counted.get(name, 0) + value
+    return counted

@@ -183,7 +183,6 @@ class RemoteMiddleware:
         self.drops = 0
         self.described_drops = 0
         self.follower: asyncio.Task[None] | None = None
-        self.bypasses = 0  # fail_open skips, for inspection
         self.stale_messages = 0  # messages of ended invocations, dropped (hooks.proto, INVOCATION IDS)
         self._invocation = 0  # the last invocation id handed out (see new_invocation)
         self.prompt_cache: dict[tuple, str] = {}
@@ -202,6 +201,11 @@ class RemoteMiddleware:
         self.relisting: asyncio.Task[None] | None = None  # ListTools after a re-Describe (_relist)
         # fail_open: the agents whose current reply goes on without it (see bypass_rest_of_reply)
         self.bypassing: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def bypasses(self) -> int:
+        """Hook calls the host went on without it, as status and /metrics count them (metrics.count_bypass)."""
+        return metrics.health(self).bypasses
 
     @property
     def name(self) -> str:

@@ -229,7 +229,6 @@ class DetachedDelivery:
     def _failed(self, call: grpc.aio.StreamStreamCall, exc: BaseException) -> None:
         call.cancel()
         mw = self.mw
-        mw.bypasses += 1
         mw.failed()
         if isinstance(exc, grpc.aio.AioRpcError):
             why = f"{exc.code().name}: {exc.details()}"
@@ -343,7 +342,6 @@ class Watch:
         if mw.needs_describe():
             _outbox(mw).describe(mw)
             if not mw.described or mw.outage:  # until it is described again: bypassed, counted
-                mw.bypasses += 1
                 why = mw.outage or "being described again after a failure"
                 metrics.hook_failed(mw, name, MiddlewareFailure(mw.name, name, why), bypassed=True)
                 return None

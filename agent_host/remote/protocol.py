@@ -200,7 +200,7 @@ class HookCall:
         and failed earlier in this reply (README: the host goes on without it from that point)."""
         mw = self.mw
         if mw.policy.fail_open and mw.bypassing and mw.bypassed_in_reply(self.agent):
-            mw.bypasses += 1
+            metrics.count_bypass(mw, self.spec.name)
             return True
         if table is None or not table.only_when:  # the usual case: no slot lookup
             return False
@@ -250,8 +250,7 @@ class HookCall:
     async def _bypass(self, exc: MiddlewareFailure, *, record: bool = True) -> AsyncIterator[Any]:
         """fail_open (and any detached hook): go on as if the middleware were not there
         (transparent until it changed items). ``record``: say so in the reply's events."""
-        self.mw.bypasses += 1
-        log.debug("bypassing %s", exc)  # metrics.hook_failed warns once per outage
+        log.debug("bypassing %s", exc)  # metrics.hook_failed counted it, and warns once per outage
         # Every hook records through the agent, which places the event in the reply's stream as the
         # client gets it (Agent.reply_stream): a hook without events (on_acting, on_system_prompt,
         # ...) has nowhere to put it, and an on_reply one may fail before the reply's start or

@@ -306,12 +306,16 @@ def hook_ended(mw: Any, hook: str, started: float, exc: BaseException | None, *,
     answers_again(mw)
 
 
-def answers_again(mw: Any) -> None:
-    """A call of it worked: if it had been failing, it is not any more (one info line)."""
+def answers_again(mw: Any, after: str = "") -> None:
+    """A call of it worked (a hook call served, a watcher's copies delivered, a Describe once its
+    connection is back or once it hung): if it had been failing, it is not any more. One info
+    line, also when ``after`` (what it had stopped doing) is given and no call failed meanwhile."""
     h = _health.get(mw)
-    if h is not None and h.failing:
+    was = h is not None and h.failing
+    if h is not None:
         h.failing = False
-        log.info("middleware %s at %s answers again", mw.name, mw.address)
+    if was or after:
+        log.info("middleware %s at %s answers again%s", mw.name, mw.address, f" after {after}" if after else "")
 
 
 def middleware_status(mw: Any) -> dict[str, Any]:

@@ -166,7 +166,8 @@ def _middleware_lines(found: list[dict[str, Any]]) -> list[str]:
         out.append(f"  {i}. {m['name']} at {m['address']}: {m['health'] or '?'}, {policy}, timeout {m['timeout']:g}s")
         out.append(f"     hooks: {', '.join(m['hooks']) or '-'}; tools: {', '.join(m['tools']) or '-'}")
         if m["last_error"]:
-            now = " (failing now)" if m["failing"] else ""
+            # The last outcome known, not a fresh check: `health` tells whether it can be reached now.
+            now = " (no call has succeeded since)" if m["failing"] else ""
             out.append(f"     last error{now} at {m['last_error_at']}: {m['last_error']}")
         if float(m.get("skipped_for", 0)) > 0:
             out.append(

@@ -131,3 +131,32 @@ def bypasses_counted(samples: dict[tuple[str, tuple[tuple[str, str], ...]], floa
             name = dict(labels)["middleware"]
             counted[name] = counted.get(name, 0) + value
     return counted
+
+
+def test_a_middleware_back_after_an_outage_is_not_failing_on_an_idle_host(tmp_path: Path) -> None:
+    """A fail_open middleware killed, a reply that goes on without it (failing), then its server
+    restarted on the same port, and no reply after that: status soon shows it reachable and no
+    longer failing (the host describes it anew once it is connected again), and the host says it
+    answers again. Before, it stayed "failing now" until a reply called it."""
+    with processes(tmp_path) as procs:
+        target = "tests.host_util:RecorderMiddleware"
+        rec = procs.start("rec", ["-m", "agentmw.sdk", target, "--address", "127.0.0.1:{port}"])
+        host = procs.host(tmp_path / "sessions.db")
+        attach(host, rec.address, "rec", "--fail-open", "--timeout", "1")
+        rec.kill()
+        assert chat(host.address, "--message", "hello").returncode == 0
+        (down,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
+        assert down["failing"] and down["health"] != "reachable", down
+        rec.restart()
+        deadline = time.monotonic() + 15
+        while True:  # the channel reconnects within a second (its backoff is 1 s at most)
+            (back,) = agentmw_json(host, "middleware", "list")  # type: ignore[misc]
+            if not back["failing"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert back["health"] == "reachable" and not back["failing"], back
+        assert back["last_error"], back  # the last error is still there to read, without "failing"
+        status = agentmw(host, "status").stdout
+        assert "last error at" in status and "no call has succeeded since" not in status, status
+        assert f"middleware rec at {rec.address} answers again" in host_log(host, "answers again")
+        assert len(replies(host)) == 1  # no reply told it

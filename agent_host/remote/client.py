@@ -490,6 +490,10 @@ class RemoteMiddleware:
                     log.debug("describing %s again after a reconnection: %s", self.name, exc)
                 except Exception:  # a bug of ours: say so, and keep following the connection
                     log.exception("describing %s again after a reconnection", self.name)
+                else:
+                    # A server that is back (restarted, reachable again) is not failing, even
+                    # if no reply calls it: an idle host's status would say so until one did.
+                    metrics.answers_again(self)
 
     async def ensure_described(self) -> None:
         if self.needs_describe():
@@ -558,7 +562,7 @@ class RemoteMiddleware:
             except MiddlewareFailure:
                 await asyncio.sleep(PROBE_EVERY)
                 continue
-            log.info("middleware %s answers again after %s", self.name, self.unresponsive)
+            metrics.answers_again(self, after=self.unresponsive)
             self.unresponsive = ""
             return
 

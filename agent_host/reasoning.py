@@ -216,6 +216,7 @@ class Reasoning(AgentBase):
             self.models.candidates(self.model.id),
             attempt,
             lambda f: self._model_failures.append(metrics.model_attempt_failed(f)),
+            f"session={self.state.session_id} reply={self.state.reply_id or '-'}",  # as the reply's own line
         )
         return result, used
 

@@ -16,7 +16,7 @@ import pytest
 
 from clients.launch import ServerProcess
 
-from .host_util import chat, processes
+from .host_util import chat, configured_host, processes
 from .test_admin_cli import METRICS, agentmw, agentmw_json, host_log, scrape
 
 pytestmark = pytest.mark.timeout(120)
@@ -160,3 +160,28 @@ def test_a_middleware_back_after_an_outage_is_not_failing_on_an_idle_host(tmp_pa
         assert "last error at" in status and "no call has succeeded since" not in status, status
         assert f"middleware rec at {rec.address} answers again" in host_log(host, "answers again")
         assert len(replies(host)) == 1  # no reply told it
+
+
+FLAKY_MODEL = """
+models:
+  default: flaky
+  models:
+    flaky:
+      provider: offline
+      max_retries: 1
+      retry: {initial_delay: 0.01}
+      script: [{error: {type: upstream, message: try again}}, {text: second time lucky}]
+"""
+
+
+def test_a_model_retry_warning_names_its_session_and_reply(tmp_path: Path) -> None:
+    """A model call that fails once and is retried: the host's warning says in which session and
+    reply, as that reply's own line does (on a busy host, retries of many sessions interleave).
+    Before, it named the model alone."""
+    with configured_host(tmp_path, FLAKY_MODEL) as host:
+        said = chat(host.address, "--message", "hello")
+        assert said.returncode == 0 and "second time lucky" in said.stdout, said.stdout + said.stderr
+        log = host_log(host, "outcome=completed")
+        (reply,) = replies(host)
+    (warning,) = [x for x in log.splitlines() if "WARNING" in x and "model flaky" in x]
+    assert f"model flaky attempt 1 failed in {reply[0]}, retrying in" in warning, (warning, reply)

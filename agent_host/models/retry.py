@@ -127,9 +127,13 @@ async def call_with_fallback(
     candidates: list[tuple[str, int, RetryPolicy]],
     attempt: Callable[[str], Awaitable[T]],
     on_failure: Callable[[Failure], None] | None = None,
+    where: str = "",
 ) -> tuple[T, str]:
     """Run ``attempt(model_id)`` for each ``(model_id, max_retries, policy)`` in turn until one
-    succeeds; returns its result and id. Raises ``AllModelsFailed`` (or the only error)."""
+    succeeds; returns its result and id. Raises ``AllModelsFailed`` (or the only error).
+    ``where``: whose call it is (``session=… reply=…``), for the warnings: on a busy host a
+    failing model's lines are otherwise not told apart."""
+    at = f" in {where}" if where else ""
     failures: list[Failure] = []
     for model_id, max_retries, policy in candidates:
         wait = _Wait(policy)
@@ -140,7 +144,7 @@ async def call_with_fallback(
             failure = Failure(model_id, exc, state.attempt_number, state.upcoming_sleep)
             failures.append(failure)
             log.warning(
-                "model %s attempt %d failed, retrying in %.2fs: %s", model_id, failure.attempt, failure.delay, exc
+                "model %s attempt %d failed%s, retrying in %.2fs: %s", model_id, failure.attempt, at, failure.delay, exc
             )
             if on_failure is not None:
                 on_failure(failure)
@@ -165,9 +169,8 @@ async def call_with_fallback(
                 failures.append(failure)
                 if on_failure is not None:
                     on_failure(failure)
-            log.warning(
-                "model %s failed%s: %s", model_id, "" if model_id == candidates[-1][0] else ", falling back", exc
-            )
+            then = "" if model_id == candidates[-1][0] else ", falling back"
+            log.warning("model %s failed%s%s: %s", model_id, at, then, exc)
             continue
         return result, model_id
     if len(failures) == 1 or len({f.model for f in failures}) == 1:

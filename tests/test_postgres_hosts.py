@@ -27,7 +27,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.security import client_channel, token_digest
-from agent_host.store.postgres import SCHEMA_VERSION, PostgresStore
+from agent_host.store.postgres import REACHABLE_TIMEOUT, SCHEMA_VERSION, PostgresStore
 from agentmw.data import (
     ConfirmResult,
     Msg,
@@ -688,6 +688,28 @@ async def test_health_is_not_serving_while_the_store_is_unreachable(procs: Procs
         _, items = await reply(host.address, "", UserMsg("hi"))
         assert await ending(items) == ReplyFinishedReason.COMPLETED
     finally:
+        await relay.cut()
+
+
+async def test_readiness_asks_the_database_while_every_pool_connection_is_busy(dsn: str) -> None:
+    """Every connection of the store's pool at work (held here, as by long statements): readiness
+    still asks the database, within its bound: ready while it answers, not once it stops answering
+    (stalled: its connections open, nothing comes back), ready again once it answers again. Before,
+    a full pool was taken for a database that answers, without asking: ready while it hung."""
+    relay, relayed = await Relay.in_front_of(dsn)
+    store = await PostgresStore.connect(relayed, lease=5)
+    try:
+        busy = [await store.pool.acquire() for _ in range(store.pool.get_max_size())]
+        assert store.pool.get_idle_size() == 0 and len(busy) == store.pool.get_size()
+        assert await store.reachable()
+        relay.stall()
+        started = time.monotonic()
+        assert not await store.reachable(), "a database that stopped answering is not ready"
+        assert time.monotonic() - started < REACHABLE_TIMEOUT + 1, "the check is bounded"
+        relay.stalled = False  # new connections go through again
+        assert await store.reachable()
+    finally:
+        store.close()
         await relay.cut()
 
 

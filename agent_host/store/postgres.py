@@ -29,7 +29,9 @@ Notifications (LISTEN/NOTIFY) make the common cases fast: ``agentmw_lease`` (a l
 waiters try at once instead of at the expiry) and ``agentmw_interrupt`` (interrupt the reply of
 that fence). A missed notification costs time only: waiters poll at least every second and the
 renewal loop reads the ``interrupt`` column. The listening connection, once lost (a database
-restart, a failover), is opened again as soon as the database answers.
+restart, a failover), is opened again as soon as the database answers. Readiness pings on a
+connection of its own (``reachable``), so that a pool whose every connection is at work can neither
+delay the ping nor pass for a database that answers.
 """
 
 from __future__ import annotations
@@ -219,6 +221,8 @@ class PostgresStore(CachedJournals):
         self.lease = lease
         self._dsn = dsn  # for listening again (it may hold a password: never logged)
         self._relisten: asyncio.Task[None] | None = None
+        self._pinger: asyncpg.Connection | None = None  # readiness's own connection, opened by the first check
+        self._ping_lock = asyncio.Lock()
         self._closing = False
         self.host_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._held: dict[str, Hold] = {}
@@ -408,12 +412,27 @@ class PostgresStore(CachedJournals):
                 await asyncio.shield(self.pool.execute("DELETE FROM agentmw_replies WHERE id = $1", reply_id))
 
     async def reachable(self) -> bool:
-        if self.pool.get_idle_size() == 0 and self.pool.get_size() >= self.pool.get_max_size():
-            return True  # every connection is at work, so the database answers (a ping would only queue)
+        # On a connection of its own: in the pool, a ping would queue behind a full pool's work (and
+        # time out under load), and skipping it took connections that hang for a database that answers.
+        if self._closing:  # a check during the host's stop must not open a connection again
+            return False
         try:
-            return await asyncio.wait_for(self.pool.fetchval("SELECT 1"), REACHABLE_TIMEOUT) == 1
+            async with asyncio.timeout(REACHABLE_TIMEOUT), self._ping_lock:  # one ping at a time on it
+                return await self._ping()
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
             return False
+
+    async def _ping(self) -> bool:
+        """SELECT 1 on readiness's connection, opened (again) when there is none; under _ping_lock."""
+        try:
+            if self._pinger is None or self._pinger.is_closed():
+                self._pinger = await asyncpg.connect(self._dsn)
+            return await self._pinger.fetchval("SELECT 1") == 1
+        except BaseException:  # the timeout's cancellation too: maybe hung mid-statement, so start afresh
+            if self._pinger is not None:
+                self._pinger.terminate()
+                self._pinger = None
+            raise
 
     # -- writes --------------------------------------------------------------------------------------
 
@@ -505,6 +524,8 @@ class PostgresStore(CachedJournals):
                 task.cancel()
         self.pool.terminate()
         self.listener.terminate()
+        if self._pinger is not None:
+            self._pinger.terminate()
 
     async def aclose(self) -> None:
         self._closing = True
@@ -519,6 +540,8 @@ class PostgresStore(CachedJournals):
             await self.pool.execute("DELETE FROM agentmw_replies WHERE host = $1", self.host_id)
         with contextlib.suppress(Exception):
             await self.listener.close(timeout=5)
+        if self._pinger is not None:
+            self._pinger.terminate()  # it holds nothing
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.pool.close(), 5)
 

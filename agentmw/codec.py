@@ -20,6 +20,7 @@ Records that are dicts in Python (the hooks' input kwargs) use the same plans.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import keyword
 import re
@@ -135,6 +136,8 @@ def value_to_json(value: struct_pb2.Value, depth: int = 0) -> Any:
 
 
 def struct_to_dict(struct: struct_pb2.Struct, depth: int = 0) -> dict[str, Any]:
+    if depth == 0 and _MEMO_MIN_BYTES <= struct.ByteSize() <= _MEMO_MAX_BYTES:
+        return json.loads(_json_of_struct(struct.SerializeToString()))  # a fresh dict every call
     _check_depth(depth)
     return {k: value_to_json(v, depth + 1) for k, v in struct.fields.items()}
 
@@ -153,6 +156,14 @@ def _check_depth(depth: int) -> None:
 
 
 def dict_to_struct(value: dict[str, Any], out: struct_pb2.Struct) -> None:
+    if len(value) > 8 or not _SCALARS.issuperset(map(type, value.values())):
+        try:
+            text = json.dumps(value, default=_json_default)
+        except (ValueError, TypeError, RecursionError):
+            text = ""  # not JSON: the plain path below says why
+        if _MEMO_MIN_BYTES <= len(text) <= _MEMO_MAX_BYTES:
+            out.MergeFromString(_struct_of_json(text))
+            return
     try:
         out.update(value)
     except (ValueError, TypeError):  # non-JSON leaves (an enum, a dataclass): once through JSON
@@ -165,6 +176,30 @@ def _json_default(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     raise CodecError(f"not JSON: {type(obj).__name__}")
+
+
+# Struct.update and reading a Struct's fields are protobuf's own Python recursion (~15 µs each way
+# for one tool's JSON schema on this machine), and the same nested values cross on every Begin:
+# the toolkit's schemas on every model call, for every middleware. So the codec keeps a small
+# memo keyed by exact content — the value's JSON text when encoding, the Struct's bytes when
+# decoding — and an edited dict is simply a new key. Small and flat values skip it: making the
+# key costs more than the plain path (bench/optimizations.py measures both).
+_MEMO_MIN_BYTES, _MEMO_MAX_BYTES = 64, 16 * 1024
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+@functools.lru_cache(maxsize=256)
+def _struct_of_json(text: str) -> bytes:
+    out = struct_pb2.Struct()
+    out.update(json.loads(text))
+    return out.SerializeToString()
+
+
+@functools.lru_cache(maxsize=256)
+def _json_of_struct(data: bytes) -> str:
+    struct = struct_pb2.Struct.FromString(data)
+    _check_depth(0)
+    return json.dumps({k: value_to_json(v, 1) for k, v in struct.fields.items()})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,6 +227,21 @@ OPTIMIZATIONS += _measured(
 )
 
 
+# The codec (host and SDK): nested JSON objects of 64 B to 16 KiB (tool schemas, tool inputs) are
+# encoded to and decoded from Struct through a bounded exact-content memo (agentmw/codec.py)
+# instead of protobuf's Python Struct.update / field reads every time. on_model_call kwargs with 3
+# messages and 20 tool schemas (OpenAI function format, 4 properties each), min of 7 x 2,000, one
+# process per side, the tree before (c85bcb1) and after alternating three times (ranges),
+# 2026-12-05 19:40 UTC. Every model-call Begin carries the toolkit's schemas, to every middleware.
+OPTIMIZATIONS += _measured(
+    "codec: Struct memo for nested JSON objects (agentmw/codec.py)",
+    "this change",
+    ("encode on_model_call kwargs, 20 tool schemas", "486.9-490.5 µs", "223.6-224.4 µs"),
+    ("decode the same kwargs", "667.1-679.1 µs", "217.2-220.2 µs"),
+    ("encode / decode one small flat object ({'city': 'Paris'})", "0.88 / 1.24 µs", "1.15 / 1.76 µs"),
+)
+
+
 def optimization_rows() -> list[list[str]]:
     return [list(row) for row in OPTIMIZATIONS] or [["(none recorded)", "", "", "", ""]]
 

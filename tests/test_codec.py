@@ -162,6 +162,78 @@ def test_empty_and_falsy_json_values_survive(value: object) -> None:
     assert value_to_json(struct_pb2.Value.FromString(out.SerializeToString())) == value
 
 
+# -- the Struct memo: same bytes as protobuf's own Struct.update, fresh dicts, edits seen -------
+
+_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "description": "City name"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 14, "default": 3.5},
+    },
+    "required": ["city"],
+}
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    value: dict[str, Any] = {"leaf": "x" * 80}
+    for _ in range(levels - 1):
+        value = {"k": value}
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [_SCHEMA, {f"k{i}": i for i in range(12)}, {"big": 2**60, "neg": -0.5, "list": [1, 2.5, None, True, "s"] * 9}],
+)
+def test_the_struct_memo_encodes_and_decodes_exactly_as_the_plain_path(value: dict[str, Any]) -> None:
+    from google.protobuf import struct_pb2
+
+    from agentmw.codec import dict_to_struct, struct_to_dict, value_to_json
+
+    plain = struct_pb2.Struct()
+    plain.update(value)
+    for _ in range(2):  # the first call fills the memo, the second reads it
+        out = struct_pb2.Struct()
+        dict_to_struct(value, out)
+        assert out == plain
+        assert struct_to_dict(out) == {k: value_to_json(v, 1) for k, v in plain.fields.items()}
+
+
+def test_the_struct_memo_sees_edits_in_place_and_hands_out_fresh_dicts() -> None:
+    import copy
+
+    from google.protobuf import struct_pb2
+
+    from agentmw.codec import dict_to_struct, struct_to_dict
+
+    schema = copy.deepcopy(_SCHEMA)
+    first = struct_pb2.Struct()
+    dict_to_struct(schema, first)
+    schema["properties"]["city"]["description"] = "edited in place"  # the same dict object
+    second = struct_pb2.Struct()
+    dict_to_struct(schema, second)
+    assert struct_to_dict(second)["properties"]["city"]["description"] == "edited in place"
+
+    decoded = struct_to_dict(first)
+    decoded["properties"]["city"]["description"] = "a caller's own edit"
+    assert struct_to_dict(first)["properties"]["city"]["description"] == "City name"
+
+
+def test_the_struct_memo_keeps_the_depth_limit_and_the_not_json_error() -> None:
+    from google.protobuf import struct_pb2
+
+    from agentmw.codec import MAX_JSON_DEPTH, CodecError, dict_to_struct, struct_to_dict
+
+    deep = struct_pb2.Struct()
+    deep.update(_nested(MAX_JSON_DEPTH + 2))
+    for _ in range(2):
+        with pytest.raises(CodecError, match="nested deeper"):
+            struct_to_dict(deep)
+    with pytest.raises(CodecError, match="not JSON: object"):
+        dict_to_struct({"schema": _SCHEMA, "odd": object()}, struct_pb2.Struct())
+
+
 # -- the id and timestamp factories every data class uses ---------------------------------------
 
 

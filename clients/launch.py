@@ -106,6 +106,8 @@ class ServerProcess:
         self._log: IO[str] | None = None
         self._drain: threading.Thread | None = None
         self._ready = threading.Event()
+        self._printed = threading.Condition()  # notified on each line it prints (wait_for_line)
+        self._output_ended = False
         self._stopping = False
 
     def __repr__(self) -> str:
@@ -138,6 +140,7 @@ class ServerProcess:
         self.address = ""
         self._lines.clear()
         self._ready.clear()
+        self._output_ended = False
         self._stopping = False
         self.popen = subprocess.Popen(
             [self.executable, *argv],
@@ -165,10 +168,15 @@ class ServerProcess:
             if not self.address and (match := LISTENING.search(line)):
                 self.address = match.group(1)
                 self._ready.set()
-            self._lines.append(line.rstrip("\n"))
+            with self._printed:
+                self._lines.append(line.rstrip("\n"))
+                self._printed.notify_all()
             if self._log is not None:
                 self._log.write(line)
         self._ready.set()  # its output ended: start() need not wait any longer
+        with self._printed:
+            self._output_ended = True
+            self._printed.notify_all()
 
     # -- state --------------------------------------------------------------------------------
 
@@ -193,6 +201,25 @@ class ServerProcess:
     def tail(self, lines: int = 15) -> str:
         """Its last output lines, indented, for error messages."""
         return "\n".join("    " + line for line in list(self._lines)[-lines:])
+
+    def wait_for_line(self, text: str, timeout: float = 10.0) -> str:
+        """The last of its kept output lines that contains ``text``, once one does (at most
+        ``timeout`` seconds). Its output reaches this process through a reader thread, so a line it
+        printed before answering a call may arrive here after the answer: wait, never just look.
+
+        Raises LaunchError with its last output if no such line comes.
+        """
+
+        def found() -> str | None:
+            return next((line for line in reversed(self._lines) if text in line), None)
+
+        with self._printed:
+            if self._printed.wait_for(lambda: found() is not None or self._output_ended, timeout):
+                line = found()
+                if line is not None:
+                    return line
+        why = f"printed no line with {text!r} within {timeout:g}s"
+        raise LaunchError(f"{self.name} {why}; its last output:\n{self.tail()}")
 
     # -- stopping -----------------------------------------------------------------------------
 

@@ -300,6 +300,7 @@ async def test_a_refused_stream_call_is_always_unauthenticated(procs: Procs, tmp
         replies += await asyncio.gather(*(bad_reply(shared) for _ in range(BAD_CALLS)))
     assert set(replies) == {"UNAUTHENTICATED: a valid token or certificate is required"}, replies
     # Said in the host's log, for the operator: the call and the peer, never the token (before: nothing).
+    await asyncio.to_thread(host.wait_for_line, "refused /agentmw.v1.AgentHost/Reply from ipv4:")
     refusals = [x for x in host.tail(200).splitlines() if "refused /agentmw.v1.AgentHost/Reply from ipv4:" in x]
     assert refusals and all("no valid token or certificate" in x and "wrong-token" not in x for x in refusals)
     async with grpc.aio.insecure_channel(recorder.address) as channel:
@@ -362,11 +363,7 @@ def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, t
 
     attach = attaching.result()
     assert attach.returncode == 1, attach.stdout + attach.stderr
-    said = f"cannot connect to {recorder.address}"
-    deadline = time.monotonic() + 10
-    while said not in plain.tail(50) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    (line,) = [x for x in plain.tail(50).splitlines() if said in x][-1:]
+    line = plain.wait_for_line(f"cannot connect to {recorder.address}")
     assert line.endswith("Socket closed (TLS may be the cause: does the server require TLS (security.middleware_tls)?)")
 
 

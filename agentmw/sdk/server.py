@@ -83,9 +83,10 @@ class ToolState:
 
 
 class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
-    def __init__(self, middleware: MiddlewareBase, key: str) -> None:
+    def __init__(self, middleware: MiddlewareBase, key: str, streams: _Streams) -> None:
         self.middleware = middleware
         self.key = key
+        self.streams = streams
         self.tools: dict[str, Tool] = {}
 
     async def _refresh(self, context: Any) -> None:
@@ -125,23 +126,40 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             log.error("tool %s of %s raised", name, type(self.middleware).__name__, exc_info=exc)
             yield codec.encode_item(ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR))
             yield codec.encode_item(error_response(str(exc), call.id))
-            raise
+            if not self.streams.exit(exc):
+                raise
 
 
 class _Streams:
     """A server's hook streams that wait for their next invocation. The host keeps idle streams
     open to reuse them; on stop they end at once, between invocations (the host then opens new
     ones, to the next server), instead of each holding the stop for its whole grace period and
-    then being cancelled with an error logged. A stream inside an invocation finishes it first."""
+    then being cancelled with an error logged. A stream inside an invocation finishes it first.
+
+    Also how a handler asks serve_async to stop the server (``exit``).
+    """
 
     def __init__(self) -> None:
         self.idle: set[asyncio.Task[Any]] = set()
         self.stopping = False
+        self.exiting: asyncio.Future[BaseException | None] | None = None  # serve_async's; None: start() alone
 
     def stop(self) -> None:
         self.stopping = True
         for task in self.idle:
             task.cancel()
+
+    def exit(self, exc: BaseException | None) -> bool:
+        """The author's code raised ``exc`` (SystemExit, KeyboardInterrupt), already answered, or
+        a signal came (None): under serve_async the server stops as it does on SIGTERM, then
+        serve_async raises ``exc``. False without serve_async: the caller raises it. (Raised out of
+        a handler, it stopped the event loop under a gRPC server still running; on a loaded
+        machine such an exit once took over 75 s.)"""
+        if self.exiting is None:
+            return False
+        if not self.exiting.done():
+            self.exiting.set_result(exc)
+        return True
 
 
 _streams: weakref.WeakKeyDictionary[grpc.aio.Server, _Streams] = weakref.WeakKeyDictionary()
@@ -171,6 +189,9 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str, streams: _Str
                 # The host's trace goes on in the author's code.
                 with tracing.continued(begin.begin.context.trace_context):
                     await HookSession(middleware, key, spec, context, reader).run(begin)
+        except (KeyboardInterrupt, SystemExit) as exc:  # the author's, answered (HookSession.run)
+            if not streams.exit(exc):
+                raise
         except Exception:
             log.exception("%s: the hook session failed", hook)
             raise
@@ -273,7 +294,7 @@ async def start(
     hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(description), server)
     services.append("agentmw.v1.Describe")
     if description.provides_tools:
-        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware, description.key), server)
+        hooks_pb2_grpc.add_ToolSourceServicer_to_server(_ToolSource(middleware, description.key, streams), server)
         services.append("agentmw.v1.ToolSource")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -298,17 +319,21 @@ async def serve_async(
         f"agentmw middleware {type(middleware).__name__} listening on {host}:{port} (event loop: {loops.loop_name()})",
         flush=True,
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # A signal (None), or what the author's code raised to end the process (_Streams.exit).
+    streams = _streams[server]
+    exiting = streams.exiting = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, streams.exit, None)
+    raised = await exiting
     await stop_server(server, grace)
     try:  # then its background work gets as long (else it would be dropped with the event loop)
         async with asyncio.timeout(grace):
             await middleware.close()
     except TimeoutError:
         log.warning("%s did not finish its background work within %gs", type(middleware).__name__, grace)
+    if raised is not None:
+        raise raised
 
 
 async def stop_server(server: grpc.aio.Server, grace: float | None) -> None:

@@ -59,8 +59,9 @@ PACES = {"instant": (0.0, 0.0), "realistic": (0.2, 0.002)}
 # Interleaved rounds per pace and concurrency (each worker warms up before the first): two to four
 # minutes in all on 2 cores. At c8 and c32 a round's figures are already medians over the batch; the
 # paced ones get a second round all the same (one round of 32 paced replies varied 1.06-1.12x). A
-# paced c1 time to first text is one reply's: its median over 3 rounds moved by 5 ms between runs.
-ROUNDS = {"instant": {1: 5, 8: 3, 32: 1}, "realistic": {1: 5, 8: 2, 32: 2}}
+# paced c1 time to first text is one reply's: the median of its per-round differences moved by 5 ms
+# between runs over 3 rounds, and by 8 ms over 5 (+6.0 and -2.2 ms), against a 5 ms target: 9 rounds.
+ROUNDS = {"instant": {1: 5, 8: 3, 32: 1}, "realistic": {1: 9, 8: 2, 32: 2}}
 QUESTION = "What is my favourite colour?"
 SEED = ["My favourite colour is teal.", "I live in Lisbon.", "I am allergic to peanuts.", "My cat is called Miso."]
 BUDGET_TOKENS = 1e9  # counts, never cuts the reply short (as in the main bench)

@@ -17,10 +17,10 @@ pull; inner_done -> finish, with the inner result):
   side spins as long): how much a few microseconds of per-item work on each side cost on this
   machine, the calibration for agentmw's own per-item work above the peer (bench/python_cost.py).
 
-The lock-step peer also serves as a middleware a real host can attach (``agentmw.v1.OnReply`` and
-``Describe``: on_reply, every item intercepted), so that the bench can pair the real host with the
-peer's middleware side, and the peer's host side with the real SDK: where the time above the floor
-goes.
+The peer also serves as a middleware a real host can attach (``agentmw.v1.OnReply`` and
+``Describe``: on_reply, every item intercepted; lock-step, or run_ahead with ``--on-reply
+run_ahead``), so that the bench can pair the real host with the peer's middleware side, and the
+peer's host side with the real SDK: where the time above the floor goes.
 
 Prints ``bench echo server listening on HOST:PORT`` once it serves.
 """
@@ -101,14 +101,17 @@ def _floor(suspend: bool, busy: float = 0.0) -> grpc.RpcMethodHandler:
 
 
 class _Describe(hooks_pb2_grpc.DescribeServicer):
-    """The lock-step peer as a middleware: on_reply, every item intercepted."""
+    """The peer as a middleware: on_reply, every item intercepted (lock-step, or run_ahead)."""
+
+    def __init__(self, run_ahead: bool) -> None:
+        self.run_ahead = run_ahead
 
     async def Describe(self, request: object, context: object) -> hooks_pb2.MiddlewareDescription:
-        hook = to_proto(HOOKS["on_reply"].number, subscribe(default=Mode.INTERCEPT))
+        hook = to_proto(HOOKS["on_reply"].number, subscribe(default=Mode.INTERCEPT, run_ahead=self.run_ahead))
         return hooks_pb2.MiddlewareDescription(key="bench-floor", protocol_version=PROTOCOL_VERSION, hooks=[hook])
 
 
-async def serve(address: str) -> None:
+async def serve(address: str, on_reply: str = "lockstep") -> None:
     server = grpc.aio.server(options=SERVER_OPTIONS)
     handlers = {
         "Exchange": grpc.stream_stream_rpc_method_handler(_exchange),
@@ -121,9 +124,10 @@ async def serve(address: str) -> None:
         "RunAheadSpun": _floor(suspend=False, busy=SPIN),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR, floor),))
-    on_reply = grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": floor["Lockstep"]})
-    server.add_generic_rpc_handlers((on_reply,))
-    hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(), server)
+    run_ahead = on_reply == "run_ahead"
+    served = floor["RunAhead" if run_ahead else "Lockstep"]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("agentmw.v1.OnReply", {"Run": served}),))
+    hooks_pb2_grpc.add_DescribeServicer_to_server(_Describe(run_ahead), server)
     port = server.add_insecure_port(address)
     await server.start()
     print(f"bench echo server listening on {address.rsplit(':', 1)[0]}:{port}", flush=True)
@@ -139,8 +143,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.echo_server")
     parser.add_argument("--address", default="127.0.0.1:0")
     parser.add_argument("--loop", choices=loops.LOOPS, default=None)
+    parser.add_argument("--on-reply", choices=("lockstep", "run_ahead"), default="lockstep", help="as a middleware")
     args = parser.parse_args()
-    loops.run(serve(args.address), args.loop)
+    loops.run(serve(args.address, args.on_reply), args.loop)
 
 
 if __name__ == "__main__":

@@ -139,6 +139,8 @@ class Intercept:
     floor_ahead_spun: list[float]  # the peer, run_ahead, with SPIN seconds of busy work per item on each side
     host_half: list[float]  # the real host against the peer's middleware side: (stream - none) / ITEMS
     sdk_half: list[float]  # the peer's host side against the real SDK: per item
+    host_half_ahead: list[float]  # the same two, run_ahead on both sides
+    sdk_half_ahead: list[float]
     pingpong: list[float]  # 1b
     round_trips: int  # per item, lock-step (2) and run_ahead (1)
     round_trips_ahead: int
@@ -171,6 +173,8 @@ def intercept(c: dict[str, Series], p: Protocol) -> Intercept:
         floor_ahead_spun=[w / ITEMS for w in c["floor_intercept_ahead_spun"].walls],
         host_half=per_item("host_half"),
         sdk_half=[w / ITEMS for w in c["sdk_half"].walls],
+        host_half_ahead=per_item("host_half_ahead"),
+        sdk_half_ahead=[w / ITEMS for w in c["sdk_half_ahead"].walls],
         pingpong=c["bare_pingpong"].walls,
         round_trips=p.round_trips,
         round_trips_ahead=p.round_trips_ahead,
@@ -469,6 +473,14 @@ def _intercept_rows(r: Results, c: dict[str, Series], prefix: str) -> list[list[
             verdict(over_pb_ahead <= 1.25),
         ],
         [
+            f"{prefix}…run_ahead, where the time goes: the real host against the peer's run_ahead middleware "
+            "side / the peer; the peer's host side against the real SDK (run_ahead) / the peer",
+            f"{times(x.over_floor(ahead=True, mine=x.host_half_ahead))}; "
+            f"{times(x.over_floor(ahead=True, mine=x.sdk_half_ahead))}",
+            "—",
+            "—",
+        ],
+        [
             f"{prefix}…context: the protobuf peer with {SPIN * 1e6:g} µs more CPU per item on each side / the peer "
             f"(run_ahead): what that much per-item work costs end to end on this machine{_python_cost(r, uv)}",
             times(x.over_floor(ahead=True, mine=x.floor_ahead_spun)),
@@ -539,9 +551,11 @@ def _item_rows(r: Results, c: dict[str, Series]) -> list[list[str]]:
         ("floor_intercept_ahead", x.floor_ahead, True, "the minimal protobuf peer, run_ahead"),
         ("host_half", x.host_half, False, "the real host, the peer's middleware side: (with - without)"),
         ("sdk_half", x.sdk_half, False, "the peer's host side, the real SDK"),
+        ("host_half_ahead", x.host_half_ahead, True, "run_ahead, the real host, the peer's middleware side"),
+        ("sdk_half_ahead", x.sdk_half_ahead, True, "run_ahead, the peer's host side, the real SDK"),
     ):
         s = c[key]
-        agentmw = key.startswith("stream") or key == "host_half"
+        agentmw = key.startswith(("stream", "host_half"))
         cpu = per_round(s.cpus, none.cpus, lambda a, z: a - z) if agentmw else s.cpus
         rts = x.round_trips_ahead if ahead else x.round_trips
         rows.append(
@@ -886,7 +900,10 @@ METHOD = [
     "few microseconds of work per item on each side cost several times that end to end (likely: an answer "
     "that comes a little later finds the other process asleep, and waking it is slow), so it calibrates the "
     "per-item targets against agentmw's own per-item work, measured without I/O (bench/python_cost.py: "
-    "HookCall and HookSession over stubs that answer at once, against the peer's loops over the same).",
+    "HookCall and HookSession over stubs that answer at once, against the peer's loops over the same). "
+    "Where the time goes: the real host with the peer attached as its middleware (bench/echo_server.py "
+    "`--on-reply lockstep|run_ahead`), and the peer's host loop against the real SDK serving InterceptAll / "
+    "InterceptAllRunAhead, each over the peer on both sides.",
     f"- 4: on_reply chains over {BYPASS_N:,} and 0 deltas with 1 and 4 ReplyEndOnly layers and with none; "
     f"per item per layer = ((mw {BYPASS_N:,} - mw 0) - (none {BYPASS_N:,} - none 0)) / ({BYPASS_N:,} x layers), "
     "host process CPU. Unimplemented hooks: `agent.compress_context()` plus the permission chain with an "

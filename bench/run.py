@@ -24,7 +24,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -58,6 +58,9 @@ MIDDLEWARE = [
 ]
 
 
+ECHO_AHEAD = "echo-ahead"  # bench.echo_server --on-reply run_ahead, among the servers
+
+
 CALLS_MIDDLEWARE = [
     "PassThroughCall",
     "PassThroughCallEager",
@@ -78,6 +81,9 @@ def start_servers(
     servers = {name: middleware_server(f"bench.middlewares:{name}") for name in names}
     for proc in servers.values():
         proc.env["AGENTMW_LOOP"] = loop
+    # The protobuf peer as a run_ahead middleware (a real host attaches it: the run_ahead split of 3)
+    argv = ["-m", "bench.echo_server", "--address", "127.0.0.1:{port}", "--loop", loop, "--on-reply", "run_ahead"]
+    servers[ECHO_AHEAD] = ServerProcess(argv, name=ECHO_AHEAD)
     if calls_only:
         start_all([echo, *servers.values()])
         return echo, servers, builtins.Fleet()
@@ -98,39 +104,60 @@ async def measure_calls_only(rounds: int, out: str) -> None:
     """1-3 alone, on this process's loop, with servers on the same kind of loop; the series go to
     ``out`` as JSON (the main run starts this in a child process for the uvloop figures)."""
     echo, servers, _ = start_servers(loops.loop_name(), calls_only=True)
-    channel = grpc.aio.insecure_channel(echo.address)
-    icpt = grpc.aio.insecure_channel(servers["InterceptAll"].address)
-    by_name = {name: await RemoteMiddleware(servers[name].address).connect() for name in CALLS_MIDDLEWARE}
-    rm_floor = await RemoteMiddleware(echo.address).connect()
-    clients = [*by_name.values(), rm_floor]
+    env, close = await connect_env(echo, servers, calls_only=True)
     try:
-        await asyncio.wait_for(channel.channel_ready(), 10)
-        env = scenarios.Env(
-            echo=channel,
-            rm_call=by_name["PassThroughCall"],
-            rm_eager=by_name["PassThroughCallEager"],
-            rm_done=by_name["PassThroughCallDone"],
-            rm_icpt=by_name["InterceptAll"],
-            rm_icpt_ahead=by_name["InterceptAllRunAhead"],
-            rm_end=[],
-            rm_real=[],
-            rm_budget=by_name["PassThroughCall"],  # unused in 1-3
-            rm_floor=rm_floor,
-            icpt=icpt,
-            pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
-        )
         protocol = await scenarios.count_protocol(env)
         calls = await scenarios.measure_calls(env, protocol, rounds)
         Path(out).write_text(
             json.dumps({name: [dataclasses.asdict(s) for s in series.samples] for name, series in calls.items()})
         )
     finally:
-        for rm in clients:
-            await rm.close()
-        await channel.close()
-        await icpt.close()
+        await close()
         for proc in [echo, *servers.values()]:
             proc.stop()
+
+
+async def connect_env(
+    echo: ServerProcess, servers: dict[str, ServerProcess], *, calls_only: bool = False
+) -> tuple[scenarios.Env, Callable[[], Awaitable[None]]]:
+    """Clients of the started servers, and what closes them; ``calls_only``: those of 1-3 alone."""
+    clients: list[RemoteMiddleware] = []
+    channels = [grpc.aio.insecure_channel(echo.address)]
+    channels += [grpc.aio.insecure_channel(servers[name].address) for name in ("InterceptAll", "InterceptAllRunAhead")]
+
+    async def close() -> None:
+        for rm in clients:
+            await rm.close()
+        for channel in channels:
+            await channel.close()
+
+    async def attach(name: str) -> RemoteMiddleware:
+        rm = await RemoteMiddleware(echo.address if name == "echo" else servers[name].address).connect()
+        clients.append(rm)
+        return rm
+
+    try:
+        await asyncio.wait_for(channels[0].channel_ready(), 10)
+        env = scenarios.Env(
+            echo=channels[0],
+            rm_call=await attach("PassThroughCall"),
+            rm_eager=await attach("PassThroughCallEager"),
+            rm_done=await attach("PassThroughCallDone"),
+            rm_icpt=await attach("InterceptAll"),
+            rm_icpt_ahead=await attach("InterceptAllRunAhead"),
+            rm_end=[] if calls_only else [await attach("ReplyEndOnly") for _ in range(4)],
+            rm_real=[] if calls_only else [await attach("Realistic") for _ in range(4)],
+            rm_budget=await attach("PassThroughCall" if calls_only else "ReplyBudget"),  # unused in 1-3
+            rm_floor=await attach("echo"),
+            rm_floor_ahead=await attach(ECHO_AHEAD),
+            icpt=channels[1],
+            icpt_ahead=channels[2],
+            pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
+        )
+    except BaseException:
+        await close()
+        raise
+    return env, close
 
 
 async def calls_on_uvloop(rounds: int) -> dict[str, Series] | None:
@@ -161,31 +188,9 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             servers_started[2].stop()
         raise servers_started if isinstance(servers_started, BaseException) else peer_started  # type: ignore[misc]
     (peer, peer_note), (echo, servers, fleet) = peer_started, servers_started
-    clients: list[RemoteMiddleware] = []
-    channel = grpc.aio.insecure_channel(echo.address)
-    icpt = grpc.aio.insecure_channel(servers["InterceptAll"].address)
+    close: Callable[[], Awaitable[None]] | None = None
     try:
-        await asyncio.wait_for(channel.channel_ready(), 10)
-
-        async def attach(name: str) -> RemoteMiddleware:
-            rm = await RemoteMiddleware(echo.address if name == "echo" else servers[name].address).connect()
-            clients.append(rm)
-            return rm
-
-        env = scenarios.Env(
-            echo=channel,
-            rm_call=await attach("PassThroughCall"),
-            rm_eager=await attach("PassThroughCallEager"),
-            rm_done=await attach("PassThroughCallDone"),
-            rm_icpt=await attach("InterceptAll"),
-            rm_icpt_ahead=await attach("InterceptAllRunAhead"),
-            rm_end=[await attach("ReplyEndOnly") for _ in range(4)],
-            rm_real=[await attach("Realistic") for _ in range(4)],
-            rm_budget=await attach("ReplyBudget"),
-            rm_floor=await attach("echo"),
-            icpt=icpt,
-            pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
-        )
+        env, close = await connect_env(echo, servers)
         res = Results(rounds=rounds, peer_note=peer_note)
         res.env_start = environment()
         step = _progress(time.perf_counter())
@@ -223,10 +228,8 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
     finally:
         if peer is not None:
             await peer.close()
-        for rm in clients:
-            await rm.close()
-        await channel.close()
-        await icpt.close()
+        if close is not None:
+            await close()
         for proc in [echo, *servers.values()]:
             proc.stop()
         fleet.stop()

@@ -62,8 +62,10 @@ class Env:
     rm_real: list[RemoteMiddleware]  # Realistic, 4 clients (4 layers) of one server
     rm_budget: RemoteMiddleware  # mw_servers.budget with BUDGET_TOKENS (it counts, never acts)
     rm_floor: RemoteMiddleware  # the echo server's lock-step protobuf peer, attached as a middleware
+    rm_floor_ahead: RemoteMiddleware  # the protobuf peer declaring run_ahead (bench.run ECHO_AHEAD)
     icpt: grpc.aio.Channel  # to the InterceptAll server, for the peer's host side
-    pids: dict[str, int]  # "echo" and the middleware class names
+    icpt_ahead: grpc.aio.Channel  # to the InterceptAllRunAhead server, the same
+    pids: dict[str, int]  # "echo", "echo-ahead" and the middleware class names
 
 
 @tool(description="Does nothing; the bench's tool rounds call it.")
@@ -262,6 +264,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
     icpt_chain = reply_chain([env.rm_icpt], reply_events(agent, ITEMS))
     ahead_chain = reply_chain([env.rm_icpt_ahead], reply_events(agent, ITEMS))
     host_half_chain = reply_chain([env.rm_floor], reply_events(agent, ITEMS))  # the real host, the peer's server
+    host_half_ahead_chain = reply_chain([env.rm_floor_ahead], reply_events(agent, ITEMS))  # the same, run_ahead
 
     async def bare_exchange() -> None:
         call = exchange()
@@ -297,6 +300,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
 
     paths = {name: (env.echo, f"/bench.Floor/{name}") for name in ("Lockstep", "RunAhead", "RunAheadSpun")}
     paths["SDK"] = (env.icpt, "/agentmw.v1.OnReply/Run")  # the peer's host side, the real SDK (InterceptAll)
+    paths["SDKAhead"] = (env.icpt_ahead, "/agentmw.v1.OnReply/Run")  # the same, InterceptAllRunAhead
     floor = {
         name: channel.stream_stream(
             path,
@@ -306,6 +310,7 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         for name, (channel, path) in paths.items()
     }
     floor_pids = {"Lockstep": echo_pid, "RunAhead": echo_pid, "RunAheadSpun": echo_pid, "SDK": env.pids["InterceptAll"]}
+    floor_pids["SDKAhead"] = env.pids["InterceptAllRunAhead"]
     reply_msgs, hook_msgs = protocol.item.first, protocol.hook.first
 
     async def floor_invocation(
@@ -369,6 +374,8 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         "floor_intercept_ahead_spun": lambda: floor_batch("RunAheadSpun", reply_msgs, ITEMS, 1, SPIN),
         "host_half": lambda: stream(host_half_chain, echo_pid),
         "sdk_half": lambda: floor_batch("SDK", reply_msgs, ITEMS, 1),
+        "host_half_ahead": lambda: stream(host_half_ahead_chain, env.pids["echo-ahead"]),
+        "sdk_half_ahead": lambda: floor_batch("SDKAhead", reply_msgs, ITEMS, 1),
         "floor_hook": lambda: floor_batch("Lockstep", hook_msgs, 0, OPS),
     }
     return await interleave(variants, rounds)

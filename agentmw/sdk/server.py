@@ -124,9 +124,16 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             # (the tool's failure, as the toolkit answers any other exception; its result holds
             # only the error), not a wait until its timeout.
             log.error("tool %s of %s raised", name, type(self.middleware).__name__, exc_info=exc)
-            yield codec.encode_item(ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR))
-            yield codec.encode_item(error_response(str(exc), call.id))
-            if not self.streams.exit(exc):
+            exiting = False
+            try:
+                yield codec.encode_item(ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR))
+                yield codec.encode_item(error_response(str(exc), call.id))
+            finally:
+                # Also when the generator is closed at its last yield: the host cancels the call
+                # once it has the response, often before gRPC asks for more, and code after that
+                # yield never ran (the process then served on, idle, instead of exiting).
+                exiting = self.streams.exit(exc)
+            if not exiting:
                 raise
 
 
@@ -153,8 +160,7 @@ class _Streams:
         """The author's code raised ``exc`` (SystemExit, KeyboardInterrupt), already answered, or
         a signal came (None): under serve_async the server stops as it does on SIGTERM, then
         serve_async raises ``exc``. False without serve_async: the caller raises it. (Raised out of
-        a handler, it stopped the event loop under a gRPC server still running; on a loaded
-        machine such an exit once took over 75 s.)"""
+        a handler, it would stop the event loop under a gRPC server still running.)"""
         if self.exiting is None:
             return False
         if not self.exiting.done():

@@ -199,7 +199,10 @@ def tls_hint(details: str | None, tls: bool, *, use_tls: str, client_cert: str) 
                     return f"the TLS handshake failed: the server's certificate {reason}"
             return "the TLS handshake failed: the server's certificate is not signed by the CA trusted here"
         return "the TLS handshake failed"
-    if "Socket closed" not in text:
+    # "Stream removed": the call had its stream on a connection that had come up (the server sent
+    # its HTTP/2 settings), which a TLS mismatch never does; then the connection went (a server
+    # killed before the client read any of its answer).
+    if "Socket closed" not in text or "Stream removed" in text:
         return ""
     if tls:
         return f"TLS may be the cause: does the server require a client certificate it trusts ({client_cert})?"

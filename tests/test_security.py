@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from agentmw.codec import codec
 from agentmw.data import Msg, ReplyEndEvent
 from agentmw.errors import ConfigError
 from agentmw.sdk.server import TLS_SETTINGS
-from agentmw.security import token_digest
+from agentmw.security import tls_hint, token_digest
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import UserMsg
 from clients.host_client import HostClient
@@ -321,6 +322,16 @@ def test_an_expired_server_certificate_is_named_as_such(procs: Procs, tmp_path: 
         f"agentmw: cannot reach the host at {host.address} "
         "(UNAVAILABLE; the TLS handshake failed: the server's certificate has expired)"
     ), done.stderr
+
+
+def test_a_stream_that_broke_after_it_began_is_not_blamed_on_tls() -> None:
+    """ "Stream removed (Socket closed)": the call had its stream, so the connection had come up and
+    TLS is no suspect (agent-chat said so for a host killed before the client read its first event,
+    under load). A connection refused with "Socket closed" alone still gets the hint."""
+    hint = partial(tls_hint, tls=False, use_tls="--tls-ca", client_cert="--tls-cert")
+    assert hint("Stream removed (Socket closed)") == ""
+    refused = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed"
+    assert hint(refused) == "TLS may be the cause: does the server require TLS (--tls-ca)?"
 
 
 def test_a_tls_mismatch_is_named_as_a_possible_cause(certs: Pki, procs: Procs, tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from clients.launch import ROOT, ServerProcess
 
 from .audio_mw import FREQUENCY, RATE, SECONDS, tone
 from .durable_mw import lines as effect_lines
-from .host_util import Procs, chat, configured_host, get_session, processes, run_cli_aside
+from .host_util import Procs, chat, configured_host, get_session, processes
 from .test_durable_sessions import side_effects
 
 pytestmark = pytest.mark.timeout(60)
@@ -240,8 +240,8 @@ def interactive(address: str, stdin: str, timeout: float = 20) -> subprocess.Com
 class Chat:
     """agent-chat running interactively: send lines, wait (bounded) for its output."""
 
-    def __init__(self, address: str) -> None:
-        argv = [sys.executable, "-m", "clients.chat", "--host", address]
+    def __init__(self, address: str, *args: str) -> None:
+        argv = [sys.executable, "-m", "clients.chat", "--host", address, *args]
         self.proc = subprocess.Popen(
             argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -275,6 +275,17 @@ class Chat:
             except queue.Empty:
                 if left <= 0:
                     raise AssertionError(f"agent-chat never printed {texts}; it printed:\n{self.seen}") from None
+
+    def finish(self, timeout: float = 30) -> tuple[int, str]:
+        """Its exit status and all it printed, once it exits by itself (bounded)."""
+        status = self.proc.wait(timeout)
+        reader_done = time.monotonic() + 5  # the reader thread ends at EOF, right after the exit
+        while time.monotonic() < reader_done:
+            try:
+                self.seen += self.out.get(timeout=0.2)
+            except queue.Empty:
+                break
+        return status, self.seen
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -351,16 +362,25 @@ async def test_a_host_dying_mid_reply_is_not_blamed_on_tls_and_its_session_is_na
     effects, db = tmp_path / "effects.txt", tmp_path / "sessions.db"
     fx = side_effects(procs, effects)
     host = procs.host(db, "--middleware", f"fx={fx.address}")
-    running = run_cli_aside("clients.chat", "--host", host.address, "-m", "call fx__slow_note text=x seconds=30")
-    for _ in range(200):  # bounded: until the tool runs
-        if effect_lines(effects):
-            break
-        time.sleep(0.05)
-    host.kill()
-    done = running.result()
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "UNAVAILABLE" in done.stderr and "TLS" not in done.stderr, done.stderr
-    session = session_of(done)
+    chat_ = Chat(host.address, "-m", "call fx__slow_note text=x seconds=30")
+    try:
+        # Killed once the client has the reply's first events (the tool call it prints), which
+        # name the session, and the tool runs. (Killed on the tool's start alone, the host could
+        # go before it wrote them: nothing then tells the client which session it was.)
+        chat_.expect("→ fx__slow_note")
+        for _ in range(200):  # bounded: until the tool runs
+            if effect_lines(effects):
+                break
+            time.sleep(0.05)
+        host.kill()
+        status, said = chat_.finish()
+    finally:
+        chat_.close()
+    assert status == 1, said
+    assert "UNAVAILABLE" in said and "TLS" not in said, said
+    found = SESSION.findall(said)
+    assert len(found) == 1, f"agent-chat printed no session id:\n{said}"
+    session = found[0]
     host = procs.host(db, "--middleware", f"fx={fx.address}", name="host2")
     _, state, _ = await get_session(host.address, session)
     assert [m.text for m in state.context if m.role.value == "user"] == ["call fx__slow_note text=x seconds=30"]
@@ -377,6 +397,7 @@ async def test_a_host_dying_mid_reply_in_the_chat_says_so_and_names_the_session(
     try:
         chat_.expect("you> ")
         chat_.send("call fx__slow_note text=x seconds=30")
+        chat_.expect("→ fx__slow_note")  # it has the reply's first events (see the test above)
         for _ in range(200):  # bounded: until the tool runs
             if effect_lines(effects):
                 break

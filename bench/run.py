@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -104,32 +105,26 @@ async def measure_calls_only(rounds: int, out: str) -> None:
     """1-3 alone, on this process's loop, with servers on the same kind of loop; the series go to
     ``out`` as JSON (the main run starts this in a child process for the uvloop figures)."""
     echo, servers, _ = start_servers(loops.loop_name(), calls_only=True)
-    env, close = await connect_env(echo, servers, calls_only=True)
     try:
-        protocol = await scenarios.count_protocol(env)
-        calls = await scenarios.measure_calls(env, protocol, rounds)
+        async with connect_env(echo, servers, calls_only=True) as env:
+            protocol = await scenarios.count_protocol(env)
+            calls = await scenarios.measure_calls(env, protocol, rounds)
         Path(out).write_text(
             json.dumps({name: [dataclasses.asdict(s) for s in series.samples] for name, series in calls.items()})
         )
     finally:
-        await close()
         for proc in [echo, *servers.values()]:
             proc.stop()
 
 
+@contextlib.asynccontextmanager
 async def connect_env(
     echo: ServerProcess, servers: dict[str, ServerProcess], *, calls_only: bool = False
-) -> tuple[scenarios.Env, Callable[[], Awaitable[None]]]:
-    """Clients of the started servers, and what closes them; ``calls_only``: those of 1-3 alone."""
+) -> AsyncIterator[scenarios.Env]:
+    """Clients of the started servers, closed on the way out; ``calls_only``: those of 1-3 alone."""
     clients: list[RemoteMiddleware] = []
     channels = [grpc.aio.insecure_channel(echo.address)]
     channels += [grpc.aio.insecure_channel(servers[name].address) for name in ("InterceptAll", "InterceptAllRunAhead")]
-
-    async def close() -> None:
-        for rm in clients:
-            await rm.close()
-        for channel in channels:
-            await channel.close()
 
     async def attach(name: str) -> RemoteMiddleware:
         rm = await RemoteMiddleware(echo.address if name == "echo" else servers[name].address).connect()
@@ -154,10 +149,12 @@ async def connect_env(
             icpt_ahead=channels[2],
             pids={"echo": echo.pid, **{name: proc.pid for name, proc in servers.items()}},
         )
-    except BaseException:
-        await close()
-        raise
-    return env, close
+        yield env
+    finally:
+        for rm in clients:
+            await rm.close()
+        for channel in channels:
+            await channel.close()
 
 
 async def calls_on_uvloop(rounds: int) -> dict[str, Series] | None:
@@ -188,48 +185,45 @@ async def measure(rounds: int, quick: bool, peer_python: str | None) -> Results:
             servers_started[2].stop()
         raise servers_started if isinstance(servers_started, BaseException) else peer_started  # type: ignore[misc]
     (peer, peer_note), (echo, servers, fleet) = peer_started, servers_started
-    close: Callable[[], Awaitable[None]] | None = None
     try:
-        env, close = await connect_env(echo, servers)
-        res = Results(rounds=rounds, peer_note=peer_note)
-        res.env_start = environment()
-        step = _progress(time.perf_counter())
-        res.protocol = await scenarios.count_protocol(env)
-        step("protocol counts")
-        res.calls = await scenarios.measure_calls(env, res.protocol, rounds)
-        step("1-3 baselines, hook invocation, intercepted item")
-        res.idle = await scenarios.measure_idle_round_trip(env, 9 if quick else 25)
-        step("1b after a paced model's wait")
-        res.python_cost = await python_cost.measure(rounds)
-        step("3 per-item work of host and SDK without I/O")
-        res.calls_uvloop = await calls_on_uvloop(rounds)
-        step("1-3 again on uvloop (a child process)")
-        res.bypass = await scenarios.measure_bypass(env, rounds, peer)
-        step("4 bypassed items")
-        res.unimplemented = await scenarios.measure_unimplemented(env, max(rounds // 3, 3))
-        step("4 unimplemented hooks")
-        res.traffic = await scenarios.count_reply(env)
-        res.replies = await scenarios.measure_replies(env, rounds, peer)
-        step("5 whole replies")
-        res.fairness = await scenarios.measure_fairness(env, 2 if quick else 4, peer)
-        step("6 fairness")
-        res.builtins = await builtins.measure(fleet, rounds)
-        step("7 built-in servers")
-        res.hosts = await hosts.measure(1 if quick else 3)
-        step("8 hosts on one PostgreSQL vs SQLite")
-        res.four = await four_servers.measure(quick=quick)
-        step("9 the four servers vs AgentScope")
-        res.versus = await asyncio.to_thread(versus.measure, 3 if quick else max(rounds, versus.ROUNDS))
-        step(f"10 this tree against {versus.BASELINE}")
-        if peer is not None:
-            res.peer_ok = peer.alive
-            if not peer.alive:
-                res.peer_note = f"failed during the run: {peer.failure}"
+        async with connect_env(echo, servers) as env:
+            res = Results(rounds=rounds, peer_note=peer_note)
+            res.env_start = environment()
+            step = _progress(time.perf_counter())
+            res.protocol = await scenarios.count_protocol(env)
+            step("protocol counts")
+            res.calls = await scenarios.measure_calls(env, res.protocol, rounds)
+            step("1-3 baselines, hook invocation, intercepted item")
+            res.idle = await scenarios.measure_idle_round_trip(env, 9 if quick else 25)
+            step("1b after a paced model's wait")
+            res.python_cost = await python_cost.measure(rounds)
+            step("3 per-item work of host and SDK without I/O")
+            res.calls_uvloop = await calls_on_uvloop(rounds)
+            step("1-3 again on uvloop (a child process)")
+            res.bypass = await scenarios.measure_bypass(env, rounds, peer)
+            step("4 bypassed items")
+            res.unimplemented = await scenarios.measure_unimplemented(env, max(rounds // 3, 3))
+            step("4 unimplemented hooks")
+            res.traffic = await scenarios.count_reply(env)
+            res.replies = await scenarios.measure_replies(env, rounds, peer)
+            step("5 whole replies")
+            res.fairness = await scenarios.measure_fairness(env, 2 if quick else 4, peer)
+            step("6 fairness")
+            res.builtins = await builtins.measure(fleet, rounds)
+            step("7 built-in servers")
+            res.hosts = await hosts.measure(1 if quick else 3)
+            step("8 hosts on one PostgreSQL vs SQLite")
+            res.four = await four_servers.measure(quick=quick)
+            step("9 the four servers vs AgentScope")
+            res.versus = await asyncio.to_thread(versus.measure, 3 if quick else max(rounds, versus.ROUNDS))
+            step(f"10 this tree against {versus.BASELINE}")
+            if peer is not None:
+                res.peer_ok = peer.alive
+                if not peer.alive:
+                    res.peer_note = f"failed during the run: {peer.failure}"
     finally:
         if peer is not None:
             await peer.close()
-        if close is not None:
-            await close()
         for proc in [echo, *servers.values()]:
             proc.stop()
         fleet.stop()

@@ -309,8 +309,8 @@ async def measure_calls(env: Env, protocol: Protocol, rounds: int) -> dict[str, 
         )
         for name, (channel, path) in paths.items()
     }
-    floor_pids = {"Lockstep": echo_pid, "RunAhead": echo_pid, "RunAheadSpun": echo_pid, "SDK": env.pids["InterceptAll"]}
-    floor_pids["SDKAhead"] = env.pids["InterceptAllRunAhead"]
+    floor_pids = dict.fromkeys(("Lockstep", "RunAhead", "RunAheadSpun"), echo_pid)
+    floor_pids.update(SDK=env.pids["InterceptAll"], SDKAhead=env.pids["InterceptAllRunAhead"])
     reply_msgs, hook_msgs = protocol.item.first, protocol.hook.first
 
     async def floor_invocation(

@@ -105,8 +105,8 @@ class ServerProcess:
         self._lines: collections.deque[str] = collections.deque(maxlen=KEEP_LINES)
         self._log: IO[str] | None = None
         self._drain: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._printed = threading.Condition()  # notified on each line it prints (wait_for_line)
+        # Notified on each line it prints and when its output ends (start, wait_for_line).
+        self._printed = threading.Condition()
         self._output_ended = False
         self._stopping = False
 
@@ -139,7 +139,6 @@ class ServerProcess:
             self._log = self.log_path.open("a" if self.popen else "w", buffering=1)  # line by line; a restart appends
         self.address = ""
         self._lines.clear()
-        self._ready.clear()
         self._output_ended = False
         self._stopping = False
         self.popen = subprocess.Popen(
@@ -154,7 +153,8 @@ class ServerProcess:
         )
         self._drain = threading.Thread(target=self._read, args=(self.popen,), name=f"drain-{self.name}", daemon=True)
         self._drain.start()
-        ended = self._ready.wait(self.startup)  # set by the listening line, or when its output ends
+        with self._printed:  # until the listening line, or the end of its output
+            ended = self._printed.wait_for(lambda: self.address or self._output_ended, self.startup)
         if not self.address:
             code = self.stop(timeout=5)
             why = f"exited with {code}" if ended else f"printed no listening line within {self.startup:g}s"
@@ -165,16 +165,14 @@ class ServerProcess:
     def _read(self, popen: subprocess.Popen[str]) -> None:
         assert popen.stdout is not None
         for line in popen.stdout:  # keep draining, so the child never blocks on a full pipe
-            if not self.address and (match := LISTENING.search(line)):
-                self.address = match.group(1)
-                self._ready.set()
             with self._printed:
+                if not self.address and (match := LISTENING.search(line)):
+                    self.address = match.group(1)
                 self._lines.append(line.rstrip("\n"))
                 self._printed.notify_all()
             if self._log is not None:
                 self._log.write(line)
-        self._ready.set()  # its output ended: start() need not wait any longer
-        with self._printed:
+        with self._printed:  # start() and wait_for_line need not wait any longer
             self._output_ended = True
             self._printed.notify_all()
 

@@ -35,10 +35,13 @@ WAITING = re.compile(r"answer with: agent-chat --session ([0-9A-Za-z_-]+) --yes 
 EMAIL = "email bob@example.com saying hi"
 
 
-def session_of(done: subprocess.CompletedProcess[str]) -> str:
-    """The session id as a user finds it: the ``(session ID)`` line agent-chat prints on stderr."""
-    found = SESSION.findall(done.stderr)
-    assert len(found) == 1, f"agent-chat printed no session id:\n{done.stdout}\n{done.stderr}"
+def session_of(done: subprocess.CompletedProcess[str] | str) -> str:
+    """The session id as a user finds it: the ``(session ID)`` line agent-chat prints on stderr
+    (of a finished run, or in all it printed)."""
+    said = done if isinstance(done, str) else done.stderr
+    found = SESSION.findall(said)
+    printed = said if isinstance(done, str) else f"{done.stdout}\n{done.stderr}"
+    assert len(found) == 1, f"agent-chat printed no session id:\n{printed}"
     return found[0]
 
 
@@ -378,9 +381,7 @@ async def test_a_host_dying_mid_reply_is_not_blamed_on_tls_and_its_session_is_na
         chat_.close()
     assert status == 1, said
     assert "UNAVAILABLE" in said and "TLS" not in said, said
-    found = SESSION.findall(said)
-    assert len(found) == 1, f"agent-chat printed no session id:\n{said}"
-    session = found[0]
+    session = session_of(said)
     host = procs.host(db, "--middleware", f"fx={fx.address}", name="host2")
     _, state, _ = await get_session(host.address, session)
     assert [m.text for m in state.context if m.role.value == "user"] == ["call fx__slow_note text=x seconds=30"]

@@ -124,7 +124,6 @@ class _ToolSource(hooks_pb2_grpc.ToolSourceServicer):
             # (the tool's failure, as the toolkit answers any other exception; its result holds
             # only the error), not a wait until its timeout.
             log.error("tool %s of %s raised", name, type(self.middleware).__name__, exc_info=exc)
-            exiting = False
             try:
                 yield codec.encode_item(ToolChunk(content=[TextBlock(text=str(exc))], state=ToolResultState.ERROR))
                 yield codec.encode_item(error_response(str(exc), call.id))

@@ -213,8 +213,9 @@ class UnknownSession(Exception):
 
 
 class BrokenReply(Exception):
-    """A reply failed after the host had begun it (e.g. the host died): the connection worked, so
-    TLS is no suspect, and the session keeps what was stored, so its id is worth printing."""
+    """A reply failed after the host had accepted it (e.g. the host died), which its first
+    ReplyEvent tells: the connection worked, so TLS is no suspect, and the session keeps what was
+    stored, so its id is worth printing."""
 
     def __init__(self, error: grpc.aio.AioRpcError, session_id: str) -> None:
         super().__init__(error.details())

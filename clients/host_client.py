@@ -177,7 +177,9 @@ class ReplyCall:
         refuse_if_busy: bool = False,
     ) -> None:
         self.session_id = session_id
-        self.answered = False  # the host sent an event: the connection worked, the session exists
+        # The host sent a ReplyEvent, which it does once it accepted the reply (host.proto): the
+        # connection worked, and the session (session_id) holds the message.
+        self.answered = False
         self._requests: asyncio.Queue[host_pb2.ReplyRequest | None] = asyncio.Queue()
         start = host_pb2.ReplyRequest()
         record = {

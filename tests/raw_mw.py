@@ -15,7 +15,8 @@ finish_early (observes every item with one credit, and finishes after the first 
 holds the next item, taken from the inner pipeline while it waited for credits), describe_hangs
 (never answers Describe), preclaim (appends a block under the id of the user's text block before
 that enters the context, with its call_next; removes "its" block at the first item, then passes
-everything on).
+everything on), hold_start (takes the ReplyStartEvent, the user's message stored by then, prints
+"holding the ReplyStartEvent of session ID", and answers nothing more).
 """
 
 from __future__ import annotations
@@ -156,6 +157,10 @@ def on_reply(mode: str):
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
+        elif mode == "hold_start":
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            start = hooks_pb2.HostMessage.FromString(await context.read()).item.item.reply_start
+            print(f"holding the ReplyStartEvent of session {start.session_id}", flush=True)
         await asyncio.sleep(30)  # the host must give up on its own
 
     return grpc.stream_stream_rpc_method_handler(run, request_deserializer=None, response_serializer=None)

@@ -367,9 +367,7 @@ async def test_a_host_dying_mid_reply_is_not_blamed_on_tls_and_its_session_is_na
     host = procs.host(db, "--middleware", f"fx={fx.address}")
     chat_ = Chat(host.address, "-m", "call fx__slow_note text=x seconds=30")
     try:
-        # Killed once the client has the reply's first events (the tool call it prints), which
-        # name the session, and the tool runs. (Killed on the tool's start alone, the host could
-        # go before it wrote them: nothing then tells the client which session it was.)
+        # Killed mid-reply: once the client has printed the tool call, and the tool runs.
         chat_.expect("→ fx__slow_note")
         for _ in range(200):  # bounded: until the tool runs
             if effect_lines(effects):
@@ -387,6 +385,30 @@ async def test_a_host_dying_mid_reply_is_not_blamed_on_tls_and_its_session_is_na
     assert [m.text for m in state.context if m.role.value == "user"] == ["call fx__slow_note text=x seconds=30"]
 
 
+async def test_a_host_dying_before_the_first_event_still_names_the_session(procs: Procs, tmp_path: Path) -> None:
+    """agent-chat -m while an on_reply middleware holds the ReplyStartEvent (the message stored)
+    and the host is killed: it still prints the id of the session the host minted, which the
+    restarted host shows with the message. Before, nothing had reached the client, so it printed
+    no id: the stored session was lost to the user."""
+    db = tmp_path / "sessions.db"
+    held = procs.start("held", ["-m", "tests.raw_mw", "hold_start", "--address", "127.0.0.1:0"])
+    host = procs.host(db, "--middleware", f"held={held.address}")
+    chat_ = Chat(host.address, "-m", "hello")
+    try:
+        line = held.wait_for_line("holding the ReplyStartEvent of session", timeout=20)
+        time.sleep(0.5)  # the host sent the client its first ReplyEvent before this item (loopback: at once)
+        host.kill()
+        status, said = chat_.finish()
+    finally:
+        chat_.close()
+    assert status == 1, said
+    session = session_of(said)
+    assert line.endswith(f"session {session}"), (line, said)
+    host = procs.host(db, name="host2")
+    _, state, _ = await get_session(host.address, session)
+    assert [m.text for m in state.context if m.role.value == "user"] == ["hello"]
+
+
 async def test_a_host_dying_mid_reply_in_the_chat_says_so_and_names_the_session(procs: Procs, tmp_path: Path) -> None:
     """Interactive agent-chat while the host is killed mid-reply: it says the host went away during
     the reply and names the session (stored, to go on with), not "(not answered; try again)", which
@@ -398,7 +420,7 @@ async def test_a_host_dying_mid_reply_in_the_chat_says_so_and_names_the_session(
     try:
         chat_.expect("you> ")
         chat_.send("call fx__slow_note text=x seconds=30")
-        chat_.expect("→ fx__slow_note")  # it has the reply's first events (see the test above)
+        chat_.expect("→ fx__slow_note")
         for _ in range(200):  # bounded: until the tool runs
             if effect_lines(effects):
                 break

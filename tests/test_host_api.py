@@ -9,6 +9,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -21,7 +22,7 @@ from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
 
-from .host_util import SLOW_MODEL, Procs, processes, stub
+from .host_util import SLOW_MODEL, Procs, get_session, processes, stub
 from .host_util import reply_once as reply
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,6 +112,46 @@ async def test_sessions_are_listed_most_recently_updated_first_within_a_second(h
         listed = await stub(channel).ListSessions(host_pb2.ListSessionsRequest(limit=2), timeout=10)
     assert [s.session_id for s in listed.sessions] == [a, b]
     assert all(len(s.updated_at) == len("2026-12-02T05:40:01+00:00") for s in listed.sessions), listed
+
+
+async def test_the_first_reply_event_names_the_session_once_its_message_is_stored(procs: Procs, tmp_path: Path) -> None:
+    """The host sends the first ReplyEvent, with no item, as soon as it has stored the user's
+    message, though an on_reply middleware holds the ReplyStartEvent: the client knows the session
+    the host minted, and when the host dies mid-reply the restarted one shows the message in it.
+    Before, the client heard nothing until the first item passed the middleware: a host that died
+    meanwhile left a session stored that the client could not name. A refused reply still gets
+    no ReplyEvent, only its status."""
+    held = procs.start("held", ["-m", "tests.raw_mw", "hold_start", "--address", "127.0.0.1:0"])
+    db = tmp_path / "s.db"
+    host = procs.host(db, "--middleware", f"held={held.address}")
+    start = host_pb2.StartReply()
+    codec.encode(UserMsg("hello"), start.message)
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        call = stub(channel).Reply(iter([host_pb2.ReplyRequest(start=start)]), timeout=30)
+        first = await asyncio.wait_for(call.read(), 15)
+        assert first.session_id and not first.items, first
+        sid = first.session_id
+        assert held.wait_for_line("holding the ReplyStartEvent") == f"holding the ReplyStartEvent of session {sid}"
+        listed = await stub(channel).ListSessions(host_pb2.ListSessionsRequest(), timeout=10)
+        assert [s.session_id for s in listed.sessions] == [sid]
+
+        busy = host_pb2.StartReply(session_id=sid, refuse_if_busy=True)
+        codec.encode(UserMsg("me too"), busy.message)
+        refused = stub(channel).Reply(iter([host_pb2.ReplyRequest(start=busy)]), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as busy_status:
+            got = await refused.read()  # the status, not a ReplyEvent
+            pytest.fail(f"a refused reply got a ReplyEvent: {got}")
+        assert busy_status.value.code() == grpc.StatusCode.ABORTED
+
+        host.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as broke:
+            async with asyncio.timeout(15):
+                while (more := await call.read()) is not grpc.aio.EOF:
+                    assert not more.items, f"the held reply went on: {more}"
+        assert broke.value.code() == grpc.StatusCode.UNAVAILABLE
+    again = procs.host(db, name="host2")
+    _, state, _ = await get_session(again.address, sid)
+    assert [m.text for m in state.context if m.role.value == "user"] == ["hello"]
 
 
 def test_codec_round_trips_the_empty_id() -> None:

@@ -56,7 +56,7 @@ from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools, regi
 
 from .. import metrics, tracing
 from ..agent import CUT_OFF, Agent, InputRefused
-from ..agent_base import ReplyError
+from ..agent_base import ReplyError, ReplyJournal
 from ..config import HostConfig, MiddlewareConfig
 from ..models import ModelRegistry
 from ..remote import Policy, RemoteMiddleware
@@ -146,6 +146,23 @@ class _Setup:
 
 
 _END = object()
+_ACCEPTED = object()  # the reply is accepted: the client's first ReplyEvent goes now, with no item if need be
+
+
+class _Announcing:
+    """A reply's journal that tells the client once the user turn is stored (ReplyRun.accept).
+    A wrapper, not a field of the journal: the store caches that beyond the reply."""
+
+    def __init__(self, journal: Journal, accepted: Callable[[], None]) -> None:
+        self._journal, self._accepted = journal, accepted
+        self.record_step = journal.record_step
+        self.record_tool_started = journal.record_tool_started
+        self.record_tool_result = journal.record_tool_result
+        self.check_lease = journal.check_lease
+
+    async def begin_reply(self) -> None:
+        await self._journal.begin_reply()
+        self._accepted()
 
 
 class ReplyRun:
@@ -168,6 +185,7 @@ class ReplyRun:
         self.existed = False  # its session was stored when the reply was asked for (_check_access)
         self.withdrawn = False  # interrupted while waiting: it ends at once, nothing stored
         self.last_read = time.monotonic()  # when the client last took items
+        self.told = False  # a ReplyEvent is on its way to the client (accept, or an item): it knows the session
         self._grace: asyncio.TimerHandle | None = None
 
     def interrupt(self, grace: float = INTERRUPT_GRACE) -> None:
@@ -202,8 +220,17 @@ class ReplyRun:
         while not self.queue.empty():
             self.queue.get_nowait()
 
+    def accept(self) -> None:
+        """The reply is accepted (its message stored, or its resumption event checked): the client
+        is told at once, with the session id, though middleware may hold its first item for long
+        (host.proto, ReplyEvent): a call that breaks from now on can name the session."""
+        if not self.told and not self.consumer_gone:
+            self.told = True
+            self.queue.put_nowait(_ACCEPTED)  # nothing queued yet (told): never full
+
     async def put(self, item: Any) -> None:
         if not self.consumer_gone:
+            self.told = True
             await self.queue.put(item)
 
     def end_now(self, final: ReplyRejected) -> None:
@@ -230,6 +257,12 @@ class ReplyRun:
             self.last_read = time.monotonic()
             if self.final is not None and self.queue.empty():  # end_now found the queue full
                 batch += [self.final]
+            if batch[0] is _ACCEPTED:  # first if at all: with the items ready, else alone
+                del batch[0]
+                if not batch or batch[0] is _END or isinstance(batch[0], ReplyRejected):
+                    yield []
+                if not batch:
+                    continue
             end = next((i for i, x in enumerate(batch) if x is _END or isinstance(x, ReplyRejected)), None)
             if end is None:
                 yield batch
@@ -397,9 +430,11 @@ class Host:
             for a in setup.middleware:
                 a.users += 1
             try:
-                agent = self._agent(journal.state, setup, journal)
+                agent = self._agent(journal.state, setup, _Announcing(journal, run.accept))
                 agent.state.owner = run.session_owner
                 self._check_inputs(agent, inputs)
+                if not isinstance(inputs, Msg):  # a resumption: the session holds the reply already
+                    run.accept()
                 if _is_retry(journal.state, inputs):  # the client retries a reply its host stopped during
                     inputs = None  # continue the stored turn: its message is not stored twice
                 run.agent = agent
@@ -516,7 +551,7 @@ class Host:
             lock = self._locks[session_id] = asyncio.Lock()
         return lock
 
-    def _agent(self, state: AgentState, setup: _Setup | None = None, journal: Journal | None = None) -> Agent:
+    def _agent(self, state: AgentState, setup: _Setup | None = None, journal: ReplyJournal | None = None) -> Agent:
         setup = setup or self._setup
         cfg = self.config
         return Agent(

@@ -15,8 +15,9 @@ finish_early (observes every item with one credit, and finishes after the first 
 holds the next item, taken from the inner pipeline while it waited for credits), describe_hangs
 (never answers Describe), preclaim (appends a block under the id of the user's text block before
 that enters the context, with its call_next; removes "its" block at the first item, then passes
-everything on), hold_start (takes the ReplyStartEvent, the user's message stored by then, prints
-"holding the ReplyStartEvent of session ID", and answers nothing more).
+everything on), hold_first (takes the first item, for a new message the ReplyStartEvent, the message stored by
+then; prints "holding the first item, KIND" and for a ReplyStartEvent " of session ID"; answers
+nothing more).
 """
 
 from __future__ import annotations
@@ -157,10 +158,12 @@ def on_reply(mode: str):
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
-        elif mode == "hold_start":
+        elif mode == "hold_first":
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
-            start = hooks_pb2.HostMessage.FromString(await context.read()).item.item.reply_start
-            print(f"holding the ReplyStartEvent of session {start.session_id}", flush=True)
+            item = hooks_pb2.HostMessage.FromString(await context.read()).item.item
+            kind = item.WhichOneof("item")
+            session = f" of session {item.reply_start.session_id}" if kind == "reply_start" else ""
+            print(f"holding the first item, {kind}{session}", flush=True)
         await asyncio.sleep(30)  # the host must give up on its own
 
     return grpc.stream_stream_rpc_method_handler(run, request_deserializer=None, response_serializer=None)

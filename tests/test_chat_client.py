@@ -391,11 +391,11 @@ async def test_a_host_dying_before_the_first_event_still_names_the_session(procs
     restarted host shows with the message. Before, nothing had reached the client, so it printed
     no id: the stored session was lost to the user."""
     db = tmp_path / "sessions.db"
-    held = procs.start("held", ["-m", "tests.raw_mw", "hold_start", "--address", "127.0.0.1:0"])
+    held = procs.start("held", ["-m", "tests.raw_mw", "hold_first", "--address", "127.0.0.1:0"])
     host = procs.host(db, "--middleware", f"held={held.address}")
     chat_ = Chat(host.address, "-m", "hello")
     try:
-        line = held.wait_for_line("holding the ReplyStartEvent of session", timeout=20)
+        line = held.wait_for_line("holding the first item, reply_start", timeout=20)
         time.sleep(0.5)  # the host sent the client its first ReplyEvent before this item (loopback: at once)
         host.kill()
         status, said = chat_.finish()

@@ -18,7 +18,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.service.server import STOP_GRACE
 from agentmw.codec import codec
-from agentmw.data import ReplyEndEvent, ReplyFinishedReason, UserMsg
+from agentmw.data import (
+    ConfirmResult,
+    Msg,
+    ReplyEndEvent,
+    ReplyFinishedReason,
+    RequireUserConfirmEvent,
+    UserConfirmResultEvent,
+    UserMsg,
+)
 from agentmw.v1 import host_pb2
 from clients.launch import ServerProcess, middleware_server
 
@@ -121,7 +129,7 @@ async def test_the_first_reply_event_names_the_session_once_its_message_is_store
     Before, the client heard nothing until the first item passed the middleware: a host that died
     meanwhile left a session stored that the client could not name. A refused reply still gets
     no ReplyEvent, only its status."""
-    held = procs.start("held", ["-m", "tests.raw_mw", "hold_start", "--address", "127.0.0.1:0"])
+    held = procs.start("held", ["-m", "tests.raw_mw", "hold_first", "--address", "127.0.0.1:0"])
     db = tmp_path / "s.db"
     host = procs.host(db, "--middleware", f"held={held.address}")
     start = host_pb2.StartReply()
@@ -131,7 +139,7 @@ async def test_the_first_reply_event_names_the_session_once_its_message_is_store
         first = await asyncio.wait_for(call.read(), 15)
         assert first.session_id and not first.items, first
         sid = first.session_id
-        assert held.wait_for_line("holding the ReplyStartEvent") == f"holding the ReplyStartEvent of session {sid}"
+        assert held.wait_for_line("holding the first item") == f"holding the first item, reply_start of session {sid}"
         listed = await stub(channel).ListSessions(host_pb2.ListSessionsRequest(), timeout=10)
         assert [s.session_id for s in listed.sessions] == [sid]
 
@@ -152,6 +160,32 @@ async def test_the_first_reply_event_names_the_session_once_its_message_is_store
     again = procs.host(db, name="host2")
     _, state, _ = await get_session(again.address, sid)
     assert [m.text for m in state.context if m.role.value == "user"] == ["hello"]
+
+
+async def test_a_resumption_is_accepted_at_once_too(procs: Procs, tmp_path: Path) -> None:
+    """A resumption event gets its first ReplyEvent, with no item, once the host has checked it
+    against the parked reply, while an on_reply middleware holds the resumed reply's first item:
+    the client knows it was taken, not refused. Before, it heard nothing until the item passed."""
+    host = procs.host(tmp_path / "s.db")
+    sid, items = await reply(host.address, "", UserMsg("email bob@example.com saying hi"))
+    ask = next(i for i in items if isinstance(i, RequireUserConfirmEvent))
+    final = items[-1]
+    assert isinstance(final, Msg) and ask.tool_calls, items
+    held = procs.start("held", ["-m", "tests.raw_mw", "hold_first", "--address", "127.0.0.1:0"])
+    answer = UserConfirmResultEvent(
+        reply_id=final.id, confirm_results=[ConfirmResult(confirmed=True, tool_call=c) for c in ask.tool_calls]
+    )
+    start = host_pb2.StartReply(session_id=sid)
+    codec.encode(answer, start.user_confirm_result)
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        await stub(channel).AttachMiddleware(host_pb2.AttachMiddlewareRequest(name="held", address=held.address))
+        call = stub(channel).Reply(iter([host_pb2.ReplyRequest(start=start)]), timeout=30)
+        try:
+            first = await asyncio.wait_for(call.read(), 15)
+            assert first.session_id == sid and not first.items, first
+            assert held.wait_for_line("holding the first item").startswith("holding the first item, tool_")
+        finally:
+            call.cancel()
 
 
 def test_codec_round_trips_the_empty_id() -> None:

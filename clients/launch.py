@@ -43,6 +43,11 @@ class LaunchError(RuntimeError):
 
 
 _ports = random.Random()  # its own generator: choosing ports touches no global random state
+_handed_out: set[int] = set()  # never twice from one process: start_all starts dozens at once
+_handed_out_lock = threading.Lock()
+# What a child that lost the race for its port prints: our servers ("cannot listen on ... (address
+# already in use)"), Node's grpc-js and others ("bind", "address already in use").
+_PORT_TAKEN = re.compile(r"cannot listen on|address already in use|\bbind", re.IGNORECASE)
 
 
 def _ephemeral_low() -> int:
@@ -61,7 +66,11 @@ def unused_port() -> int:
     that way."""
     low = _ephemeral_low()
     for _ in range(50):
-        port = _ports.randrange(max(1024, low - 12000), low)
+        with _handed_out_lock:
+            port = _ports.randrange(max(1024, low - 12000), low)
+            if port in _handed_out:
+                continue
+            _handed_out.add(port)
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
@@ -130,7 +139,7 @@ class ServerProcess:
                 return self._start(unused_port() if chosen else self.port)
             except LaunchError as exc:
                 # A port chosen here can be taken between the probe and the child's bind: another one.
-                if attempts == 0 or "bind" not in str(exc).lower():
+                if attempts == 0 or not _PORT_TAKEN.search(str(exc)):
                     raise
 
     def _start(self, port: int) -> ServerProcess:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -493,14 +492,12 @@ def exporting(service: str, endpoint: str) -> Any:
     return provider
 
 
-def printed(viewer: ServerProcess, wanted: str = "", timeout: float = 10.0) -> list[str]:
-    """The viewer's output lines (indentation kept), once one of them starts with ``wanted``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = [line[4:] for line in viewer.tail(200).splitlines()]  # tail() indents by 4
-        if any(line.startswith(wanted) for line in lines) or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.05)
+def printed(viewer: ServerProcess, through: str = "") -> list[str]:
+    """The viewer's output lines (indentation kept), once one contains ``through``: the last line of
+    the block a test reads, since the lines come in one by one through a reader thread."""
+    if through:
+        viewer.wait_for_line(through)
+    return [line[4:] for line in viewer.tail(200).splitlines()]  # tail() indents by 4
 
 
 def test_viewer_prints_late_spans_under_their_parents_and_pending_ones_at_exit(procs: Procs) -> None:
@@ -529,7 +526,7 @@ def test_viewer_prints_late_spans_under_their_parents_and_pending_ones_at_exit(p
         with tracer.get_tracer("t").start_as_current_span("invoke_agent assistant", context=in_hook) as agent:
             pass
         late = f"late additions to trace {trace_id}  1 spans (of 3), agentmw-tracing"
-        lines = printed(viewer, late)
+        lines = printed(viewer, "invoke_agent assistant")
         assert late in lines, lines
         at = lines.index(late)
         assert lines[at + 1 : at + 3] == [

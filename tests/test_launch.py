@@ -48,15 +48,23 @@ def test_unused_port_hands_out_no_port_twice() -> None:
     assert len(set(ports)) == len(ports)
 
 
-def test_a_child_that_lost_its_chosen_port_is_started_on_another(tmp_path: Path) -> None:
-    # The port is free when probed and taken before the child binds it: the child says so, as
-    # every server of ours does, and start() tries another port instead of failing the test.
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        "agentmw middleware X: cannot listen on 127.0.0.1:{port} (address already in use)",  # transport.listen
+        "RuntimeError: Failed to bind to address 127.0.0.1:{port}; set GRPC_VERBOSITY=debug",  # raw grpcio
+    ],
+    ids=["ours", "raw_grpcio"],
+)
+def test_a_child_that_lost_its_chosen_port_is_started_on_another(tmp_path: Path, refusal: str) -> None:
+    # The port is free when probed and taken before the child binds it: the child says so, and
+    # start() tries another port instead of failing the test.
     lost = tmp_path / "lost"
     child_code = (
         "import pathlib, sys, time; port = sys.argv[1]; lost = pathlib.Path(sys.argv[2])\n"
         "if not lost.exists():\n"
         "    lost.write_text(port)\n"
-        "    sys.exit(f'agentmw middleware X: cannot listen on 127.0.0.1:{port} (address already in use)')\n"
+        f"    sys.exit(f{refusal!r})\n"
         "print(f'listening on 127.0.0.1:{port}', flush=True); time.sleep(30)"
     )
     child = ServerProcess(["-c", child_code, "{port}", str(lost)], name="racer").start()

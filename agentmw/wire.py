@@ -37,11 +37,11 @@ EMITTABLE: dict[str, frozenset[type]] = {
 def to_wire(value: Any) -> Any:
     """Live objects become references: a model its ModelRef, a tool its descriptor. A model is
     recognised by its ``ref`` (the host's ChatModel, which the core does not import)."""
+    if isinstance(value, Tool):  # first: a Tool answers an unknown attribute by raising in its __getattr__
+        return value.descriptor
     ref = getattr(value, "ref", None)  # once: a model's ref is a fresh snapshot each time
     if isinstance(ref, ModelRef):
         return ref
-    if isinstance(value, Tool):
-        return value.descriptor
     return value
 
 

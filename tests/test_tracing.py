@@ -17,9 +17,12 @@ import pytest
 from opentelemetry import trace
 
 from agentmw.data import (
+    AssistantMsg,
     ConfirmResult,
     ModelCallEndEvent,
     ReplyFinishedReason,
+    Role,
+    TextBlock,
     ToolCallBlock,
     ToolResultBlock,
     ToolResultState,
@@ -591,3 +594,14 @@ def test_a_bad_otlp_endpoint_is_refused_at_start(endpoint: str, tmp_path: Path) 
     config.write_text(f"tracing: {{endpoint: '{endpoint}'}}\n")
     host = run_cli("agent_host", "--config", str(config), "--listen", "127.0.0.1:0", "--db", ":memory:", timeout=30)
     assert host.returncode == 2 and f"{endpoint!r} is not an OTLP/gRPC endpoint" in host.stderr, host.stderr
+
+
+def test_span_json_is_written_as_before_on_the_fast_path() -> None:
+    """_dumps lets json's encoder walk the plain data (dataclasses and enums through its default):
+    the same text as converting it all first (_jsonable), also where json refuses a key."""
+    from mw_servers.tracing import _dumps, _jsonable, _message
+
+    result = ToolResultBlock(id="c1", name="t", output=[TextBlock(text="42")], state=ToolResultState.SUCCESS)
+    msg = AssistantMsg([TextBlock(text="hé"), ToolCallBlock(id="c1", name="t", input='{"a": 1}'), result])
+    for value in ([_message(msg, "stop")], {"role": Role.USER, "n": [1, 2.5, None, True]}, {("a", 1): "tuple key"}):
+        assert _dumps(value) == json.dumps(_jsonable(value), ensure_ascii=False, default=str)

@@ -458,12 +458,9 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _json_default(obj: Any) -> Any:
-    """What json cannot write itself, as _jsonable makes it (json recurses into the result)."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    return str(obj)
+    """What json cannot write itself (a dataclass, an enum): as _jsonable makes it, else its str."""
+    value = _jsonable(obj)
+    return str(obj) if value is obj else value
 
 
 def _dumps(obj: Any) -> str:
@@ -490,7 +487,7 @@ def _part(block: Any) -> dict[str, Any] | None:
             arguments = block.input
         return {"type": "tool_call", "id": block.id, "name": block.name, "arguments": arguments}
     if kind == "tool_result":
-        return {"type": "tool_call_response", "id": block.id, "response": _jsonable(block.output)}
+        return {"type": "tool_call_response", "id": block.id, "response": block.output}  # _dumps converts it
     if kind == "data":
         source = block.source
         modality = source.media_type.split("/", 1)[0]

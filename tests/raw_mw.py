@@ -17,7 +17,9 @@ holds the next item, taken from the inner pipeline while it waited for credits),
 that enters the context, with its call_next; removes "its" block at the first item, then passes
 everything on), hold_first (takes the first item, for a new message the ReplyStartEvent, the message stored by
 then; prints "holding the first item, KIND" and for a ReplyStartEvent " of session ID"; answers
-nothing more).
+nothing more), grants_forever (takes the first item and never answers it, but sends a credit grant
+every 0.2 s: busy, not hung), suspends_forever (the same with an empty suspend), empties_forever
+(the same with a message of no command and no action).
 """
 
 from __future__ import annotations
@@ -158,6 +160,20 @@ def on_reply(mode: str):
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
+        elif mode in ("grants_forever", "suspends_forever", "empties_forever"):
+            # Busy, not hung: after the first item, messages that move nothing, every 0.2 s.
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            await context.read()
+            print(f"{mode}: holding the first item", flush=True)
+            while True:
+                if mode == "grants_forever":  # a grant, not the answer: answers_seq is another item's
+                    await context.write(out(hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(credits=1, answers_seq=0))))
+                elif mode == "suspends_forever":  # paused at a yield that emitted nothing; read the resume
+                    await context.write(out(hooks_pb2.MiddlewareMessage(suspend=hooks_pb2.Suspend())))
+                    await context.read()
+                else:  # no command and no action
+                    await context.write(out(hooks_pb2.MiddlewareMessage()))
+                await asyncio.sleep(0.2)
         elif mode == "hold_first":
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             item = hooks_pb2.HostMessage.FromString(await context.read()).item.item

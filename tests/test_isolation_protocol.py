@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,6 +257,27 @@ async def test_a_hang_in_one_session_leaves_the_middleware_to_every_other(
     assert remote.confirming is not None and remote.confirming.done()  # the Describe after it: answered
     assert not remote.skipped() and not remote.unresponsive and remote.hangs == 0
     await remote.close()
+
+
+@pytest.mark.parametrize("mode", ["grants_forever", "suspends_forever", "empties_forever"])
+async def test_a_middleware_busy_with_messages_that_answer_nothing_times_out_as_a_silent_one(mode: str) -> None:
+    """It takes the first item and never answers it, but every 0.2 s sends a message that moves
+    nothing (tests/raw_mw.py): a credit grant (answers_seq another item's), a suspend with no emit,
+    or neither command nor action. Each one used to restart the timeout, so the reply was held for
+    as long as the middleware kept it up; now the wait keeps its deadline, and the call fails after
+    the timeout, saying what came meanwhile."""
+    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
+        start = time.monotonic()
+        end = end_of(await reply(make_agent(remote), "hi"))
+        assert time.monotonic() - start < TIMEOUT * 4
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        said = re.search(r"no answer within 1s \(timeout; (\d+) messages meanwhile answered nothing", end.error.message)
+        assert said and int(said.group(1)) >= 2, end.error.message
+        await remote.close()
+    finally:
+        proc.stop()
 
 
 async def test_a_failure_is_judged_by_the_description_the_call_began_with(

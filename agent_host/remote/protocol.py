@@ -111,6 +111,9 @@ class HookCall:
     loop: asyncio.AbstractEventLoop  # set by _watch, before the first wait
     watchdog: asyncio.TimerHandle | None = None
     waiting_since: float | None = None  # time.monotonic() since when the host waits on the stream
+    read_since: float = 0.0  # when the wait of the last read began
+    stalled_since: float | None = None  # set by _moved_nothing: the next read continues that wait
+    moved_nothing: int = 0  # messages of the current wait that answered nothing (named at a timeout)
     waiter: asyncio.Task[Any] | None = None  # the task waiting on the stream now
     timed_out: bool = False
     span: Any = None  # this invocation's span, when the host traces
@@ -412,7 +415,10 @@ class HookCall:
                 if item is not NOTHING:
                     yield item
             command = msg.WhichOneof("command")
-            if command == "call_next":
+            if command is None:
+                if not msg.actions:
+                    self._moved_nothing()
+            elif command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
                     raise self._violation("call_next in on_system_prompt (a transformer has no inner pipeline)")
                 await self._start_inner(msg.call_next)
@@ -425,12 +431,16 @@ class HookCall:
                     raise self._violation("pull before call_next")
                 if self.held_seq and pull.HasField("answers_seq") and pull.answers_seq != self.held_seq:
                     self.credits += max(pull.credits, 1)  # a credit grant, not the answer to the held item
+                    if not msg.actions:
+                        self._moved_nothing()
                     continue
                 self.held_seq = 0
                 advance = max(pull.credits, 1)
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
+                if not msg.actions:  # paused at a yield that emitted nothing
+                    self._moved_nothing()
                 resume = hooks_pb2.HostMessage(invocation=self.invocation)
                 resume.resume.SetInParent()
                 self._context(resume.resume.context)
@@ -571,7 +581,10 @@ class HookCall:
             command = msg.WhichOneof("command")
             if command == "pull":
                 self.credits += max(msg.pull.credits, 1)
-            elif command is not None:
+            elif command is None:
+                if not msg.actions:
+                    self._moved_nothing()
+            else:
                 self.deferred = hooks_pb2.MiddlewareMessage()
                 self.deferred.CopyFrom(msg)
                 del self.deferred.actions[:]
@@ -784,6 +797,14 @@ class HookCall:
             timeout - (now - since) if since is not None else timeout, self._check_wait
         )
 
+    def _moved_nothing(self) -> None:
+        """The message just read answers nothing (a credit grant while the host holds an item, a
+        suspend with no emit, neither command nor action): the wait it came in goes on with its
+        deadline, so a middleware that keeps sending such messages times out as a silent one
+        does, instead of holding the reply for ever (hooks.proto, FAILURE)."""
+        self.stalled_since = self.read_since
+        self.moved_nothing += 1
+
     def _fail_if_timed_out(self, what: str) -> None:
         """On a CancelledError while waiting: raise the failure when our watchdog cancelled the
         wait; return when the reply itself was cancelled (that wins: the caller re-raises)."""
@@ -792,10 +813,12 @@ class HookCall:
         task = self.waiter
         if task is not None and task.uncancel() > 0:
             return  # the reply was cancelled as well
+        what = f"{what} within {self.mw.policy.timeout:g}s (timeout"
         if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
-            what = f"{what} within {self.mw.policy.timeout:g}s (timeout; {self.unlabelled} ignored: {MISSING_ID})"
-        else:
-            what = f"{what} within {self.mw.policy.timeout:g}s (timeout)"
+            what += f"; {self.unlabelled} ignored: {MISSING_ID}"
+        if self.moved_nothing:
+            what += f"; {self.moved_nothing} messages meanwhile answered nothing: credit grants, empty suspends"
+        what += ")"
         raise NoAnswer(self.mw.name, self.spec.name, what) from None
 
     def notify_interrupted(self) -> None:
@@ -900,7 +923,11 @@ class HookCall:
         stream (sent after their finish) are dropped; they count against the same deadline."""
         if self.copies or self.flusher is not None or self.copy_error is not None:
             await self._write_copies()  # what it may be waiting for goes out first (or their failure)
-        since = time.monotonic()
+        if self.stalled_since is None:  # a new wait
+            since, self.moved_nothing = time.monotonic(), 0
+        else:  # the last message answered nothing: the same wait goes on
+            since, self.stalled_since = self.stalled_since, None
+        self.read_since = since
         while True:
             self.waiting_since, self.waiter = since, asyncio.current_task(self.loop)
             try:

@@ -19,7 +19,8 @@ everything on), hold_first (takes the first item, for a new message the ReplySta
 then; prints "holding the first item, KIND" and for a ReplyStartEvent " of session ID"; answers
 nothing more), grants_forever (takes the first item and never answers it, but sends a credit grant
 every 0.2 s: busy, not hung), suspends_forever (the same with an empty suspend), empties_forever
-(the same with a message of no command and no action).
+(the same with a message of no command and no action), mutates_forever (the same with a message that only sets
+its slot).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def on_reply(mode: str):
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
-        elif mode in ("grants_forever", "suspends_forever", "empties_forever"):
+        elif mode in ("grants_forever", "suspends_forever", "empties_forever", "mutates_forever"):
             # Busy, not hung: after the first item, messages that move nothing, every 0.2 s.
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             await context.read()
@@ -171,6 +172,10 @@ def on_reply(mode: str):
                 elif mode == "suspends_forever":  # paused at a yield that emitted nothing; read the resume
                     await context.write(out(hooks_pb2.MiddlewareMessage(suspend=hooks_pb2.Suspend())))
                     await context.read()
+                elif mode == "mutates_forever":  # a state change alone: its slot, again and again
+                    msg = hooks_pb2.MiddlewareMessage()
+                    msg.actions.add().mutate.set_slot.number_value = 1
+                    await context.write(out(msg))
                 else:  # no command and no action
                     await context.write(out(hooks_pb2.MiddlewareMessage()))
                 await asyncio.sleep(0.2)

@@ -74,6 +74,12 @@ _GUARDED: dict[str, Callable[[Any], Any]] = {
 STOP_AFTER_INTERRUPT = 2.0
 
 
+def _emits(msg: hooks_pb2.MiddlewareMessage) -> bool:
+    """Whether the message yields an item outward: the only action that is an answer in itself (the
+    client sees it), where state changes alone are not."""
+    return any(action.HasField("emit") for action in msg.actions)
+
+
 class _Unconverted(Exception):
     """Carries out of HookCall's generators what a generator frame turns into a RuntimeError (PEP
     479): a StopAsyncIteration (or StopIteration) the middleware, or the inner pipeline, raised in a
@@ -416,7 +422,7 @@ class HookCall:
                     yield item
             command = msg.WhichOneof("command")
             if command is None:
-                if not msg.actions:
+                if not _emits(msg):
                     self._moved_nothing()
             elif command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
@@ -431,7 +437,7 @@ class HookCall:
                     raise self._violation("pull before call_next")
                 if self.held_seq and pull.HasField("answers_seq") and pull.answers_seq != self.held_seq:
                     self.credits += max(pull.credits, 1)  # a credit grant, not the answer to the held item
-                    if not msg.actions:
+                    if not _emits(msg):
                         self._moved_nothing()
                     continue
                 self.held_seq = 0
@@ -439,7 +445,7 @@ class HookCall:
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
-                if not msg.actions:  # paused at a yield that emitted nothing
+                if not _emits(msg):  # paused at a yield that emitted nothing
                     self._moved_nothing()
                 resume = hooks_pb2.HostMessage(invocation=self.invocation)
                 resume.resume.SetInParent()
@@ -582,7 +588,7 @@ class HookCall:
             if command == "pull":
                 self.credits += max(msg.pull.credits, 1)
             elif command is None:
-                if not msg.actions:
+                if not _emits(msg):
                     self._moved_nothing()
             else:
                 self.deferred = hooks_pb2.MiddlewareMessage()
@@ -798,10 +804,11 @@ class HookCall:
         )
 
     def _moved_nothing(self) -> None:
-        """The message just read answers nothing (a credit grant while the host holds an item, a
-        suspend with no emit, neither command nor action): the wait it came in goes on with its
-        deadline, so a middleware that keeps sending such messages times out as a silent one
-        does, instead of holding the reply for ever (hooks.proto, FAILURE)."""
+        """The message just read answers nothing: no command that moves the call on (a credit grant
+        while the host holds an item, a suspend, or none) and no item emitted (state changes alone,
+        or nothing). The wait it came in goes on with its deadline, so a middleware that keeps
+        sending such messages times out as a silent one does, instead of holding the reply for ever
+        (hooks.proto, FAILURE)."""
         self.stalled_since = self.read_since
         self.moved_nothing += 1
 
@@ -817,7 +824,7 @@ class HookCall:
         if self.unlabelled:  # the likely reason it never answered, as far as the host can tell
             what += f"; {self.unlabelled} ignored: {MISSING_ID}"
         if self.moved_nothing:
-            what += f"; {self.moved_nothing} messages meanwhile answered nothing: credit grants, empty suspends"
+            what += f"; {self.moved_nothing} messages meanwhile answered nothing (no item, no answer)"
         what += ")"
         raise NoAnswer(self.mw.name, self.spec.name, what) from None
 

@@ -74,12 +74,6 @@ _GUARDED: dict[str, Callable[[Any], Any]] = {
 STOP_AFTER_INTERRUPT = 2.0
 
 
-def _emits(msg: hooks_pb2.MiddlewareMessage) -> bool:
-    """Whether the message yields an item outward: the only action that is an answer in itself (the
-    client sees it), where state changes alone are not."""
-    return any(action.HasField("emit") for action in msg.actions)
-
-
 class _Unconverted(Exception):
     """Carries out of HookCall's generators what a generator frame turns into a RuntimeError (PEP
     479): a StopAsyncIteration (or StopIteration) the middleware, or the inner pipeline, raised in a
@@ -416,13 +410,17 @@ class HookCall:
                 return
             msg = self.deferred or await self._read()
             self.deferred = None
+            # Whether it emitted: an item is an answer in itself (the client sees it), where state
+            # changes alone are not (_moved_nothing).
+            emitted = False
             for action in msg.actions:  # inline, not a generator per message (the per-item path)
                 item = self._apply(action)
                 if item is not NOTHING:
+                    emitted = True
                     yield item
             command = msg.WhichOneof("command")
             if command is None:
-                if not _emits(msg):
+                if not emitted:
                     self._moved_nothing()
             elif command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
@@ -437,7 +435,7 @@ class HookCall:
                     raise self._violation("pull before call_next")
                 if self.held_seq and pull.HasField("answers_seq") and pull.answers_seq != self.held_seq:
                     self.credits += max(pull.credits, 1)  # a credit grant, not the answer to the held item
-                    if not _emits(msg):
+                    if not emitted:
                         self._moved_nothing()
                     continue
                 self.held_seq = 0
@@ -445,7 +443,7 @@ class HookCall:
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
-                if not _emits(msg):  # paused at a yield that emitted nothing
+                if not emitted:  # paused at a yield that emitted nothing
                     self._moved_nothing()
                 resume = hooks_pb2.HostMessage(invocation=self.invocation)
                 resume.resume.SetInParent()
@@ -580,15 +578,17 @@ class HookCall:
         call_next) is left in ``self.deferred`` for the main loop."""
         while self.credits <= 0:
             msg = await self._read()
+            emitted = False
             for action in msg.actions:
-                emitted = self._apply(action)
-                if emitted is not NOTHING:
-                    yield emitted
+                item = self._apply(action)
+                if item is not NOTHING:
+                    emitted = True
+                    yield item
             command = msg.WhichOneof("command")
             if command == "pull":
                 self.credits += max(msg.pull.credits, 1)
             elif command is None:
-                if not _emits(msg):
+                if not emitted:
                     self._moved_nothing()
             else:
                 self.deferred = hooks_pb2.MiddlewareMessage()

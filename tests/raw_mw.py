@@ -20,7 +20,7 @@ then; prints "holding the first item, KIND" and for a ReplyStartEvent " of sessi
 nothing more), grants_forever (takes the first item and never answers it, but sends a credit grant
 every 0.2 s: busy, not hung), suspends_forever (the same with an empty suspend), empties_forever
 (the same with a message of no command and no action), mutates_forever (the same with a message that only sets
-its slot).
+its slot), grants_flood (credit grants as fast as it can write them).
 """
 
 from __future__ import annotations
@@ -161,13 +161,14 @@ def on_reply(mode: str):
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
         elif mode == "early_eof":
             return
-        elif mode in ("grants_forever", "suspends_forever", "empties_forever", "mutates_forever"):
-            # Busy, not hung: after the first item, messages that move nothing, every 0.2 s.
+        elif mode in ("grants_forever", "grants_flood", "suspends_forever", "empties_forever", "mutates_forever"):
+            # Busy, not hung: after the first item, messages that move nothing, every 0.2 s (a flood:
+            # as fast as it can write them).
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             await context.read()
             print(f"{mode}: holding the first item", flush=True)
             while True:
-                if mode == "grants_forever":  # a grant, not the answer: answers_seq is another item's
+                if mode.startswith("grants"):  # a grant, not the answer: answers_seq is another item's
                     await context.write(out(hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(credits=1, answers_seq=0))))
                 elif mode == "suspends_forever":  # paused at a yield that emitted nothing; read the resume
                     await context.write(out(hooks_pb2.MiddlewareMessage(suspend=hooks_pb2.Suspend())))
@@ -178,7 +179,7 @@ def on_reply(mode: str):
                     await context.write(out(msg))
                 else:  # no command and no action
                     await context.write(out(hooks_pb2.MiddlewareMessage()))
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0 if mode == "grants_flood" else 0.2)
         elif mode == "hold_first":
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             item = hooks_pb2.HostMessage.FromString(await context.read()).item.item

@@ -72,6 +72,10 @@ _GUARDED: dict[str, Callable[[Any], Any]] = {
 # Seconds a middleware may go on sending items after its reply was interrupted (its end has to flow
 # out through it) before the reply goes on without it: well within the host's INTERRUPT_GRACE.
 STOP_AFTER_INTERRUPT = 2.0
+# Messages in a row, within one wait, that answer nothing (_moved_nothing) before the wait is taken
+# for a flood: a sound middleware sends a few (a credit grant crossing an item, state changes while
+# its code awaits something else); a flood of them cost the host most of a core until the timeout.
+MAX_IDLE_MESSAGES = 1000
 
 
 class _Unconverted(Exception):
@@ -807,10 +811,13 @@ class HookCall:
         """The message just read answers nothing: no command that moves the call on (a credit grant
         while the host holds an item, a suspend, or none) and no item emitted (state changes alone,
         or nothing). The wait it came in goes on with its deadline, so a middleware that keeps
-        sending such messages times out as a silent one does, instead of holding the reply for ever
-        (hooks.proto, FAILURE)."""
+        sending such messages times out as a silent one does, instead of holding the reply for ever,
+        and a flood of them is a violation at once (hooks.proto, FAILURE)."""
         self.stalled_since = self.read_since
         self.moved_nothing += 1
+        if self.moved_nothing > MAX_IDLE_MESSAGES:
+            what = f"more than {MAX_IDLE_MESSAGES} messages in a row that answered nothing (no item, no answer)"
+            raise self._violation(what)
 
     def _fail_if_timed_out(self, what: str) -> None:
         """On a CancelledError while waiting: raise the failure when our watchdog cancelled the

@@ -20,7 +20,9 @@ then; prints "holding the first item, KIND" and for a ReplyStartEvent " of sessi
 nothing more), grants_forever (takes the first item and never answers it, but sends a credit grant
 every 0.2 s: busy, not hung), suspends_forever (the same with an empty suspend), empties_forever
 (the same with a message of no command and no action), mutates_forever (the same with a message that only sets
-its slot), grants_flood (credit grants as fast as it can write them).
+its slot), grants_flood (credit grants as fast as it can write them), break_reused (a pass-through
+that breaks a stream the host sends a second begin on, as a dropped connection does; declared
+eager_next: break_reused_eager).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         self.hooks = [hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REPLY)]
         if mode == "unserved":
             self.hooks.append(hooks_pb2.HookDescription(hook=hooks_pb2.HOOK_ON_REASONING))
+        if mode == "break_reused_eager":
+            self.hooks[0].eager_next = True  # the host starts the inner pipeline at begin
         if mode == "finish_early":
             self.hooks[0].default_mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE
         if mode in ("seqs", "burst"):
@@ -180,6 +184,20 @@ def on_reply(mode: str):
                 else:  # no command and no action
                     await context.write(out(hooks_pb2.MiddlewareMessage()))
                 await asyncio.sleep(0 if mode == "grants_flood" else 0.2)
+        elif mode in ("break_reused", "break_reused_eager"):
+            # A pass-through, one invocation per stream: a second begin on the same stream breaks it,
+            # as a connection that dropped does (a restarted server whose idle streams the host kept).
+            if mode == "break_reused":
+                await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            while (got := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
+                answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=got.item.seq))
+                answer.actions.add().emit.forward_seq = got.item.seq
+                await context.write(out(answer))
+            await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
+            if await context.read() is grpc.aio.EOF:
+                return
+            print("breaking a reused stream", flush=True)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer")
         elif mode == "hold_first":
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             item = hooks_pb2.HostMessage.FromString(await context.read()).item.item

@@ -297,6 +297,27 @@ async def test_a_flood_of_messages_that_answer_nothing_is_a_violation_at_once() 
         proc.stop()
 
 
+@pytest.mark.parametrize("mode", ["break_reused", "break_reused_eager"])
+async def test_a_reused_stream_that_breaks_before_any_answer_is_replaced_once(mode: str) -> None:
+    """The host keeps a middleware's streams for the next call. Restarted between two replies, the
+    server takes those streams with its connection, and a host that has not noticed yet (under
+    load its gRPC threads lag) sends the next begin on one of them. Here the server breaks the
+    stream at that begin (tests/raw_mw.py break_reused): the middleware answered nothing, so what
+    the host sent (the begin; declared eager_next, the first item too) goes again on a new stream,
+    and the reply completes. Before, that reply failed."""
+    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
+        agent = make_agent(remote)
+        for _ in range(3):  # the first opens the stream; each later one finds it kept, and broken
+            end = end_of(await reply(agent, "hi"))
+            assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+        proc.wait_for_line("breaking a reused stream")
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 async def test_a_failure_is_judged_by_the_description_the_call_began_with(
     evil: Any, scripts: Path, tmp_path: Path
 ) -> None:

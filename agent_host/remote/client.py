@@ -654,6 +654,16 @@ class RemoteMiddleware:
                 return call, True
         return self.stubs[hook](), False
 
+    def stream_went_stale(self, hook: str) -> Any:
+        """A reused idle stream of ``hook`` broke at its first use: its connection dropped (a
+        restarted server) before the host noticed. The other idle streams went with it, and the
+        server may be another version now: a new stream, and the next call describes it again. The
+        stream does not wait for a connection: a server that is down fails the call at once, as the
+        broken stream did (waiting for it to come back is the next Describe's business)."""
+        self.described = False
+        self._drop_idle()
+        return self.stubs[hook](wait_for_ready=False)
+
     def release_stream(self, hook: str, call: Any) -> None:
         idle = self.idle[hook]
         if len(idle) < MAX_IDLE_STREAMS and not call.done():

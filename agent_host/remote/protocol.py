@@ -76,6 +76,8 @@ STOP_AFTER_INTERRUPT = 2.0
 # for a flood: a sound middleware sends a few (a credit grant crossing an item, state changes while
 # its code awaits something else); a flood of them cost the host most of a core until the timeout.
 MAX_IDLE_MESSAGES = 1000
+# Messages kept to send again if a reused stream turns out broken before any answer (_start_over).
+MAX_RESENT = 64
 
 
 class _Unconverted(Exception):
@@ -123,6 +125,7 @@ class HookCall:
     span: Any = None  # this invocation's span, when the host traces
     invocation: int = 0  # this invocation's id on the wire (hooks.proto, INVOCATION IDS)
     reused: bool = False  # the stream carried earlier invocations (their late messages may follow)
+    resend: list[hooks_pb2.HostMessage] | None = None  # sent on a reused stream, none answered yet
     unlabelled: int = 0  # messages without an invocation id dropped on a reused stream
     emitted: int = 0  # new items the middleware emitted, against policy.max_items
     opened: OpenedBlocks | None = None  # fail_open: blocks its emits started and did not end (closed on bypass)
@@ -347,6 +350,8 @@ class HookCall:
             self.result = self.inner_result
             return
         self.call, self.reused = self.mw.take_stream(self.spec.name)
+        if self.reused:
+            self.resend = []  # until the middleware answers: see _start_over
         self._watch()
         open_calls = getattr(self.agent, "open_calls", None)  # an Agent of the host's (interrupt() tells them)
         if open_calls is not None:
@@ -905,6 +910,11 @@ class HookCall:
     # no running-loop lookup.
 
     async def _send(self, msg: hooks_pb2.HostMessage) -> None:
+        if self.resend is not None:
+            if len(self.resend) < MAX_RESENT:
+                self.resend.append(msg)
+            else:
+                self.resend = None  # too much to send again: this call will not start over
         self.waiting_since, self.waiter = time.monotonic(), asyncio.current_task(self.loop)
         self.sending = True
         try:
@@ -913,8 +923,12 @@ class HookCall:
             self._fail_if_timed_out("could not send")
             raise
         except grpc.aio.AioRpcError as exc:
+            if await self._start_over():
+                return
             raise self._broken(exc.code(), exc.details()) from None
         except asyncio.InvalidStateError:  # it had ended already: how, its status says (the write does not)
+            if await self._start_over():
+                return
             if not self.call.done():
                 raise StreamBroken(self.mw.name, self.spec.name, "the stream ended") from None
             code = await self.call.code()
@@ -926,6 +940,23 @@ class HookCall:
             self.sending = False
             if self.copies and self.flusher is None:  # an interrupt's notice queued while this was written
                 self.flusher = self.loop.create_task(self._flush_copies())
+
+    async def _start_over(self) -> bool:
+        """A reused stream broke before the middleware answered anything of this invocation: it went
+        with a connection that dropped (a restarted server) before the host noticed, so the
+        middleware never got the invocation. Once, what was sent goes again, in order, on a new
+        stream (hooks.proto, STREAMS ARE REUSED). Not while another task writes (copies in flight):
+        then the call fails as before. True when it started over."""
+        sent = self.resend
+        if sent is None or self.flusher is not None:
+            return False
+        self.resend = None
+        self.call.cancel()
+        self.call, self.reused = self.mw.stream_went_stale(self.spec.name), False
+        log.debug("%s %s: a kept stream had broken; the call starts over on a new one", self.mw.name, self.spec.name)
+        for msg in sent:
+            await self._send(msg)
+        return True
 
     def _broken(self, code: grpc.StatusCode, details: str | None) -> StreamBroken:
         """The stream failed underneath, with this status. UNAVAILABLE is a connection gone (the
@@ -953,10 +984,14 @@ class HookCall:
                 what = f"{exc.code().name}: {exc.details()}"
                 if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
                     raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
+                if await self._start_over():
+                    continue
                 raise self._broken(exc.code(), exc.details()) from None
             finally:
                 self.waiting_since = self.waiter = None
             if msg is grpc.aio.EOF:
+                if await self._start_over():
+                    continue
                 raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish")
             if msg is None:  # grpc.aio hands over None when the bytes do not parse
                 raise ProtocolError(self.mw.name, self.spec.name, "malformed message (not a MiddlewareMessage)")
@@ -969,6 +1004,8 @@ class HookCall:
             invocation = msg.invocation
             if invocation == self.invocation:
                 self.applied += 1  # its actions are applied before the host sends anything else
+                if self.resend is not None:  # it answered: the stream was sound
+                    self.resend = None
                 interrupted = getattr(self.agent, "interrupted_at", None)
                 if interrupted is not None and time.monotonic() - interrupted > STOP_AFTER_INTERRUPT:
                     self._stop_after_interrupt(msg)

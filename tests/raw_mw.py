@@ -22,7 +22,8 @@ every 0.2 s: busy, not hung), suspends_forever (the same with an empty suspend),
 (the same with a message of no command and no action), mutates_forever (the same with a message that only sets
 its slot), grants_flood (credit grants as fast as it can write them), break_reused (a pass-through
 that breaks a stream the host sends a second begin on, as a dropped connection does; declared
-eager_next: break_reused_eager).
+eager_next: break_reused_eager; refuse_reused ends it with RESOURCE_EXHAUSTED instead, the answer of
+a live server).
 """
 
 from __future__ import annotations
@@ -184,10 +185,10 @@ def on_reply(mode: str):
                 else:  # no command and no action
                     await context.write(out(hooks_pb2.MiddlewareMessage()))
                 await asyncio.sleep(0 if mode == "grants_flood" else 0.2)
-        elif mode in ("break_reused", "break_reused_eager"):
+        elif mode in ("break_reused", "break_reused_eager", "refuse_reused"):
             # A pass-through, one invocation per stream: a second begin on the same stream breaks it,
             # as a connection that dropped does (a restarted server whose idle streams the host kept).
-            if mode == "break_reused":
+            if mode != "break_reused_eager":  # (declared eager_next, the host starts the inner pipeline)
                 await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             while (got := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
                 answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=got.item.seq))
@@ -197,6 +198,8 @@ def on_reply(mode: str):
             if await context.read() is grpc.aio.EOF:
                 return
             print("breaking a reused stream", flush=True)
+            if mode == "refuse_reused":  # an answer of a live server, not a dropped connection
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no more streams for you")
             await context.abort(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer")
         elif mode == "hold_first":
             await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))

@@ -318,6 +318,22 @@ async def test_a_reused_stream_that_breaks_before_any_answer_is_replaced_once(mo
         proc.stop()
 
 
+async def test_a_reused_stream_a_live_server_refuses_is_not_tried_again() -> None:
+    """Only a stream that went with its connection starts over: one the server ends with a status
+    of its own (RESOURCE_EXHAUSTED here) is its answer, and the call fails as it did."""
+    proc = ServerProcess(["-m", "tests.raw_mw", "refuse_reused", "--address", "127.0.0.1:0"]).start()
+    try:
+        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
+        agent = make_agent(remote)
+        assert end_of(await reply(agent, "hi")).finished_reason == ReplyFinishedReason.COMPLETED
+        end = end_of(await reply(agent, "hi"))
+        assert end.finished_reason == ReplyFinishedReason.ERROR
+        assert "RESOURCE_EXHAUSTED: no more streams for you" in end.error.message, end.error.message
+        await remote.close()
+    finally:
+        proc.stop()
+
+
 async def test_a_failure_is_judged_by_the_description_the_call_began_with(
     evil: Any, scripts: Path, tmp_path: Path
 ) -> None:

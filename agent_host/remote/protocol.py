@@ -76,8 +76,11 @@ STOP_AFTER_INTERRUPT = 2.0
 # for a flood: a sound middleware sends a few (a credit grant crossing an item, state changes while
 # its code awaits something else); a flood of them cost the host most of a core until the timeout.
 MAX_IDLE_MESSAGES = 1000
-# Messages kept to send again if a reused stream turns out broken before any answer (_start_over).
+# Messages kept to send again if a reused stream turns out broken before any answer (_start_over),
+# and the statuses that say the stream went with its connection (not an answer of a live server:
+# RESOURCE_EXHAUSTED, UNIMPLEMENTED, UNAUTHENTICATED, ...).
 MAX_RESENT = 64
+_GONE = frozenset((grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED))
 
 
 class _Unconverted(Exception):
@@ -923,7 +926,7 @@ class HookCall:
             self._fail_if_timed_out("could not send")
             raise
         except grpc.aio.AioRpcError as exc:
-            if await self._start_over():
+            if exc.code() in _GONE and await self._start_over():
                 return
             raise self._broken(exc.code(), exc.details()) from None
         except asyncio.InvalidStateError:  # it had ended already: how, its status says (the write does not)
@@ -984,7 +987,7 @@ class HookCall:
                 what = f"{exc.code().name}: {exc.details()}"
                 if exc.code() == grpc.StatusCode.INTERNAL and "parse" in (exc.details() or "").lower():
                     raise ProtocolError(self.mw.name, self.spec.name, f"malformed message ({what})") from None
-                if await self._start_over():
+                if exc.code() in _GONE and await self._start_over():
                     continue
                 raise self._broken(exc.code(), exc.details()) from None
             finally:

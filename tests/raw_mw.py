@@ -58,6 +58,13 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         return hooks_pb2.MiddlewareDescription(key="Raw", protocol_version="v1", hooks=self.hooks)
 
 
+def forwarded(seq: int) -> hooks_pb2.MiddlewareMessage:
+    """The answer of a pass-through to the intercepted item ``seq``: re-emit it, ask for the next."""
+    answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=seq))
+    answer.actions.add().emit.forward_seq = seq
+    return answer
+
+
 def on_reply(mode: str):
     async def run(request_iterator, context):
         first = await context.read()  # begin
@@ -136,9 +143,7 @@ def on_reply(mode: str):
                     break
                 seqs.append(msg.item.seq)
                 if not msg.item.observed:  # the final Msg: forward it
-                    answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=msg.item.seq))
-                    answer.actions.add().emit.forward_seq = msg.item.seq
-                    await context.write(out(answer))
+                    await context.write(out(forwarded(msg.item.seq)))
             if seqs != list(range(1, len(seqs) + 1)):
                 await context.write(out(hooks_pb2.MiddlewareMessage(fail=hooks_pb2.Fail(message=f"seqs {seqs}"))))
             elif mode == "burst" and largest < 2:
@@ -154,8 +159,7 @@ def on_reply(mode: str):
             block.text.id, block.text.text = claimed, "preclaimed"
             await context.write(out(msg))
             while (got := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
-                answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=got.item.seq))
-                answer.actions.add().emit.forward_seq = got.item.seq
+                answer = forwarded(got.item.seq)
                 if claimed:  # the user's message is in the context now, under the same id
                     answer.actions.add().mutate.remove_block, claimed = claimed, ""
                 await context.write(out(answer))
@@ -191,9 +195,7 @@ def on_reply(mode: str):
             if mode != "break_reused_eager":  # (declared eager_next, the host starts the inner pipeline)
                 await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
             while (got := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
-                answer = hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(answers_seq=got.item.seq))
-                answer.actions.add().emit.forward_seq = got.item.seq
-                await context.write(out(answer))
+                await context.write(out(forwarded(got.item.seq)))
             await context.write(out(hooks_pb2.MiddlewareMessage(finish=hooks_pb2.Finish())))
             if await context.read() is grpc.aio.EOF:
                 return

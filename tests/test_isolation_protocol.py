@@ -9,7 +9,7 @@ import json
 import math
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,20 @@ def evil(scripts: Path) -> Iterator[Any]:
     def start(*flags: str) -> ServerProcess:
         argv = ["-m", "tests.evil_mw", "--scripts", str(scripts), "--address", "127.0.0.1:0", *flags]
         procs.append(ServerProcess(argv).start())
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture
+def raw() -> Iterator[Callable[[str], ServerProcess]]:
+    """Starts tests/raw_mw.py servers, one mode each, stopped at the end."""
+    procs: list[ServerProcess] = []
+
+    def start(mode: str) -> ServerProcess:
+        procs.append(ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start())
         return procs[-1]
 
     yield start
@@ -260,78 +274,65 @@ async def test_a_hang_in_one_session_leaves_the_middleware_to_every_other(
 
 
 @pytest.mark.parametrize("mode", ["grants_forever", "suspends_forever", "empties_forever", "mutates_forever"])
-async def test_a_middleware_busy_with_messages_that_answer_nothing_times_out_as_a_silent_one(mode: str) -> None:
+async def test_a_middleware_busy_with_messages_that_answer_nothing_times_out_as_a_silent_one(
+    raw: Any, mode: str
+) -> None:
     """It takes the first item and never answers it, but every 0.2 s sends a message that moves
     nothing (tests/raw_mw.py): a credit grant (answers_seq another item's), a suspend with no emit,
     neither command nor action, or a change of its slot alone. Each one used to restart the
     timeout, so the reply was held for as long as the middleware kept it up; now the wait keeps
     its deadline, and the call fails after the timeout, saying what came meanwhile."""
-    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
-        start = time.monotonic()
-        end = end_of(await reply(make_agent(remote), "hi"))
-        assert time.monotonic() - start < TIMEOUT * 4
-        assert end.finished_reason == ReplyFinishedReason.ERROR
-        said = re.search(r"no answer within 1s \(timeout; (\d+) messages meanwhile answered nothing", end.error.message)
-        assert said and int(said.group(1)) >= 2, end.error.message
-        await remote.close()
-    finally:
-        proc.stop()
+    remote = await RemoteMiddleware(raw(mode).address, policy=Policy(timeout=TIMEOUT)).connect()
+    start = time.monotonic()
+    end = end_of(await reply(make_agent(remote), "hi"))
+    assert time.monotonic() - start < TIMEOUT * 4
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    said = re.search(r"no answer within 1s \(timeout; (\d+) messages meanwhile answered nothing", end.error.message)
+    assert said and int(said.group(1)) >= 2, end.error.message
+    await remote.close()
 
 
-async def test_a_flood_of_messages_that_answer_nothing_is_a_violation_at_once() -> None:
+async def test_a_flood_of_messages_that_answer_nothing_is_a_violation_at_once(raw: Any) -> None:
     """The same with credit grants as fast as it can write them: the host no longer reads them until
     the timeout (18,344 in 3 s took 2.3 s of its CPU), but fails the call after a thousand."""
-    proc = ServerProcess(["-m", "tests.raw_mw", "grants_flood", "--address", "127.0.0.1:0"]).start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=10)).connect()
-        start = time.monotonic()
-        end = end_of(await reply(make_agent(remote), "hi"))
-        assert time.monotonic() - start < 5  # not the timeout
-        assert end.finished_reason == ReplyFinishedReason.ERROR
-        said = "protocol violation: more than 1000 messages in a row that answered nothing"
-        assert said in end.error.message, end.error.message
-        await remote.close()
-    finally:
-        proc.stop()
+    remote = await RemoteMiddleware(raw("grants_flood").address, policy=Policy(timeout=10)).connect()
+    start = time.monotonic()
+    end = end_of(await reply(make_agent(remote), "hi"))
+    assert time.monotonic() - start < 5  # not the timeout
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    said = "protocol violation: more than 1000 messages in a row that answered nothing"
+    assert said in end.error.message, end.error.message
+    await remote.close()
 
 
 @pytest.mark.parametrize("mode", ["break_reused", "break_reused_eager"])
-async def test_a_reused_stream_that_breaks_before_any_answer_is_replaced_once(mode: str) -> None:
+async def test_a_reused_stream_that_breaks_before_any_answer_is_replaced_once(raw: Any, mode: str) -> None:
     """The host keeps a middleware's streams for the next call. Restarted between two replies, the
     server takes those streams with its connection, and a host that has not noticed yet (under
     load its gRPC threads lag) sends the next begin on one of them. Here the server breaks the
     stream at that begin (tests/raw_mw.py break_reused): the middleware answered nothing, so what
     the host sent (the begin; declared eager_next, the first item too) goes again on a new stream,
     and the reply completes. Before, that reply failed."""
-    proc = ServerProcess(["-m", "tests.raw_mw", mode, "--address", "127.0.0.1:0"]).start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
-        agent = make_agent(remote)
-        for _ in range(3):  # the first opens the stream; each later one finds it kept, and broken
-            end = end_of(await reply(agent, "hi"))
-            assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
-        proc.wait_for_line("breaking a reused stream")
-        await remote.close()
-    finally:
-        proc.stop()
+    proc = raw(mode)
+    remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
+    agent = make_agent(remote)
+    for _ in range(3):  # the first opens the stream; each later one finds it kept, and broken
+        end = end_of(await reply(agent, "hi"))
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+    proc.wait_for_line("breaking a reused stream")
+    await remote.close()
 
 
-async def test_a_reused_stream_a_live_server_refuses_is_not_tried_again() -> None:
+async def test_a_reused_stream_a_live_server_refuses_is_not_tried_again(raw: Any) -> None:
     """Only a stream that went with its connection starts over: one the server ends with a status
     of its own (RESOURCE_EXHAUSTED here) is its answer, and the call fails as it did."""
-    proc = ServerProcess(["-m", "tests.raw_mw", "refuse_reused", "--address", "127.0.0.1:0"]).start()
-    try:
-        remote = await RemoteMiddleware(proc.address, policy=Policy(timeout=TIMEOUT)).connect()
-        agent = make_agent(remote)
-        assert end_of(await reply(agent, "hi")).finished_reason == ReplyFinishedReason.COMPLETED
-        end = end_of(await reply(agent, "hi"))
-        assert end.finished_reason == ReplyFinishedReason.ERROR
-        assert "RESOURCE_EXHAUSTED: no more streams for you" in end.error.message, end.error.message
-        await remote.close()
-    finally:
-        proc.stop()
+    remote = await RemoteMiddleware(raw("refuse_reused").address, policy=Policy(timeout=TIMEOUT)).connect()
+    agent = make_agent(remote)
+    assert end_of(await reply(agent, "hi")).finished_reason == ReplyFinishedReason.COMPLETED
+    end = end_of(await reply(agent, "hi"))
+    assert end.finished_reason == ReplyFinishedReason.ERROR
+    assert "RESOURCE_EXHAUSTED: no more streams for you" in end.error.message, end.error.message
+    await remote.close()
 
 
 async def test_a_failure_is_judged_by_the_description_the_call_began_with(

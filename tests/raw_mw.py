@@ -20,7 +20,8 @@ then; prints "holding the first item, KIND" and for a ReplyStartEvent " of sessi
 nothing more), grants_forever (takes the first item and never answers it, but sends a credit grant
 every 0.2 s: busy, not hung), suspends_forever (the same with an empty suspend), empties_forever
 (the same with a message of no command and no action), mutates_forever (the same with a message that only sets
-its slot), grants_flood (credit grants as fast as it can write them), break_reused (a pass-through
+its slot), grants_flood (credit grants as fast as it can write them), grants_after_done (passes every
+item on, then sends credit grants instead of its finish), break_reused (a pass-through
 that breaks a stream the host sends a second begin on, as a dropped connection does; declared
 eager_next: break_reused_eager; refuse_reused ends it with RESOURCE_EXHAUSTED instead, the answer of
 a live server).
@@ -189,6 +190,16 @@ def on_reply(mode: str):
                 else:  # no command and no action
                     await context.write(out(hooks_pb2.MiddlewareMessage()))
                 await asyncio.sleep(0 if mode == "grants_flood" else 0.2)
+        elif mode == "grants_after_done":
+            # Passes every item on, then, instead of its finish, a credit grant every 0.2 s (a pull
+            # after inner_done the host ignores).
+            await context.write(out(hooks_pb2.MiddlewareMessage(call_next=hooks_pb2.CallNext())))
+            while (got := hooks_pb2.HostMessage.FromString(await context.read())).WhichOneof("message") == "item":
+                await context.write(out(forwarded(got.item.seq)))
+            print("grants_after_done: the inner pipeline ended", flush=True)
+            while True:
+                await context.write(out(hooks_pb2.MiddlewareMessage(pull=hooks_pb2.Pull(credits=1))))
+                await asyncio.sleep(0.2)
         elif mode in ("break_reused", "break_reused_eager", "refuse_reused"):
             # A pass-through, one invocation per stream: a second begin on the same stream breaks it,
             # as a connection that dropped does (a restarted server whose idle streams the host kept).

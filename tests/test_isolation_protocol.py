@@ -273,13 +273,16 @@ async def test_a_hang_in_one_session_leaves_the_middleware_to_every_other(
     await remote.close()
 
 
-@pytest.mark.parametrize("mode", ["grants_forever", "suspends_forever", "empties_forever", "mutates_forever"])
+@pytest.mark.parametrize(
+    "mode", ["grants_forever", "suspends_forever", "empties_forever", "mutates_forever", "grants_after_done"]
+)
 async def test_a_middleware_busy_with_messages_that_answer_nothing_times_out_as_a_silent_one(
     raw: Any, mode: str
 ) -> None:
     """It takes the first item and never answers it, but every 0.2 s sends a message that moves
     nothing (tests/raw_mw.py): a credit grant (answers_seq another item's), a suspend with no emit,
-    neither command nor action, or a change of its slot alone. Each one used to restart the
+    neither command nor action, or a change of its slot alone; or it passes every item on and then
+    sends credit grants instead of its finish. Each one used to restart the
     timeout, so the reply was held for as long as the middleware kept it up; now the wait keeps
     its deadline, and the call fails after the timeout, saying what came meanwhile."""
     remote = await RemoteMiddleware(raw(mode).address, policy=Policy(timeout=TIMEOUT)).connect()

@@ -420,10 +420,10 @@ class HookCall:
                     break
             if self.inner_done and self._done_with_inner():  # no finish to wait for (hooks.proto)
                 return
-            msg = self.deferred or await self._read()
-            self.deferred = None
+            deferred, self.deferred = self.deferred, None  # a command _await_credits read and judged
+            msg = deferred or await self._read()
             # Whether it emitted: an item is an answer in itself (the client sees it), where state
-            # changes alone are not (_moved_nothing).
+            # changes alone are not.
             emitted = False
             for action in msg.actions:  # inline, not a generator per message (the per-item path)
                 item = self._apply(action)
@@ -431,32 +431,25 @@ class HookCall:
                     emitted = True
                     yield item
             command = msg.WhichOneof("command")
-            if command is None:
-                if not emitted:
-                    self._moved_nothing()
-            elif command == "call_next":
+            if command == "call_next":
                 if spec.kind is Kind.TRANSFORM:
                     raise self._violation("call_next in on_system_prompt (a transformer has no inner pipeline)")
                 await self._start_inner(msg.call_next)
                 advance = max(msg.call_next.credits, 1)
             elif command == "pull":
                 pull = msg.pull
-                if self.inner is None:
-                    if self.inner_done:  # a credit refill that crossed inner_done: harmless
-                        continue
+                if self.inner is None and not self.inner_done:
                     raise self._violation("pull before call_next")
-                if self.held_seq and pull.HasField("answers_seq") and pull.answers_seq != self.held_seq:
+                if self.inner is None:
+                    pass  # a credit refill that crossed inner_done: harmless, and no answer
+                elif self.held_seq and pull.HasField("answers_seq") and pull.answers_seq != self.held_seq:
                     self.credits += max(pull.credits, 1)  # a credit grant, not the answer to the held item
-                    if not emitted:
-                        self._moved_nothing()
-                    continue
-                self.held_seq = 0
-                advance = max(pull.credits, 1)
+                else:
+                    self.held_seq = 0
+                    advance = max(pull.credits, 1)
             elif command == "suspend":
                 if not spec.has_items:
                     raise self._violation(f"suspend in {spec.name}, which has no items")
-                if not emitted:  # paused at a yield that emitted nothing
-                    self._moved_nothing()
                 resume = hooks_pb2.HostMessage(invocation=self.invocation)
                 resume.resume.SetInParent()
                 self._context(resume.resume.context)
@@ -484,6 +477,8 @@ class HookCall:
                         mw.name, spec.name, fail.type or "Exception", fail.message, **decode_error_attributes(fail)
                     )
                 )
+            if not (emitted or advance) and deferred is None:  # it moved nothing on: the wait goes on
+                self._moved_nothing()
 
     def _begin(self) -> hooks_pb2.HostMessage:
         """A new invocation's Begin (and its span, when the host traces); ``self.table`` is set."""
@@ -817,8 +812,8 @@ class HookCall:
 
     def _moved_nothing(self) -> None:
         """The message just read answers nothing: no command that moves the call on (a credit grant
-        while the host holds an item, a suspend, or none) and no item emitted (state changes alone,
-        or nothing). The wait it came in goes on with its deadline, so a middleware that keeps
+        while the host holds an item or after inner_done, a suspend, or none) and no item emitted
+        (state changes alone, or nothing). The wait it came in goes on with its deadline, so a middleware that keeps
         sending such messages times out as a silent one does, instead of holding the reply for ever,
         and a flood of them is a violation at once (hooks.proto, FAILURE)."""
         self.stalled_since = self.read_since

@@ -77,10 +77,12 @@ STOP_AFTER_INTERRUPT = 2.0
 # its code awaits something else); a flood of them cost the host most of a core until the timeout.
 MAX_IDLE_MESSAGES = 1000
 # Messages kept to send again if a reused stream turns out broken before any answer (_start_over),
-# and the statuses that say the stream went with its connection (not an answer of a live server:
-# RESOURCE_EXHAUSTED, UNIMPLEMENTED, UNAUTHENTICATED, ...).
+# and the statuses that say the stream went with its connection: it ended (OK, before a finish) or
+# broke; not an answer of a live server (RESOURCE_EXHAUSTED, UNIMPLEMENTED, UNAUTHENTICATED, ...).
 MAX_RESENT = 64
-_GONE = frozenset((grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED))
+_GONE = frozenset(
+    (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+)
 
 
 class _Unconverted(Exception):
@@ -925,11 +927,11 @@ class HookCall:
                 return
             raise self._broken(exc.code(), exc.details()) from None
         except asyncio.InvalidStateError:  # it had ended already: how, its status says (the write does not)
-            if await self._start_over():
+            code = await self.call.code() if self.call.done() else None
+            if (code is None or code in _GONE) and await self._start_over():
                 return
-            if not self.call.done():
+            if code is None:
                 raise StreamBroken(self.mw.name, self.spec.name, "the stream ended") from None
-            code = await self.call.code()
             if code is grpc.StatusCode.OK:
                 raise StreamBroken(self.mw.name, self.spec.name, "the stream ended before finish") from None
             raise self._broken(code, await self.call.details()) from None

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import re
 import socket
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from agentmw.data import (
     ToolResultTextDeltaEvent,
     UserMsg,
 )
+from agentmw.hooks import HOOKS
 from agentmw.middleware import MiddlewareBase
 from agentmw.sdk.server import _Streams, _ToolSource, start
 from agentmw.sdk.session import HookSession
@@ -40,6 +43,7 @@ from agentmw.subscriptions import Mode, subscribe
 from agentmw.tools import Toolkit, add_middleware_tools
 from agentmw.transport import SERVER_OPTIONS
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc
+from agentmw.wire import encode_kwargs
 from clients.launch import ServerProcess, middleware_server
 from tests.conformance_mw import RaisesNonException
 
@@ -582,3 +586,97 @@ def test_the_view_drops_the_oldest_messages_and_refuses_other_removals() -> None
         with pytest.raises(ContextEditError, match=says):
             edit()
     assert len(session.mutations) == 3 and [m.text for m in state.context] == ["three", "four"]
+
+
+# -- a host that breaks the protocol --------------------------------------------------------------
+
+
+class _Watches(MiddlewareBase):
+    """A pass-through that counts its invocations running; ``swallow``: it catches what reading the
+    inner pipeline raises and finishes normally."""
+
+    running = 0
+
+    def __init__(self, swallow: bool = False) -> None:
+        self.swallow = swallow
+
+    async def on_reply(self, agent: Any, input_kwargs: dict, next_handler: Any) -> AsyncIterator[Any]:
+        type(self).running += 1
+        try:
+            async for item in next_handler():
+                yield item
+        except Exception:
+            if not self.swallow:
+                raise
+        finally:
+            type(self).running -= 1
+
+
+def _raw_begin(invocation: int, hook: str = "on_reply") -> hooks_pb2.HostMessage:
+    msg = hooks_pb2.HostMessage(invocation=invocation)
+    msg.begin.context.session_id, msg.begin.context.reply_id = "s1", "r1"
+    kwargs = {"msg": UserMsg("hi")} if hook == "on_reply" else {"tool_call": None}
+    encode_kwargs(HOOKS[hook], kwargs, msg.begin.input_kwargs)
+    return msg
+
+
+def _then(*rest: hooks_pb2.HostMessage) -> list[hooks_pb2.HostMessage]:
+    return [_raw_begin(7), *rest]
+
+
+_EMPTY_ITEM = hooks_pb2.HostMessage(invocation=7, item=hooks_pb2.ItemDelivery(seq=1, inner=1))
+_NESTED = hooks_pb2.HostMessage(invocation=7, batch=hooks_pb2.Batch(messages=[hooks_pb2.HostMessage(invocation=7)]))
+_NESTED.batch.messages[0].batch.messages.add().CopyFrom(_raw_begin(7))
+
+
+@pytest.mark.parametrize("swallow", [False, True], ids=["raises", "swallows"])
+@pytest.mark.parametrize(
+    ("sent", "says"),
+    [
+        ([b"\xff\xff\xff"], "a message that cannot be parsed as a HostMessage"),
+        ([hooks_pb2.HostMessage(invocation=7)], "a message with none of begin, item, inner_done, ... set"),
+        ([_NESTED], "a batch inside a batch"),
+        ([_raw_begin(0)], "a begin with invocation id 0"),
+        ([_raw_begin(7, "on_acting")], "a begin with the input kwargs of on_acting"),
+        (_then(_EMPTY_ITEM), r"a malformed item \(seq 1\): empty Item"),
+        (_then(hooks_pb2.HostMessage(invocation=7, begin=hooks_pb2.Begin())), "a begin inside the invocation"),
+        (_then(hooks_pb2.HostMessage(invocation=7)), "a message with none of begin"),
+    ],
+    ids=["bytes", "empty", "nested-batch", "invocation-0", "other-kwargs", "empty-item", "begin-again", "empty-later"],
+)
+async def test_a_host_that_breaks_the_protocol_gets_invalid_argument_and_the_server_serves_on(
+    sent: list[Any], says: str, swallow: bool
+) -> None:
+    """What a host sends that cannot be, on a stream of a served middleware: that stream ends
+    INVALID_ARGUMENT saying what came, no Fail blames the author's code (even when it caught the
+    error and finished), the code has ended, and the same server serves a real host's reply after.
+    Before, a malformed message raised inside the author's code (TypeError, CodecError) and was sent
+    as its own failure; nested batches went unnoticed; unparseable bytes ended the stream UNKNOWN."""
+    server, port = await start(_Watches(swallow), "127.0.0.1:0")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        call = channel.stream_stream("/agentmw.v1.OnReply/Run", _as_bytes, _as_bytes)()
+        for msg in sent:
+            await call.write(msg if isinstance(msg, bytes) else msg.SerializeToString())
+        answers = []
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async with asyncio.timeout(10):
+                async for answer in call:
+                    answers.append(hooks_pb2.MiddlewareMessage.FromString(answer).WhichOneof("command"))
+        assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT, failed.value
+        assert re.match(f"on_reply: the host broke the protocol: {says}", failed.value.details() or "")
+        assert "fail" not in answers and "finish" not in answers, answers
+        assert _Watches.running == 0
+        remote = await RemoteMiddleware(f"127.0.0.1:{port}").connect()
+        try:
+            final = await Agent(model=OfflineRuleModel(), middlewares=[remote]).reply(UserMsg("hi"))
+            assert final.error is None, final.error
+        finally:
+            await remote.close()
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+def _as_bytes(data: bytes) -> bytes:
+    return data

@@ -56,7 +56,7 @@ from agentmw.transport import (
 )
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, types_pb2
 
-from .session import HookSession, HostReader
+from .session import HookSession, HostProtocolError, HostReader
 
 log = logging.getLogger("agentmw.sdk")
 
@@ -194,6 +194,9 @@ def _hook_handler(middleware: MiddlewareBase, key: str, hook: str, streams: _Str
                 # The host's trace goes on in the author's code.
                 with tracing.continued(begin.begin.context.trace_context):
                     await HookSession(middleware, key, spec, context, reader).run(begin)
+        except HostProtocolError as exc:  # the stream cannot go on; this server and its other streams do
+            log.warning("%s: the host broke the protocol: %s", hook, exc)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{hook}: the host broke the protocol: {exc}")
         except (KeyboardInterrupt, SystemExit) as exc:  # the author's, answered (HookSession.run)
             if not streams.exit(exc):
                 raise

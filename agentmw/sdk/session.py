@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from agentmw.chain import prepend
-from agentmw.codec import codec, json_to_value
+from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ChatResponse, ErrorType
 from agentmw.errors import MAX_TEXT, own_cancellation
 from agentmw.hooks import HookSpec, Kind, check_result
@@ -90,6 +91,12 @@ class HostGone(Exception):
     """The host closed the stream (it was cancelled or went away)."""
 
 
+class HostProtocolError(Exception):
+    """The host broke the protocol (hooks.proto): a message that cannot be one, or cannot come now.
+    The server ends the stream INVALID_ARGUMENT saying what came; the author's code, which may see
+    this raised where it reads the inner pipeline, is not blamed for it (no Fail is sent)."""
+
+
 class HookSession:
     def __init__(
         self, middleware: Any, key: str, spec: HookSpec, context: grpc.aio.ServicerContext, reader: HostReader
@@ -126,6 +133,7 @@ class HookSession:
         self.begin_kwargs: hooks_pb2.Kwargs | None = None
         self.kwargs = KwargsDict()  # the author's input_kwargs (edited in place, as in-process)
         self.inner_streams: list[Any] = []  # on_model_call: the streams next_handler() returned
+        self.violation: HostProtocolError | None = None  # how the host broke the protocol, if it did
 
     # -- running the author's code ---------------------------------------------------------------
 
@@ -134,8 +142,11 @@ class HookSession:
         self.invocation = message.invocation
         begin = message.begin
         self.begin_kwargs = begin.input_kwargs
-        self.view.refresh(begin.context)
         spec, encoded = self.spec, begin.input_kwargs
+        sent_for = encoded.WhichOneof("hook")  # unset: every parameter None
+        if sent_for is not None and sent_for != spec.name:
+            raise HostProtocolError(f"a begin with the input kwargs of {sent_for}")
+        self.view.refresh(begin.context)
         self.kwargs = kwargs = KwargsDict.lazy(spec.params, lambda key: decode_kwarg(spec, encoded, key))
         method = getattr(self.mw, self.spec.name)
         kind = self.spec.kind
@@ -158,6 +169,8 @@ class HookSession:
                     await self._drive(value, lockstep=value not in self.inner_streams and not self.run_ahead)
             else:
                 result = check_result(self.spec, await method(self.view, kwargs["prompt"]))
+            if self.violation is not None:  # the author's code caught it and went on: the stream ends all the same
+                raise self.violation
             if self.done_with_inner and self.ended and result != self.inner_result:
                 self._refuse(f"return {result!r} instead of the inner result {self.inner_result!r}")
             finish = hooks_pb2.MiddlewareMessage()
@@ -173,6 +186,8 @@ class HookSession:
             # server stops) has no one to answer.
             if own_cancellation(exc):
                 raise
+            if self.violation is not None:  # whatever the author's code made of it: the host's fault
+                raise self.violation from None
             fail = hooks_pb2.MiddlewareMessage()
             encode_error(exc, fail.fail)
             fail.fail.from_inner = exc is self.last_inner_error
@@ -328,6 +343,11 @@ class HookSession:
             self.actions.append(action)
             slot.pending_message = self.sent + 1  # the next message written carries it
 
+    def host_violation(self, what: str) -> HostProtocolError:
+        """``what`` came from the host: kept, so that the invocation ends saying so (run)."""
+        self.violation = HostProtocolError(what)
+        return self.violation
+
     def _refuse(self, what: str) -> None:
         """What a detached hook, or a done_with_inner one once its inner pipeline ended, must not do
         (the host would never read it: hooks.proto, HookDescription)."""
@@ -409,7 +429,11 @@ class HookSession:
             while not ready(self):
                 if self.inner_open and not (self.detached or self.suspended or self.host_holding) and self.granted <= 0:
                     await self.pull(0)
-                msg = await self.reader.read()
+                try:
+                    msg = await self.reader.read()
+                except HostProtocolError as exc:
+                    self.violation = exc
+                    raise
                 if msg is None:
                     raise HostGone("the host closed the stream")
                 if msg.invocation != self.invocation:
@@ -468,6 +492,9 @@ def _only(kwargs: hooks_pb2.Kwargs, hook: str, keys: frozenset[str]) -> bytes:
     return copy.SerializeToString(deterministic=True)
 
 
+_UNPARSED = "a message that cannot be parsed as a HostMessage"
+
+
 class HostReader:
     """The host's messages on one stream, with batches (hooks.proto, Batch) unpacked in order."""
 
@@ -484,6 +511,8 @@ class HostReader:
                     msg = await self.context.read()
                 except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                     return None
+                except DecodeError:  # grpc's deserializer: the bytes are no HostMessage
+                    raise HostProtocolError(_UNPARSED) from None
                 if msg is grpc.aio.EOF:
                     return None
             else:
@@ -491,8 +520,14 @@ class HostReader:
                 msg = await ahead
                 if msg is None:
                     return None
-            if msg.WhichOneof("message") != "batch":
+            which = msg.WhichOneof("message")
+            if which != "batch":
+                if which is None:
+                    raise HostProtocolError("a message with none of begin, item, inner_done, ... set")
                 return msg
+            for inside in msg.batch.messages:
+                if inside.WhichOneof("message") in ("batch", None):
+                    raise HostProtocolError("a batch inside a batch, or an empty message in one")
             self.buffer.extend(msg.batch.messages)
         return self.buffer.popleft()
 
@@ -501,6 +536,8 @@ class HostReader:
             msg = await self.context.read()
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return None
+        except DecodeError:
+            raise HostProtocolError(_UNPARSED) from None
         return None if msg is grpc.aio.EOF else msg
 
     def read_ahead(self, peek: Callable[[hooks_pb2.HostMessage], None]) -> None:
@@ -510,7 +547,7 @@ class HostReader:
             return
 
         def arrived(task: asyncio.Task[hooks_pb2.HostMessage | None]) -> None:
-            if not task.cancelled() and (msg := task.result()) is not None:
+            if not task.cancelled() and task.exception() is None and (msg := task.result()) is not None:
                 peek(msg)
 
         self.ahead = asyncio.get_running_loop().create_task(self._read_one())
@@ -527,6 +564,8 @@ class HostReader:
         still in flight from the previous invocation (observed items it did not read) are skipped."""
         while (msg := await self.read()) is not None:
             if msg.WhichOneof("message") == "begin":
+                if msg.invocation == 0:
+                    raise HostProtocolError("a begin with invocation id 0")
                 return msg
         return None
 
@@ -595,7 +634,10 @@ class InnerStream:
             if body.HasField("context"):
                 s.view.refresh(body.context)
             if which == "item":
-                item = codec.decode_item(body.item)
+                try:
+                    item = codec.decode_item(body.item)
+                except (CodecError, KeyError, ValueError) as exc:
+                    raise s.host_violation(f"a malformed item (seq {body.seq}): {exc}") from None
                 if body.observed:
                     if len(s.observed) > 1024:
                         s.observed.clear()
@@ -612,4 +654,4 @@ class InnerStream:
             if which == "inner_error":
                 s.last_inner_error = self.error = inner_error(body.type, body.message, **decode_error_attributes(body))
                 raise s.last_inner_error
-            raise RuntimeError(f"unexpected {which} from the host")
+            raise s.host_violation(f"a {which} inside the invocation it belongs to")

@@ -142,15 +142,15 @@ class HookSession:
         self.invocation = message.invocation
         begin = message.begin
         self.begin_kwargs = begin.input_kwargs
-        spec, encoded = self.spec, begin.input_kwargs
-        sent_for = encoded.WhichOneof("hook")  # unset: every parameter None
-        if sent_for is not None and sent_for != spec.name:
-            raise HostProtocolError(f"a begin with the input kwargs of {sent_for}")
         self.view.refresh(begin.context)
+        spec, encoded = self.spec, begin.input_kwargs
         self.kwargs = kwargs = KwargsDict.lazy(spec.params, lambda key: decode_kwarg(spec, encoded, key))
         method = getattr(self.mw, self.spec.name)
         kind = self.spec.kind
         try:
+            sent_for = encoded.WhichOneof("hook")  # unset: every parameter None
+            if sent_for is not None and sent_for != spec.name:
+                raise self.host_violation(f"a begin with the input kwargs of {sent_for}")
             result: Any = None
             if kind is Kind.STREAM:
                 items = method(agent=self.view, input_kwargs=kwargs, next_handler=self.next_handler)

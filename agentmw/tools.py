@@ -7,10 +7,13 @@ import inspect
 import json
 import re
 import typing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import jsonschema
+import referencing
+import referencing.exceptions
+import referencing.jsonschema
 
 from .codec import CodecError, check_json_depth
 from .data import (
@@ -37,6 +40,52 @@ class ToolInputError(ValueError):
     """The model's input for a tool does not parse or does not fit the tool's schema."""
 
 
+def schema_validator(schema: dict[str, Any]) -> Any:
+    """A validator of the JSON schema ``schema`` that resolves ``$ref`` only within it; ValueError
+    says what is wrong with the schema. jsonschema's default registry fetches any other reference,
+    URL or file, with a blocking read on the event loop at every validation, and what it read
+    would reach the tool result: a schema from another process must not make the host read
+    anything. A reference that cannot be resolved is refused here, not when a model calls the tool."""
+    try:
+        cls = jsonschema.validators.validator_for(schema)
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"not a valid JSON schema: {exc.message}") from None
+    except TypeError:  # e.g. an unhashable "$schema"
+        raise ValueError("not a valid JSON schema") from None
+    dialect = schema.get("$schema", "") if isinstance(schema, dict) else ""  # a schema may be a bool
+    spec = referencing.jsonschema.specification_with(str(dialect), default=referencing.jsonschema.DRAFT202012)
+    resolver = _LOCAL_ONLY.resolver_with_root(spec.create_resource(schema))
+    for ref in _refs(schema):
+        if not ref.startswith("#"):
+            raise ValueError(f"$ref {ref!r} is not within the schema (only '#...' references are resolved)")
+        try:
+            resolver.lookup(ref)
+        except referencing.exceptions.Unresolvable:
+            raise ValueError(f"$ref {ref!r} points to nothing in the schema") from None
+    return cls(schema, registry=_LOCAL_ONLY)
+
+
+_LOCAL_ONLY: referencing.Registry[Any] = referencing.Registry()  # no resources, and no retrieval
+
+
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})  # their values are instances, not schemas
+
+
+def _refs(value: Any) -> Iterator[str]:
+    """Every ``$ref`` string in a schema."""
+    if isinstance(value, dict):
+        ref = value.get("$ref")
+        if isinstance(ref, str):
+            yield ref
+        for key, item in value.items():
+            if key not in _DATA_KEYWORDS:
+                yield from _refs(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _refs(item)
+
+
 class Tool:
     """A tool the agent can call. Subclass and implement ``call``, or use ``FunctionTool``."""
 
@@ -54,17 +103,19 @@ class Tool:
     def validate(self, tool_call: ToolCallBlock) -> dict[str, Any]:
         tool_input = parse_input(tool_call.input)
         if self._validator is None:  # building it checks the schema itself: do that once
-            schema = self.descriptor.input_schema
-            cls = jsonschema.validators.validator_for(schema)
             try:
-                cls.check_schema(schema)
-            except jsonschema.SchemaError as exc:
-                raise ToolInputError(f"tool {self.name!r} has an invalid input schema: {exc.message}") from None
-            self._validator = cls(schema)
+                self._validator = schema_validator(self.descriptor.input_schema)
+            except ValueError as exc:
+                raise ToolInputError(f"tool {self.name!r} has an invalid input schema: {exc}") from None
         try:
             self._validator.validate(tool_input)
         except jsonschema.ValidationError as exc:
             raise ToolInputError(f"invalid input for tool {self.name!r}: {exc.message}") from None
+        except referencing.exceptions.Unresolvable as exc:  # schema_validator resolved each; a relative base may not
+            what = f"an input schema with a $ref that points to nothing: {exc}"
+            raise ToolInputError(f"tool {self.name!r} has {what}") from None
+        except RecursionError:  # references that lead back to themselves without end (checked only here)
+            raise ToolInputError(f"tool {self.name!r} has an input schema whose $refs loop without end") from None
         return tool_input
 
 

@@ -12,7 +12,16 @@ from typing import Any, TypeVar, cast
 from agentmw.v1 import hooks_pb2
 
 from .codec import CodecError, codec
-from .data import ChatResponse, ErrorType, ModelRef, Msg, PermissionDecision, ToolChunk, ToolResponse
+from .data import (
+    ChatResponse,
+    ErrorType,
+    ModelRef,
+    Msg,
+    PermissionDecision,
+    ToolChunk,
+    ToolResponse,
+    ToolResultState,
+)
 from .errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError
 from .hooks import HookSpec
 from .tools import Tool, ToolInputError
@@ -32,6 +41,19 @@ EMITTABLE: dict[str, frozenset[type]] = {
     "on_acting": frozenset({ToolChunk, ToolResponse}),
     "on_model_call": frozenset({ChatResponse}),
 }
+
+
+def tool_item_problem(item: Any) -> str | None:
+    """Why a tool chunk or response from another process cannot be used as it is (None: it can).
+    The host makes a CustomEvent of ``metadata.mcp_progress`` with the call's ids added, so it must
+    be an object; a response is the call's final result, so its state is a final one."""
+    if isinstance(item, ToolChunk):
+        progress = item.metadata.get("mcp_progress")
+        if progress is not None and not isinstance(progress, dict):
+            return f"a tool chunk whose metadata.mcp_progress is a {type(progress).__name__}, not an object"
+    elif isinstance(item, ToolResponse) and item.state is ToolResultState.RUNNING:
+        return "a tool_response in state RUNNING (it is the final result: SUCCESS, ERROR, INTERRUPTED or DENIED)"
+    return None
 
 
 def to_wire(value: Any) -> Any:

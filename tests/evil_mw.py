@@ -25,11 +25,14 @@ Flags: ``--hooks on_reply,on_acting`` (the hooks it implements, intercepting eve
 ``--max-concurrent-rpcs N`` (a server that serves only N streams at a time), ``--max-streams N``
 (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: further streams queue in the client), ``--tools FILE`` (a
 JSON list of ToolDescriptor objects served by ListTools, read at each call; while ``FILE.hang``
-exists, ListTools never answers; each tool streams chunks without end, but one named ``huge`` sends
-one chunk of 3 MB), ``--done-with-inner`` and ``--cacheable``
+exists, ListTools never answers, while ``FILE.garbage`` exists it answers bytes that do not parse;
+each tool streams chunks without end, but those named ``huge`` (one chunk of 3 MB), ``garbage``
+(a chunk that does not parse), ``running`` (a response in state RUNNING) and ``progress_text`` (a
+chunk whose metadata.mcp_progress is a string) do not), ``--done-with-inner`` and ``--cacheable``
 (declare every hook so), ``--default-mode observe`` (every item observed), ``--describe-delay S``
 (Describe answers after S seconds: a server that answers, slowly), ``--detached-while FILE``
-(while FILE exists, Describe declares every hook detached: a new version rolled out).
+(while FILE exists, Describe declares every hook detached: a new version rolled out),
+``--garbage-describe`` (Describe answers bytes that do not parse).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ from google.protobuf import json_format
 
 from agentmw.hooks import HOOKS
 from agentmw.v1 import events_pb2, hooks_pb2, hooks_pb2_grpc, types_pb2
-from tests.raw_server import serve_raw
+from tests.raw_server import serve_raw, wire
+
+GARBAGE = b"\xff\xff\xff\xff"  # no message of any kind parses from it
 
 
 def _msg(**fields: Any) -> hooks_pb2.MiddlewareMessage:
@@ -173,8 +178,9 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
         key: str = "Evil",
         delay: float = 0.0,
         detached_while: Path | None = None,
+        garbage: bool = False,
     ) -> None:
-        self.delay, self.detached_while = delay, detached_while
+        self.delay, self.detached_while, self.garbage = delay, detached_while, garbage
         self.description = hooks_pb2.MiddlewareDescription(key=key, protocol_version="v1", provides_tools=tools)
         for hook in hooks:
             self.description.hooks.add(
@@ -184,8 +190,10 @@ class Describe(hooks_pb2_grpc.DescribeServicer):
                 default_mode=default_mode,  # type: ignore[arg-type]
             )
 
-    async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription:
+    async def Describe(self, request: Any, context: Any) -> hooks_pb2.MiddlewareDescription | bytes:
         await asyncio.sleep(self.delay)
+        if self.garbage:
+            return GARBAGE
         if self.detached_while is None or not self.detached_while.exists():
             return self.description
         detached = hooks_pb2.MiddlewareDescription()
@@ -199,9 +207,11 @@ class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList:
+    async def ListTools(self, request: Any, context: Any) -> types_pb2.ToolDescriptorList | bytes:
         while self.path.with_suffix(".hang").exists():  # a tool source still warming up
             await asyncio.sleep(0.05)
+        if self.path.with_suffix(".garbage").exists():
+            return GARBAGE
         out = types_pb2.ToolDescriptorList()
         for raw in json.loads(self.path.read_text()):
             json_format.ParseDict(raw, out.tools.add())
@@ -210,10 +220,17 @@ class ToolSource(hooks_pb2_grpc.ToolSourceServicer):
     async def CallTool(self, request: Any, context: Any) -> Any:
         """Every tool streams text chunks without end (a runaway), until the host cancels the call;
         then ``<tools file>.cancelled`` is written. One named ``huge`` sends one chunk of 3 MB."""
-        if request.tool_call.name == "huge":
+        name = request.tool_call.name
+        if name in ("huge", "garbage", "running", "progress_text"):
             chunk = events_pb2.Item()
-            chunk.tool_chunk.content.add().text.text = "x" * 3_000_000
-            yield chunk
+            chunk.tool_chunk.content.add().text.text = "x" * 3_000_000 if name == "huge" else "some"
+            if name == "progress_text":
+                chunk.tool_chunk.metadata.update({"mcp_progress": "half way"})
+            yield GARBAGE if name == "garbage" else chunk
+            if name == "running":
+                response = events_pb2.Item()
+                response.tool_response.state = types_pb2.TOOL_RESULT_STATE_RUNNING
+                yield response
             return
         try:
             while True:
@@ -239,12 +256,22 @@ async def main() -> None:
     parser.add_argument("--key", default="Evil")
     parser.add_argument("--describe-delay", type=float, default=0.0)
     parser.add_argument("--detached-while", type=Path)
+    parser.add_argument("--garbage-describe", action="store_true")
     args = parser.parse_args()
     options = [] if args.max_streams is None else [("grpc.max_concurrent_streams", args.max_streams)]
     server = grpc.aio.server(maximum_concurrent_rpcs=args.max_concurrent_rpcs, options=options)
     hooks = args.hooks.split(",")
-    if args.tools is not None:
-        hooks_pb2_grpc.add_ToolSourceServicer_to_server(ToolSource(args.tools), server)
+    if args.tools is not None:  # its answers may be bytes (wire)
+        source = ToolSource(args.tools)
+        methods = {
+            "ListTools": grpc.unary_unary_rpc_method_handler(
+                source.ListTools, request_deserializer=hooks_pb2.ListToolsRequest.FromString, response_serializer=wire
+            ),
+            "CallTool": grpc.unary_stream_rpc_method_handler(
+                source.CallTool, request_deserializer=hooks_pb2.CallToolRequest.FromString, response_serializer=wire
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("agentmw.v1.ToolSource", methods),))
     handlers = {f"agentmw.v1.{HOOKS[hook].service}": hook_handler(args.scripts, hook) for hook in hooks}
     mode = hooks_pb2.SUBSCRIPTION_MODE_OBSERVE if args.default_mode == "observe" else 0
     describe = Describe(
@@ -256,6 +283,7 @@ async def main() -> None:
         key=args.key,
         delay=args.describe_delay,
         detached_while=args.detached_while,
+        garbage=args.garbage_describe,
     )
     await serve_raw("evil middleware", args.address, describe, handlers, server)
 

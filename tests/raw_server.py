@@ -7,16 +7,26 @@ from typing import Any
 
 import grpc
 
-from agentmw.v1 import hooks_pb2_grpc
+from agentmw.v1 import hooks_pb2
+
+
+def wire(msg: Any) -> bytes:
+    """An answer as it goes out: a message serialized, or bytes as they are (which need not parse)."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
 async def serve_raw(
     what: str, address: str, describe: Any, handlers: dict[str, Any], server: grpc.aio.Server | None = None
 ) -> None:
     """Serve Describe and each ``{"agentmw.v1.OnReply": run_handler}``, print the line the launchers
-    wait for, and run until terminated."""
+    wait for, and run until terminated. Describe may answer bytes (``wire``)."""
     server = server or grpc.aio.server()
-    hooks_pb2_grpc.add_DescribeServicer_to_server(describe, server)
+    answer = grpc.unary_unary_rpc_method_handler(
+        describe.Describe, request_deserializer=hooks_pb2.DescribeRequest.FromString, response_serializer=wire
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("agentmw.v1.Describe", {"Describe": answer}),)
+    )
     for service, run in handlers.items():
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {"Run": run}),))
     port = server.add_insecure_port(address)

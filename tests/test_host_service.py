@@ -543,18 +543,60 @@ async def test_a_tool_source_whose_list_tools_raises_at_start_is_waited_for(proc
     assert list(attached.tools) == ["tm__lookup"], attached
 
 
-def test_a_middleware_whose_tools_are_refused_at_start_says_listtools(procs: Procs, tmp_path: Path) -> None:
-    """A ListTools answer that cannot be attached (a tool name no model takes) stops the start, as a
-    wrong Describe does, and the error names the call that failed (it said 'Describe failed')."""
+@pytest.mark.parametrize(
+    ("garbage", "says"),
+    [
+        (False, "tool 'has space'"),
+        # before: a traceback ending in AttributeError: 'NoneType' object has no attribute 'tools'
+        (True, "an answer that does not parse as a ToolDescriptorList"),
+    ],
+    ids=["bad-name", "unparsed"],
+)
+def test_a_middleware_whose_tools_are_refused_at_start_says_listtools(
+    procs: Procs, tmp_path: Path, garbage: bool, says: str
+) -> None:
+    """A ListTools answer that cannot be attached (a tool name no model takes, bytes that do not
+    parse) stops the start, as a wrong Describe does, and the error names the call that failed."""
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps([{"name": "has space"}]))
+    if garbage:
+        tools.with_suffix(".garbage").write_text("")
     bad = procs.start("bad", ["-m", "tests.evil_mw", "--tools", str(tools), "--address", "127.0.0.1:0"])
     refused = run_cli(
         "agent_host", "--db", str(tmp_path / "x.db"), "--listen", "127.0.0.1:0", "--middleware", f"tm={bad.address}"
     )
     assert refused.returncode == 1
     line = refused.stderr.strip().splitlines()[-1]
-    assert f"tm at {bad.address}: ListTools failed: protocol violation: tool 'has space'" in line, line
+    assert f"tm at {bad.address}: ListTools failed: protocol violation: {says}" in line, line
+
+
+async def test_a_required_middleware_whose_listing_does_not_parse_keeps_replies_refused(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """Required (fail_closed), its tool source still warming up at start (the host starts without
+    it and refuses replies); then ListTools answers bytes that do not parse. The host says why it
+    cannot attach it and goes on refusing replies. Before, the task attaching it died of an
+    AttributeError: the middleware was forgotten, health said SERVING and replies ran without it."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"name": "t"}]))
+    tools.with_suffix(".hang").write_text("")
+    tm = procs.start("tm", ["-m", "tests.evil_mw", "--tools", str(tools), "--address", "127.0.0.1:0"])
+    host = host_with(procs, tmp_path, int(tm.address.rsplit(":", 1)[1]), "timeout: 1", name="tm")
+    assert (await _listed(host.address))["tm"].pending
+    tools.with_suffix(".garbage").write_text("")
+    tools.with_suffix(".hang").unlink()
+    info = await _until_listed(host.address, "tm", lambda m: "does not parse" in m.last_error, "not said")
+    assert info.pending, info
+    assert "cannot be attached: middleware 'tm' failed in ListTools: protocol violation: an answer that" in (
+        info.last_error
+    ), info
+    assert await _health(host.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await _reply(host.address, "held", UserMsg("hello"))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "required middleware tm (fail_closed) is not attached yet: cannot be attached" in (
+        refused.value.details() or ""
+    ), refused.value
 
 
 async def test_listing_tools_again_never_holds_up_or_fails_a_hook_call(procs: Procs, tmp_path: Path) -> None:

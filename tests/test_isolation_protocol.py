@@ -904,7 +904,22 @@ async def test_a_model_stream_without_its_last_chunk_names_the_middleware(evil: 
 
 
 BAD_TOOLS = {
-    "schema": ([{"name": "t", "inputSchema": {"type": "no-such-type"}}], "input_schema is not a valid JSON schema"),
+    "schema": ([{"name": "t", "inputSchema": {"type": "no-such-type"}}], "input_schema: not a valid JSON schema"),
+    # A reference outside the schema: jsonschema would fetch it at each call, blocking the host's loop
+    # (every session waited on a slow URL), and a file's content reached the tool result.
+    "url_ref": (
+        [{"name": "t", "inputSchema": {"properties": {"a": {"$ref": "http://127.0.0.1:9/a.json"}}}}],
+        "input_schema: $ref 'http://127.0.0.1:9/a.json' is not within the schema",
+    ),
+    "file_ref": (
+        [{"name": "t", "inputSchema": {"properties": {"a": {"$ref": "file:///etc/hostname"}}}}],
+        "input_schema: $ref 'file:///etc/hostname' is not within the schema",
+    ),
+    # Accepted before, it failed every reply that called the tool with a bare PointerToNowhere.
+    "dangling_ref": (
+        [{"name": "t", "inputSchema": {"properties": {"a": {"$ref": "#/$defs/none"}}}}],
+        "input_schema: $ref '#/$defs/none' points to nothing in the schema",
+    ),
     "name": ([{"name": "has space"}], "not 1-64 of [a-zA-Z0-9_-]"),
     "long_name": ([{"name": "x" * 70}], "not 1-64 of"),
     "duplicate": ([{"name": "t"}, {"name": "t"}], "listed twice"),
@@ -923,6 +938,75 @@ async def test_tool_descriptors_are_checked_at_attach(evil: Any, tmp_path: Path,
     with pytest.raises(Exception, match="middleware 'Evil' failed in ListTools") as info:
         await remote.connect()  # describing it lists its tools
     assert f"tool {tools[-1]['name']!r}" in str(info.value) and error in str(info.value), info.value
+    await remote.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "call", "says"),
+    [
+        (["--garbage-describe"], "Describe", "an answer that does not parse as a MiddlewareDescription"),
+        ([], "ListTools", "an answer that does not parse as a ToolDescriptorList"),
+    ],
+    ids=["describe", "list_tools"],
+)
+async def test_an_answer_that_does_not_parse_is_a_protocol_violation_at_attach(
+    evil: Any, tmp_path: Path, flags: list[str], call: str, says: str
+) -> None:
+    """Describe or ListTools answered with bytes that are no message: grpc.aio hands the host None.
+    Before, the host read its fields and raised AttributeError, which no caller expects: the host
+    did not start, and a required middleware attached later was dropped, its replies run without it."""
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([{"name": "t"}]))
+    path.with_suffix(".garbage").write_text("")
+    remote = RemoteMiddleware(evil("--tools", str(path), *flags).address, policy=Policy(timeout=5))
+    with pytest.raises(ProtocolError) as refused:
+        await remote.connect()
+    assert f"failed in {call}: protocol violation: {says}" in str(refused.value), refused.value  # named by address
+    await remote.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "schema", "says"),
+    [
+        # each a bare exception that failed the whole reply, or a stored result in state RUNNING
+        ("garbage", {}, "failed in CallTool: protocol violation: an answer that does not parse as an Item"),
+        ("running", {}, "failed in CallTool: protocol violation: a tool_response in state RUNNING"),
+        ("progress_text", {}, "CallTool: protocol violation: a tool chunk whose metadata.mcp_progress is a str"),
+        ("loop", {"$ref": "#"}, "tool 'loop' has an input schema whose $refs loop without end"),
+    ],
+)
+async def test_a_tool_that_answers_what_cannot_be_a_result_gets_an_error_result_and_the_reply_goes_on(
+    evil: Any, tmp_path: Path, name: str, schema: dict[str, Any], says: str
+) -> None:
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([{"name": name, "inputSchema": schema}]))
+    remote = await RemoteMiddleware(evil("--tools", str(path)).address, policy=Policy(timeout=5)).connect()
+    toolkit = Toolkit()
+    await add_middleware_tools(toolkit, remote)
+    model = OfflineRuleModel(script=[{"tool_calls": [{"name": f"Evil__{name}", "input": {}}]}, {"text": "ok"}])
+    agent = Agent(model=model, toolkit=toolkit)
+    async with asyncio.timeout(30):
+        items = [item async for item in agent.reply_stream(UserMsg("go"))]
+    assert end_of(items).finished_reason == ReplyFinishedReason.COMPLETED, end_of(items)
+    (result,) = [e for e in items if isinstance(e, ToolResultEndEvent)]
+    assert result.state == ToolResultState.ERROR
+    (stored,) = [b for m in agent.state.context for b in m.content if isinstance(b, ToolResultBlock)]
+    assert says in block_text(stored.output) and stored.state == ToolResultState.ERROR, stored
+    await remote.close()
+
+
+async def test_an_on_acting_response_in_state_running_is_a_protocol_violation(evil: Any, scripts: Path) -> None:
+    """What on_acting yields ends the call as a tool's own response does: a response in state
+    RUNNING is refused as from CallTool. Before, the client got ToolResultEndEvent(RUNNING), stored."""
+    remote = await RemoteMiddleware(evil("--hooks", "on_acting").address, policy=Policy(timeout=5)).connect()
+    agent = make_agent(remote, script=[{"tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]}, {"text": "ok"}])
+    running = {"toolResponse": {"state": "TOOL_RESULT_STATE_RUNNING"}}
+    script(scripts, agent, messages=[{"actions": [{"emit": {"item": running}}]}])
+    items = await reply(agent, "add them")
+    assert not [e for e in items if isinstance(e, ToolResultEndEvent) and e.state == ToolResultState.RUNNING]
+    end = end_of(items)
+    assert end.finished_reason == ReplyFinishedReason.ERROR, end
+    assert "protocol violation: a tool_response in state RUNNING" in end.error.message, end.error
     await remote.close()
 
 

@@ -61,7 +61,15 @@ def clean_copy(dest: Path) -> Path:
 
 
 # What the core imports, and nothing of the host's (dashscope, openai, asyncpg, prometheus-client, ...).
-SDK_REQUIRES = {"grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "jsonschema", "opentelemetry-api"}
+SDK_REQUIRES = {
+    "grpcio",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "protobuf",
+    "jsonschema",
+    "referencing",
+    "opentelemetry-api",
+}
 
 
 @pytest.fixture(scope="module")

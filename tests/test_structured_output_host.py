@@ -136,6 +136,9 @@ def test_chat_schema_usage_errors(host: ServerProcess, args: list[str], says: st
         ({"type": "object", "properties": {"age": {"minimum": "ten"}}}, "not a valid JSON schema"),
         ({"type": "string"}, '"type": "object"'),
         ({"properties": {"name": {"type": "string"}}}, '"type": "object"'),
+        # before: accepted, and the reply ran its 15 model calls into a tool error each
+        ({"type": "object", "properties": {"a": {"$ref": "#/defs/nope"}}}, "points to nothing in the schema"),
+        ({"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/a.json"}}}, "is not within the schema"),
     ],
 )
 async def test_invalid_schema_refused_and_nothing_stored(

@@ -20,16 +20,15 @@ from dataclasses import field as dataclass_field
 from typing import Any
 
 import grpc
-import jsonschema
 
 from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ChatResponse, ToolCallBlock, ToolChunk, ToolDescriptor, ToolResponse
 from agentmw.hooks import HOOKS, HOOKS_BY_NUMBER, PROTOCOL_VERSION, HookSpec, check_middleware_key
 from agentmw.subscriptions import SubscriptionTable
-from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool
+from agentmw.tools import MAX_MODEL_TOOLS, TOOL_NAME, Tool, schema_validator
 from agentmw.transport import HOST_KEEPALIVE_MS, MESSAGE_SIZE_OPTIONS, NOT_READY
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc
-from agentmw.wire import EMITTABLE
+from agentmw.wire import EMITTABLE, tool_item_problem
 
 from .. import metrics
 from ..config import (
@@ -77,6 +76,8 @@ PROBE_EVERY = 1.0  # seconds between the Describes that ask a fail_closed one th
 # Hook calls of this many sessions in a row got no answer (none answered in between): the middleware
 # hangs for everyone even though its Describe answers (see no_answer). One session's hang never is.
 HANG_SESSIONS = 3
+# grpc.aio hands over None for an answer whose bytes do not parse (and logs only its own line)
+_UNPARSED = "an answer that does not parse as {} (malformed, or nested past protobuf's 100 levels)"
 RELIST_PAUSE_MAX = 30.0  # seconds at most between ListTools asked again of a server that does not answer it
 
 
@@ -265,6 +266,8 @@ class RemoteMiddleware:
                 )
         except grpc.aio.AioRpcError as exc:
             raise await self._describe_failed(exc, request, limit) from None
+        if desc is None:  # grpc.aio hands over None when the bytes do not parse
+            raise ProtocolError(self.name, "Describe", _UNPARSED.format("a MiddlewareDescription"))
         if desc.protocol_version and desc.protocol_version != PROTOCOL_VERSION:
             raise ProtocolError(self.name, "Describe", f"protocol {desc.protocol_version!r} is not {PROTOCOL_VERSION}")
         try:
@@ -741,6 +744,8 @@ class RemoteMiddleware:
             )
         except grpc.aio.AioRpcError as exc:
             raise self._rpc_failed("ListTools", exc, self.policy.timeout) from None
+        if reply is None:
+            raise ProtocolError(self.name, "ListTools", _UNPARSED.format("a ToolDescriptorList"))
         return self._checked_tools(reply.tools), reply.SerializeToString(deterministic=True)
 
     def _checked_tools(self, descriptors: Any) -> list[Tool]:
@@ -769,15 +774,18 @@ class RemoteMiddleware:
             if descriptor.name in seen:
                 raise bad("listed twice")
             seen.add(descriptor.name)
+            validators = {}
             for field in ("input_schema", "metadata_schema"):
                 schema = getattr(descriptor, field)
                 if schema is None:
                     continue
                 try:
-                    jsonschema.validators.validator_for(schema).check_schema(schema)
-                except jsonschema.SchemaError as exc:
-                    raise bad(f"{field} is not a valid JSON schema: {exc.message}") from None
-            tools.append(RemoteTool(descriptor, self))
+                    validators[field] = schema_validator(schema)
+                except ValueError as exc:
+                    raise bad(f"{field}: {exc}") from None
+            tool = RemoteTool(descriptor, self)
+            tool._validator = validators.get("input_schema")
+            tools.append(tool)
         return tools
 
 
@@ -823,8 +831,10 @@ class RemoteTool(Tool):
                         mw.no_answer("CallTool")
                     raise MiddlewareFailure(mw.name, "CallTool", what) from None
                 mw.outage, mw.hangs = None, 0  # it answers (fail_open: a later hang pauses it afresh)
-                if msg is grpc.aio.EOF or msg is None:
+                if msg is grpc.aio.EOF:
                     raise ProtocolError(mw.name, "CallTool", "stream ended without a tool_response")
+                if msg is None:
+                    raise ProtocolError(mw.name, "CallTool", _UNPARSED.format("an Item"))
                 items, policy = items + 1, mw.policy
                 size += (piece := msg.ByteSize())
                 if piece > policy.max_item_bytes:
@@ -841,6 +851,8 @@ class RemoteTool(Tool):
                 if type(item) not in EMITTABLE["on_acting"]:  # what a tool yields is what on_acting may
                     what = type(item).__name__
                     raise ProtocolError(mw.name, "CallTool", f"a tool streams chunks, then a response; not {what}")
+                if (problem := tool_item_problem(item)) is not None:
+                    raise ProtocolError(mw.name, "CallTool", problem)
                 yield item
                 if isinstance(item, ToolResponse):
                     return

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
-import jsonschema
 
 from agentmw.data import (
     ErrorInfo,
@@ -52,7 +51,7 @@ from agentmw.data import (
 from agentmw.data.state import AgentState
 from agentmw.hooks import HOOKS
 from agentmw.security import channel
-from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools, registered_tools
+from agentmw.tools import MAX_MODEL_TOOLS, Tool, Toolkit, middleware_tools, registered_tools, schema_validator
 
 from .. import metrics, tracing
 from ..agent import CUT_OFF, Agent, InputRefused
@@ -944,13 +943,9 @@ def check_structured_schema(inputs: Any, schema: dict[str, Any] | None) -> None:
             "(a resumed reply keeps the schema it started with)",
         )
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        raise ReplyRejected(
-            grpc.StatusCode.INVALID_ARGUMENT, f"structured_schema is not a valid JSON schema: {exc.message}"
-        ) from None
-    except TypeError:  # e.g. an unhashable "$schema"
-        raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, "structured_schema is not a valid JSON schema") from None
+        schema_validator(schema)  # as a tool's: its $refs resolve within it, or it is refused here
+    except ValueError as exc:
+        raise ReplyRejected(grpc.StatusCode.INVALID_ARGUMENT, f"structured_schema: {exc}") from None
     if schema.get("type") != "object":
         raise ReplyRejected(
             grpc.StatusCode.INVALID_ARGUMENT,

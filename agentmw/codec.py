@@ -311,7 +311,8 @@ class Codec:
         self._fns_by_class: dict[type, _Functions] = {}  # each plan as straight-line functions (_generate)
         self._inline: dict[Callable[..., Any], tuple[str, Callable[..., Any]]] = {}  # see _field_converters
         self._cls_by_class: dict[type, type | None] = {}  # message class -> data class
-        self._oneof_values: dict[Callable[..., Any], Callable[[Message], Any]] = {}  # see _oneof_converters
+        # A union's value without a dict around it (None when unset), and as a list's element (unset: an error).
+        self._oneof_values: dict[Callable[..., Any], tuple[Callable[[Message], Any], Callable[[Message], Any]]] = {}
         # The Item union, by Python class; chat responses and messages included.
         self.item_field_by_py: dict[type, str] = {}
         for f in events_pb2.Item.DESCRIPTOR.fields:
@@ -520,12 +521,18 @@ class Codec:
             member = msg.WhichOneof(oname)
             return None if member is None else getters[member](getattr(msg, member))
 
+        def element(msg: Message) -> Any:  # one of a list, which has no "unset" to decode to
+            member = msg.WhichOneof(oname)
+            if member is None:
+                raise CodecError(f"an empty {msg.DESCRIPTOR.name} in a list (none of {sorted(members)} set)")
+            return getters[member](getattr(msg, member))
+
         def decode(msg: Message, kwargs: dict[str, Any]) -> None:
             member = msg.WhichOneof(oname)
             if member is not None:
                 kwargs[oname] = getters[member](getattr(msg, member))
 
-        self._oneof_values[decode] = value  # a union's value without a dict around it (get_union)
+        self._oneof_values[decode] = (value, element)
         return encode, decode
 
     def _field_converters(self, field: FieldDescriptor) -> tuple[Encoder, Decoder]:
@@ -602,12 +609,12 @@ class Codec:
         if full not in self.py_by_proto and _is_union(msg_desc):
             union_enc, union_dec = self._plan(msg_desc)[0][0][1], self._plan(msg_desc)[1][0][1]
             assert union_enc is not None and union_dec is not None
-            get_union = self._oneof_values[union_dec]
+            get_union, get_element = self._oneof_values[union_dec]
 
             if repeated:
                 return (
                     lambda out, name, value: [union_enc(getattr(out, name).add(), v) for v in value],
-                    lambda seq: [get_union(m) for m in seq],
+                    lambda seq: [get_element(m) for m in seq],
                 )
             return (lambda out, name, value: union_enc(getattr(out, name), value)), get_union
         if full in self.py_by_proto:

@@ -11,7 +11,7 @@ import pytest
 
 from agent_host.store import ReplyStatus, SessionStore, SqliteStore, open_store
 from agent_host.store.journal import RowJournal
-from agentmw.codec import codec
+from agentmw.codec import CodecError, codec
 from agentmw.data import (
     AssistantMsg,
     PermissionRule,
@@ -72,6 +72,24 @@ async def test_every_kind_of_change_is_written(tmp_path: Path) -> None:
     assert reopened is not None and reopened.status == ReplyStatus.IDLE and not reopened.in_doubt
     assert codec.encode(reopened.state) == codec.encode(state)
     again.close()
+
+
+async def test_a_state_that_cannot_be_stored_is_not_kept_in_memory_either(tmp_path: Path) -> None:
+    """A change that does not encode (an object the codec refuses, in the context) fails the write
+    and the store forgets the session as held: the next open reads what is stored. Before, only a
+    failed write did that; a failed encoding kept the changed state cached, and every later reply
+    of the session worked from a state the database never had (until the host restarted)."""
+    store = SqliteStore(tmp_path / "s.db")
+    journal = store.create("s")
+    journal.state.context.append(UserMsg("question"))
+    await journal.begin_reply()
+    journal.state.context.append(AssistantMsg([TextBlock(text="ok"), None]))  # type: ignore[list-item]
+    with pytest.raises(CodecError, match="NoneType is not one of"):
+        await journal.record_step()
+    reopened = await store.open("s")
+    assert reopened is not None and reopened is not journal
+    assert [m.text for m in reopened.state.context] == ["question"]
+    store.close()
 
 
 async def keeps_its_title(store: SessionStore, journal: RowJournal) -> None:

@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent_host.config import ConfigError, load_config
+from agentmw.codec import codec
 from agentmw.data import (
     ConfirmResult,
     ExternalExecutionResultEvent,
@@ -173,6 +174,35 @@ async def test_external_execution_round_trip(procs: Procs, tmp_path: Path) -> No
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await _reply(host.address, turn.session_id, stray)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_an_empty_content_block_from_a_client_is_refused_and_the_session_goes_on(
+    procs: Procs, tmp_path: Path
+) -> None:
+    """A ContentBlock with none of its kinds set, in an external tool's result or in a user message:
+    INVALID_ARGUMENT, and nothing changes. Before, it decoded to None: the result was taken, the
+    session could not be stored (INTERNAL, no reply end) and stayed broken in the host's memory
+    (each later request failed) until the host restarted; the message got INTERNAL."""
+    host = procs.host(tmp_path / "sessions.db")
+    session, items = await _reply(host.address, "", UserMsg("where is my order A-17?"))
+    (asked,) = [i for i in items if isinstance(i, RequireExternalExecutionEvent)]
+    (call,) = asked.tool_calls
+    result = host_pb2.StartReply(session_id=session)
+    result.external_execution_result.execution_results.add(id=call.id, name=call.name).output_blocks.blocks.add()
+    message = host_pb2.StartReply()
+    codec.encode(UserMsg("hello"), message.message)
+    message.message.content.add()
+    async with grpc.aio.insecure_channel(host.address) as channel:
+        for bad in (result, message):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub(channel).Reply(iter([host_pb2.ReplyRequest(start=bad)]), timeout=10):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert "an empty ContentBlock in a list" in (refused.value.details() or ""), refused.value
+    answer = ToolResultBlock(id=call.id, name=call.name, output="shipped", state=ToolResultState.SUCCESS)
+    answered = ExternalExecutionResultEvent(reply_id="", execution_results=[answer])
+    _, items = await _reply(host.address, session, answered)
+    assert _end(items).finished_reason == ReplyFinishedReason.COMPLETED
 
 
 async def _cancel_after(address: str, session_id: str, message: str, when: type) -> tuple[str, list[object]]:

@@ -143,11 +143,13 @@ class RowJournal:
     async def _commit_in_order(self, status: ReplyStatus, started: str, finished: str, clear: bool) -> None:
         async with self.lock:
             in_flight = set() if clear else (self.in_flight | {started}) - {finished, ""}
-            write, rows, meta_digest = self.diff(status, sorted(in_flight))
             try:
+                write, rows, meta_digest = self.diff(status, sorted(in_flight))
                 await self.store._apply(write)
             except BaseException:
-                self.store._forget(self)  # what is stored is unknown now: the next reply reloads
+                # What is stored is unknown now, or (state that does not encode) older than what is
+                # held: the next reply reloads.
+                self.store._forget(self)
                 raise
             self.rows, self.meta_digest = rows, meta_digest or self.meta_digest
             self.status, self.in_flight = status, in_flight

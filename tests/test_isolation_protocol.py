@@ -921,6 +921,9 @@ BAD_TOOLS = {
         "input_schema: $ref '#/$defs/none' points to nothing in the schema",
     ),
     "name": ([{"name": "has space"}], "not 1-64 of [a-zA-Z0-9_-]"),
+    "empty_name": ([{"name": ""}], "an empty name"),  # registered as "Evil__" before
+    # accepted before: every model request offering it would be refused by an OpenAI-style provider
+    "array_input": ([{"name": "t", "inputSchema": {"type": "array"}}], "input_schema is of type 'array'"),
     "long_name": ([{"name": "x" * 70}], "not 1-64 of"),
     "duplicate": ([{"name": "t"}, {"name": "t"}], "listed twice"),
     "size": ([{"name": "t", "description": "d" * 300_000}], "bytes (limit 262144)"),

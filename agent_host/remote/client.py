@@ -769,6 +769,8 @@ class RemoteMiddleware:
             except (CodecError, KeyError, TypeError, ValueError) as exc:
                 raise bad(f"malformed descriptor: {exc}") from None
             full = f"{self.name}__{descriptor.name}"
+            if not descriptor.name:
+                raise bad("an empty name")
             if not TOOL_NAME.fullmatch(full):
                 raise bad(f"registered as {full!r}, which is not 1-64 of [a-zA-Z0-9_-]")
             if descriptor.name in seen:
@@ -783,6 +785,9 @@ class RemoteMiddleware:
                     validators[field] = schema_validator(schema)
                 except ValueError as exc:
                     raise bad(f"{field}: {exc}") from None
+            kind = descriptor.input_schema.get("type", "object")
+            if kind != "object":  # a model's function parameters are an object: providers refuse the request
+                raise bad(f'input_schema is of type {kind!r}: a tool\'s input is an object ("type": "object")')
             tool = RemoteTool(descriptor, self)
             tool._validator = validators.get("input_schema")
             tools.append(tool)

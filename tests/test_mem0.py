@@ -30,7 +30,7 @@ from agentmw.data import CustomEvent, HintBlock, ReplyFinishedReason, UserMsg
 from agentmw.v1 import hooks_pb2, hooks_pb2_grpc, host_pb2
 from clients.chat import HostClient, Turn, converse
 from clients.launch import ROOT, ServerProcess, start_all
-from mw_servers.mem0 import HEADER, INTRO
+from mw_servers.mem0 import HEADER, INTRO, MAX_HINT_CHARS
 from tests.host_util import Procs, get_session, processes
 
 MEM0_PY = ROOT / ".venv-mem0" / "bin" / "python"
@@ -141,6 +141,25 @@ async def test_a_fact_told_in_one_session_is_recalled_in_the_next(stack: Stack) 
     # Memory is the user's own: another user is told nothing of it.
     other = await say(stack.host.address, "What is my favourite colour?", "bob")
     assert "teal" not in other.final.text and await memory_hints(stack.host.address, other.session_id) == []
+
+
+async def test_long_memories_are_clipped_in_the_hint_and_a_spaced_name_is_a_user_id(stack: Stack) -> None:
+    """Three 900 KB messages are remembered; the next reply's hint holds each clipped, within its
+    bound. Before, the hint took them whole and every later reply of the user failed: a change of
+    2.7 MB, past the host's 2 MiB per item. A user named "Ada Lovelace" (mem0 refuses spaces in an
+    id: two mem0_error per reply, nothing remembered) is the user Ada_Lovelace; a blank message is
+    not searched for (mem0 refused the blank query with an error)."""
+    for word in ("alpha", "beta", "gamma"):
+        await say(stack.host.address, f"{word} " * 150_000, "longwinded")
+    asked = await say(stack.host.address, "alpha?", "longwinded")
+    (hint,) = await memory_hints(stack.host.address, asked.session_id)
+    assert len(hint) <= MAX_HINT_CHARS and hint.count("- ") >= 3, len(hint)
+    async with HostClient(stack.host.address) as client:
+        told = await converse(client, "", UserMsg("My cat is called Miso.", name="Ada Lovelace"))
+        blank = await converse(client, "", UserMsg("   ", name="Ada Lovelace"))
+        asked_cat = await converse(client, "", UserMsg("What is my cat called?", name="Ada Lovelace"))
+    assert not errors(told) and not errors(blank) and not errors(asked_cat), (errors(told), errors(blank))
+    assert "- My cat is called Miso." in (await memory_hints(stack.host.address, asked_cat.session_id))[0]
 
 
 async def test_with_authentication_a_user_reaches_only_their_own_memories(stack: Stack, tmp_path: Path) -> None:
@@ -334,7 +353,8 @@ def test_the_server_the_other_tests_use_has_no_network(stack: Stack) -> None:
         (["--store", "{file}"], "--store '{file}' cannot be a directory: File exists"),
         (["--address", "127.0.0.1:99999"], "--address '127.0.0.1:99999' is not HOST:PORT"),
         (["--top-k", "0"], "configuration error: --top-k: top_k must be at least 1, got 0"),
-        (["--user-id", " "], "configuration error: --user-id: user_id must name a user, got ' '"),
+        (["--user-id", " "], "configuration error: --user-id: user_id must name a user without spaces"),
+        (["--user-id", "a b"], "configuration error: --user-id: user_id must name a user without spaces"),
         (["--address", "{busy}"], "mw_servers.mem0: cannot listen on {busy} (address already in use)"),
     ],
 )

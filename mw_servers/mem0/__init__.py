@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,11 @@ ADD_SCHEMA = {
     },
     "required": ["thinking", "content"],
 }
+# The hint is one item the host takes at most max_item_bytes of (2 MiB by default): memories stored
+# from long messages would make every later reply of their user fail. Each is clipped, and the hint
+# holds memories only while it stays under this many characters (at most 4 bytes each in UTF-8).
+MAX_MEMORY_CHARS = 4000
+MAX_HINT_CHARS = 100_000
 MAX_PENDING = 1024  # sessions whose background-write failure waits for their next reply
 # Mem0Middleware's options (also ``agentmw:`` in the server's --config file): name -> types taken.
 OPTIONS: dict[str, tuple[type, ...]] = {
@@ -109,8 +115,8 @@ def check_option(name: str, value: Any) -> Any:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, not {value!r}")
     if name in ("top_k", "workers") and isinstance(value, int) and value < 1:  # (narrowed for mypy)
         raise ValueError(f"{name} must be at least 1, got {value}")
-    if name == "user_id" and isinstance(value, str) and not value.strip():  # mem0 refuses it at every call
-        raise ValueError(f"user_id must name a user, got {value!r}")
+    if name == "user_id" and isinstance(value, str) and (not value.strip() or _SPACE.search(value)):
+        raise ValueError(f"user_id must name a user without spaces (mem0 refuses others), got {value!r}")
     return value
 
 
@@ -203,7 +209,7 @@ class Mem0Middleware(MiddlewareBase):
         if user is not None and not owner:
             named = user.name if user.name.strip() not in ("", "user") else None
             claimed = str(user.metadata.get("user_id") or "").strip()  # blank: as if none (mem0 refuses it)
-            user_id = claimed or named or self.user_id
+            user_id = _SPACE.sub("_", (claimed or named or self.user_id).strip())  # "Ada Lovelace": Ada_Lovelace
         return {"user_id": user_id, "agent_id": self.agent_id or getattr(agent, "name", "") or ""}
 
     def _failure(self, operation: str, scope: dict[str, str], exc: BaseException) -> CustomEvent:
@@ -216,7 +222,7 @@ class Mem0Middleware(MiddlewareBase):
     async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         inputs = input_kwargs.get("inputs")
         users = [m for m in _messages(inputs) if m.role == Role.USER]
-        query = "\n".join(m.text for m in users if m.text) or None
+        query = "\n".join(m.text for m in users if m.text.strip()) or None  # mem0 refuses a blank query
         if users:  # a new turn (a resumed reply keeps its scope): the tools act for its user (the slot)
             scope = self.scope(agent, inputs)
             agent.state.middle_context[KEY] = scope
@@ -234,7 +240,7 @@ class Mem0Middleware(MiddlewareBase):
             if isinstance(item, ReplyStartEvent) and not started:
                 started = True
                 if memories:  # lands right after the user's message, before any reasoning
-                    hint = "\n".join([HEADER, INTRO, *(f"- {m}" for m in memories)])
+                    hint = _hint(memories)
                     agent.state.context.append(AssistantMsg([HintBlock(hint=hint, source=KEY)], name="memory"))
                 yield item
                 for report in reports:
@@ -356,6 +362,21 @@ def _results(result: Any) -> list[dict[str, Any]]:
     return [r for r in items or [] if isinstance(r, dict)]
 
 
+_SPACE = re.compile(r"\s+")
+
+
+def _hint(memories: list[str]) -> str:
+    """The hint block's text: memories clipped to MAX_MEMORY_CHARS, as many as fit MAX_HINT_CHARS."""
+    lines, size = [HEADER, INTRO], len(HEADER) + len(INTRO)
+    for memory in memories:
+        line = f"- {memory if len(memory) <= MAX_MEMORY_CHARS else memory[:MAX_MEMORY_CHARS] + ' …'}"
+        if size + len(line) > MAX_HINT_CHARS:
+            break
+        lines.append(line)
+        size += len(line) + 1
+    return "\n".join(lines)
+
+
 @functools.cache
 def _mode_class(cls: type[Mem0Middleware], mode: str) -> type[Mem0Middleware]:
     # Resetting a hook to the base's function makes it "not implemented" for the host.
@@ -365,4 +386,14 @@ def _mode_class(cls: type[Mem0Middleware], mode: str) -> type[Mem0Middleware]:
     return type(f"{cls.__name__}Static", (cls,), hooks)
 
 
-__all__ = ["ADD_SCHEMA", "ERROR_EVENT", "KEY", "MODES", "OPTIONS", "SEARCH_SCHEMA", "Mem0Middleware", "check_option"]
+__all__ = [
+    "ADD_SCHEMA",
+    "ERROR_EVENT",
+    "KEY",
+    "MAX_HINT_CHARS",
+    "MODES",
+    "OPTIONS",
+    "SEARCH_SCHEMA",
+    "Mem0Middleware",
+    "check_option",
+]

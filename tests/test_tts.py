@@ -277,14 +277,19 @@ async def test_engine_error_is_an_event_and_the_text_arrives_whole(
     assert error.value["engine"] == engine and error.value["reply_id"] == end.reply_id
 
 
-async def test_a_stalled_service_costs_the_speech_not_the_reply(procs: Procs, dashscope: DashScopeTTSServer) -> None:
+@pytest.mark.parametrize("mode", ["standard", "realtime"])
+async def test_a_stalled_service_costs_the_speech_not_the_reply(
+    procs: Procs, dashscope: DashScopeTTSServer, mode: str
+) -> None:
     """The DashScope endpoint takes the request and then sends nothing: the block's speech is given
     up after --timeout (a tts_error naming the endpoint) and the text arrives whole, within the
     host's timeout for the server. Before, only the SDK's per-read timeout bounded it: retried, it
     held a block ~16 s with the default 8, past the host's default 10 s, which failed the whole
-    reply; and its error (SocketTimeoutError) did not say where."""
+    reply; and its error (SocketTimeoutError) did not say where. In realtime mode the wait for the
+    rest of the speech at the block's end had no bound at all: the reply failed at the host's."""
     dashscope.stall = 30.0
     args = ["--engine", "dashscope", "--url", dashscope.http_url, "--timeout", "2"]
+    args += ["--realtime"] if mode == "realtime" else []
     server = tts_server(procs, *args, env=dashscope_env())
     items = await reply(server.address, [{"text": SHORT}], timeout=3.5)  # the SDK alone: 2 x 2 s and more
 
@@ -380,6 +385,30 @@ SPEECH = " ".join([LONG] * 24)  # ~660 words: thousands of audio pieces, so spee
 
 def _audio_after(items: list[Any], index: int) -> int:
     return sum(isinstance(x, DataBlockDeltaEvent) for x in items[index + 1 :])
+
+
+@pytest.mark.parametrize("realtime", [False, True], ids=["standard", "realtime"])
+async def test_speech_past_the_replys_audio_bound_stops_and_the_text_goes_on(realtime: bool) -> None:
+    """A reply whose speech would pass max_reply_audio (by default 32 MiB, under the 64 MiB the
+    host takes from one hook call once base64-encoded): one tts_error, its audio block ended, the
+    text whole; the next reply speaks afresh. Before, a ~23,000-character reply failed with
+    OutputLimitExceeded from the host: ERROR, where only its speech should have been lost."""
+    bound = 200_000
+    layers = [TTSMiddleware(EspeakEngine(), realtime=realtime, max_reply_audio=bound)]
+    agent = Agent(model=OfflineRuleModel(script=[{"text": SPEECH}, {"text": SPEECH}]), middlewares=layers)
+    async with asyncio.timeout(60):
+        first = [item async for item in agent.reply_stream(UserMsg("hi"))]
+        second = [item async for item in agent.reply_stream(UserMsg("again"))]
+    for items in (first, second):  # the bound is per reply: the next one speaks afresh
+        end = next(x for x in items if isinstance(x, ReplyEndEvent))
+        assert end.finished_reason == ReplyFinishedReason.COMPLETED, end.error
+        assert isinstance(items[-1], Msg) and items[-1].text == SPEECH
+        (error,) = [x for x in items if isinstance(x, CustomEvent)]
+        assert "the reply's speech stops: more than 200000 bytes of audio" in error.value["message"], error
+        names = kinds(items)
+        assert names.count("DataBlockStartEvent") == names.count("DataBlockEndEvent") == 1, names
+        spoken = sum(len(base64.b64decode(x.data)) for x in items if isinstance(x, DataBlockDeltaEvent))
+        assert 0 < spoken <= bound, spoken
 
 
 @pytest.mark.parametrize("realtime", [False, True], ids=["standard", "realtime"])

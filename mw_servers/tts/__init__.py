@@ -49,6 +49,10 @@ from .engines import (
 
 ERROR_EVENT = "tts_error"
 _END = object()  # the inner pipeline is exhausted
+# Raw audio one reply may carry. The host takes at most 64 MiB of messages from one hook call (its
+# max_bytes); base64 makes this ~43 MiB, leaving the rest for the text passed on. Past it, the
+# speech stops with a tts_error (a ~20,000-character reply at espeak's 22 kHz), the text goes on.
+MAX_REPLY_AUDIO = 32 * 1024 * 1024
 
 
 @dataclass
@@ -60,11 +64,15 @@ class _Block:
     audio_id: str = ""
     utterance: Utterance | None = None
     failed: bool = False
+    spoken: list[int] = field(default_factory=lambda: [0])  # the reply's audio bytes so far (shared)
 
 
 class TTSMiddleware(MiddlewareBase):
-    def __init__(self, engine: Engine | None = None, *, realtime: bool | None = None) -> None:
+    def __init__(
+        self, engine: Engine | None = None, *, realtime: bool | None = None, max_reply_audio: int = MAX_REPLY_AUDIO
+    ) -> None:
         self.engine = engine if engine is not None else EspeakEngine()
+        self.max_reply_audio = max_reply_audio
         self.realtime = self.engine.realtime if realtime is None else realtime
         # Text-block events only. The block end is intercepted: it must wait for the audio (so it
         # goes out before the reply moves on). Realtime audio goes out between the deltas, so
@@ -83,6 +91,7 @@ class TTSMiddleware(MiddlewareBase):
 
     async def on_reply(self, agent: Any, input_kwargs: ReplyKwargs, next_handler: Any) -> AsyncIterator[Any]:
         blocks: dict[str, _Block] = {}
+        spoken = [0]  # raw audio bytes of this reply, against max_reply_audio
         live: _Block | None = None  # the block whose realtime audio may arrive between items
         inner = aiter(next_handler())  # eager_next: called first thing, unchanged
         item_task: asyncio.Future[Any] | None = None
@@ -110,7 +119,8 @@ class TTSMiddleware(MiddlewareBase):
                     live = None
                     continue
                 if isinstance(item, TextBlockDeltaEvent) and item.delta:
-                    block = blocks.setdefault(item.block_id, _Block(item.reply_id))
+                    block = blocks.setdefault(item.block_id, _Block(item.reply_id, spoken=spoken))
+                    block.failed = block.failed or spoken[0] >= self.max_reply_audio
                     block.text.append(item.delta)
                     if self.realtime and not block.failed:
                         if block.utterance is None:
@@ -138,10 +148,10 @@ class TTSMiddleware(MiddlewareBase):
             if block.utterance is not None:
                 if not block.failed:
                     block.utterance.flush()
-                    while (chunk := await block.utterance.next_chunk()) is not None and not agent.interrupted:
+                    while (chunk := await self._next_piece(block.utterance)) is not None and not agent.interrupted:
                         for out in self._audio(block, chunk):
                             yield out
-            elif "".join(block.text).strip():
+            elif "".join(block.text).strip() and not block.failed:
                 async with contextlib.aclosing(self._speech("".join(block.text))) as speech:
                     async for chunk in speech:
                         if agent.interrupted:  # closing the stream cancels the engine's synthesis
@@ -186,19 +196,32 @@ class TTSMiddleware(MiddlewareBase):
             if aclose is not None:
                 await aclose()
 
+    async def _next_piece(self, utterance: Utterance) -> bytes | None:
+        """A realtime utterance's next piece after its block ended, within the engine's timeout, as
+        ``_speech`` reads one (the reply waits for it: a stalled service failed the whole reply)."""
+        try:
+            async with asyncio.timeout(self.engine.timeout):
+                return await utterance.next_chunk()
+        except TimeoutError:
+            raise EngineError(f"{self.engine.where()}: no audio within {self.engine.timeout:g}s") from None
+
     async def _chunk_result(self, block: _Block, task: asyncio.Future[bytes | None]) -> AsyncIterator[Any]:
         try:
             chunk = task.result()
+            events = [] if chunk is None else self._audio(block, chunk)
         except Exception as exc:
             block.failed = True
             yield self._error(block, exc)
             return
-        if chunk is not None:
-            for out in self._audio(block, chunk):
-                yield out
+        for out in events:
+            yield out
 
     def _audio(self, block: _Block, chunk: bytes) -> list[Any]:
-        """A chunk as a delta of the block's audio; the first one opens it (its own id)."""
+        """A chunk as a delta of the block's audio; the first one opens it (its own id). EngineError
+        past the reply's MAX_REPLY_AUDIO."""
+        block.spoken[0] += len(chunk)
+        if block.spoken[0] > self.max_reply_audio:
+            raise EngineError(f"the reply's speech stops: more than {self.max_reply_audio} bytes of audio in one reply")
         media_type = self.engine.media_type
         events: list[Any] = []
         if not block.audio_id:

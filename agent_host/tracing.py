@@ -89,7 +89,14 @@ def configure(
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             _check_endpoint(settings)
-            exporter = OTLPSpanExporter(endpoint=settings.get("endpoint"))  # None: from OTEL_* variables
+            for variable in ("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE"):
+                path = os.environ.get(variable)
+                if path and not os.path.isfile(path):  # the exporter logs a traceback and goes on without it
+                    raise ValueError(f"{variable}: {path!r} is not a file")
+            try:
+                exporter = OTLPSpanExporter(endpoint=settings.get("endpoint"))  # None: from OTEL_* variables
+            except Exception as exc:  # its own settings' errors are plain Exceptions (e.g. a bad compression)
+                raise ValueError(f"OTLP exporter: {exc}") from None
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return provider

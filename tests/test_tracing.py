@@ -596,6 +596,24 @@ def test_a_bad_otlp_endpoint_is_refused_at_start(endpoint: str, tmp_path: Path) 
     assert host.returncode == 2 and f"{endpoint!r} is not an OTLP/gRPC endpoint" in host.stderr, host.stderr
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("OTEL_EXPORTER_OTLP_COMPRESSION", "bogus", 'OTLP exporter: Invalid value "bogus" for compression'),
+        ("OTEL_EXPORTER_OTLP_CERTIFICATE", "/nonexistent.pem", "OTEL_EXPORTER_OTLP_CERTIFICATE: '/nonexistent.pem' is"),
+    ],
+)
+def test_a_bad_otlp_variable_is_one_line_at_start(variable: str, value: str, says: str) -> None:
+    """Before: a traceback and exit 1 (a bad compression), or a traceback and the server serving
+    without the certificate it was given (a missing file)."""
+    env = {variable: value}
+    done = run_cli(
+        "mw_servers.tracing", "--address", "127.0.0.1:0", "--otlp-endpoint", "http://127.0.0.1:4317", env=env
+    )
+    assert done.returncode == 2 and done.stderr.strip().startswith(f"mw_servers.tracing: {says}"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_span_json_is_written_as_before_on_the_fast_path() -> None:
     """_dumps lets json's encoder walk the plain data (dataclasses and enums through its default):
     the same text as converting it all first (_jsonable), also where json refuses a key."""

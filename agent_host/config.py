@@ -40,6 +40,11 @@ YAML (every key optional)::
       attach_permissions: {...}    # permissions of AttachMiddleware'd servers (default: all)
       reflection: false            # gRPC server reflection
     limits: {max_message_bytes: 4194304, sessions_per_owner: 1000, replies_per_owner: 8}
+                                   # max_message_bytes: at most 2147483647 (gRPC's limit)
+
+Every duration (timeouts, lease, drain_grace) is a finite number of seconds above 0 and at most
+2592000 (30 days: MAX_SECONDS). A name may not be given twice in one list (tools, middleware,
+the --middleware flags, AGENTMW_MIDDLEWARE).
 
 Environment: AGENTMW_CONFIG (the YAML path), AGENTMW_LISTEN, AGENTMW_DB, AGENTMW_LOG_LEVEL,
 AGENTMW_MODEL (default model id), AGENTMW_MIDDLEWARE ("name=host:port,name=host:port": --middleware
@@ -65,6 +70,7 @@ import copy
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +97,12 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_ITEM_BYTES = 2 * 1024 * 1024
 DEFAULT_LEASE = 10.0
 DEFAULT_DRAIN_GRACE = 30.0
+# The longest duration any setting, flag or RPC takes (check_seconds): 30 days. Far beyond a sane
+# timeout, lease or grace period, and well within what a gRPC deadline holds (one of ~1e10 s
+# overflows: every call with it failed at once as DEADLINE_EXCEEDED).
+MAX_SECONDS = 30 * 24 * 3600.0
+# grpc.max_receive_message_length is a C int: limits.max_message_bytes above it is an OverflowError.
+MAX_MESSAGE_BYTES = 2**31 - 1
 
 # The embedded default model: offline and deterministic, with rules that reach every demo tool
 # from plain sentences ("What's the weather in Paris?", "email bob@example.com saying hi").
@@ -261,8 +273,14 @@ def load_config(
             where = cfg.origins[key] = f"{kind} {name}"
             if key == "middleware":
                 items = split_middleware_list(raw) if isinstance(raw, str) else list(raw)
+                named: set[str] = set()  # within one layer: a name given twice is a mistake, not an overlay
                 for item in items:
-                    _overlay_middleware(cfg, parse_middleware_arg(item, where))
+                    new = parse_middleware_arg(item, where)
+                    if new.name and new.name in named:
+                        raise ConfigError(f"{where} {item.strip()!r}: the name {new.name!r} is used twice")
+                    if new.name:
+                        named.add(new.name)
+                    _overlay_middleware(cfg, new)
             elif key == "metrics_port":
                 cfg.metrics_port = _port(str(raw), where)
             elif key == "model":
@@ -413,10 +431,13 @@ _SECONDS = {"lease", "drain_grace"}
 
 
 def check_seconds(value: Any, what: str = "timeout") -> float:
-    """A finite number of seconds above 0 (NaN, infinity, 0 or less would never or always expire):
+    """A finite number of seconds above 0 (NaN, infinity, 0 or less would never or always expire)
+    and at most MAX_SECONDS (30 days; a gRPC deadline of ~1e10 s overflows and expires at once):
     the one rule for every timeout, lease and grace period, in configuration, flags and RPCs."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{what} must be a finite number of seconds above 0, got {value!r}")
+    if value > MAX_SECONDS:
+        raise ValueError(f"{what} must be at most {MAX_SECONDS:.0f} seconds (30 days), got {value!r}")
     return float(value)
 
 
@@ -432,11 +453,18 @@ def check_middleware_name(name: str) -> str:
 def _seconds(raw: Any, where: str) -> float:
     """A duration setting (YAML, or text from the environment or a flag), as ``check_seconds``."""
     try:
-        return check_seconds(float(raw) if isinstance(raw, str) else raw, where)
+        value = float(raw) if isinstance(raw, str) else raw
     except ValueError:
+        raise ConfigError(f"{where}: expected a number of seconds above 0, got {raw!r}") from None
+    try:
+        return check_seconds(value, where)
+    except ValueError:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            raise ConfigError(f"{where}: expected at most {MAX_SECONDS:.0f} seconds (30 days), got {raw!r}") from None
         raise ConfigError(f"{where}: expected a number of seconds above 0, got {raw!r}") from None
 
 
+_MODELS_KEYS = {"default", "models"}
 _AGENT_KEYS = {"name": str, "system_prompt": str, "max_iters": int, "inject_runtime_state": bool, "timezone": str}
 _MW_KEYS = {"name", "address", "fail_open", "timeout", "max_items", "max_bytes", "max_item_bytes", "key", "permissions"}
 _PERMISSION_KEYS = {"hooks": list, "context": bool, "mutate_context": bool, "set_model": bool, "tools": bool}
@@ -450,6 +478,7 @@ _SECURITY_KEYS = {
     "attach_permissions",
     "reflection",
 }
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _LIMIT_KEYS = ("max_message_bytes", "sessions_per_owner", "replies_per_owner")
 
 
@@ -526,6 +555,9 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
     if "models" in data:
         if not isinstance(data["models"], Mapping):
             raise ConfigError(f"{src}: models: expected a mapping, got {_kind(data['models'])}")
+        unknown = sorted(set(data["models"]) - _MODELS_KEYS, key=str)
+        if unknown:
+            raise ConfigError(f"{src}: models: unknown key {unknown[0]!r} (known: {', '.join(sorted(_MODELS_KEYS))})")
         cfg.models = copy.deepcopy(dict(data["models"]))
         models = cfg.models.get("models")
         for spec in models.values() if isinstance(models, Mapping) else ():
@@ -538,9 +570,12 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         if not isinstance(tools, Sequence) or isinstance(tools, str):
             raise ConfigError(f"{src}: tools: expected a list of tool names, got {_kind(tools)}")
         for i, name in enumerate(tools):
+            name = _expect(name, str, f"{src}: tools[{i}]")
             if name not in BUILTIN_TOOLS:
                 known = ", ".join(BUILTIN_TOOLS)
                 raise ConfigError(f"{src}: tools[{i}]: unknown built-in tool {name!r} (known: {known})")
+            if name in tools[:i]:
+                raise ConfigError(f"{src}: tools[{i}]: {name!r} is listed twice")
         cfg.tools = list(tools)
     cfg.middleware = _yaml_middleware(data.get("middleware"), src)
     if data.get("tracing") is not None:
@@ -560,6 +595,8 @@ def _apply_yaml(cfg: HostConfig, path: Path) -> None:
         limit = _expect(value, int, f"{src}: limits.{key}")
         if limit < 1:
             raise ConfigError(f"{src}: limits.{key}: must be above 0, got {limit}")
+        if key == "max_message_bytes" and limit > MAX_MESSAGE_BYTES:
+            raise ConfigError(f"{src}: limits.{key}: must be at most {MAX_MESSAGE_BYTES} (gRPC's limit), got {limit}")
         setattr(cfg.security, key, limit)
 
 
@@ -607,6 +644,9 @@ def _yaml_security(sec: SecurityConfig, data: Mapping[str, Any], src: str, base:
         if not name or role not in ROLES:
             raise ConfigError(f"{at}: needs a name and a role ({' or '.join(ROLES)})")
         digest = _expect(entry.get("token_sha256", ""), str, f"{at}.token_sha256").lower()
+        if digest and not _SHA256_HEX.fullmatch(digest):  # not echoed: it may be a token pasted there
+            got = "characters other than hex digits" if len(digest) == 64 else f"{len(digest)} characters"
+            raise ConfigError(f"{at}.token_sha256: expected the token's SHA-256 as 64 hex digits, got {got}")
         secret = read_secret(
             env=_expect(entry.get("token_env", ""), str, f"{at}.token_env"),
             file=_beside(base, _expect(entry.get("token_file", ""), str, f"{at}.token_file")),
@@ -640,6 +680,8 @@ def _permissions(raw: Any, where: str) -> Permissions:
     entry = _mapping(raw, where, set(_PERMISSION_KEYS))
     values = {k: _expect(v, _PERMISSION_KEYS[k], f"{where}.{k}") for k, v in entry.items()}
     if "hooks" in values:
+        for i, hook in enumerate(values["hooks"]):
+            _expect(hook, str, f"{where}.hooks[{i}]")
         unknown = [h for h in values["hooks"] if h not in HOOKS]
         if unknown:
             raise ConfigError(f"{where}.hooks: unknown hook {unknown[0]!r} (known: {', '.join(HOOKS)})")
@@ -663,7 +705,10 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
     for i, entry in enumerate(raw):
         where = f"{src}: middleware[{i}]"
         if isinstance(entry, str):
-            out.append(parse_middleware_arg(entry, where))
+            parsed = parse_middleware_arg(entry, where)
+            if parsed.name and any(m.name == parsed.name for m in out):
+                raise ConfigError(f"{where}.name: {parsed.name!r} is used twice")
+            out.append(parsed)
             continue
         if not isinstance(entry, Mapping):
             raise ConfigError(f"{where}: expected a mapping or NAME=HOST:PORT, got {_kind(entry)}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent_host.config import ConfigError, check_middleware_address, check_seconds
+from agent_host.config import MAX_SECONDS, ConfigError, check_middleware_address, check_seconds
 from agentmw.codec import codec
 from agentmw.commandline import non_negative
 from agentmw.security import CLIENT_MAX_MESSAGE, SecurityError, TlsFiles, bearer_metadata
@@ -223,7 +224,14 @@ def _text(command: str, result: Any) -> str:
 # The command line.
 
 
-INT32_MAX = 2**31 - 1  # ListSessionsRequest.limit is an int32
+INT32_MAX = 2**31 - 1  # ListSessionsRequest.limit and AttachMiddlewareRequest.position are int32s
+
+
+def _too_long(value: float, text: str) -> None:
+    """check_seconds refused a finite ``value`` above 0: it is beyond MAX_SECONDS (30 days), which
+    a gRPC deadline holds (one of ~1e10 s overflows and every call fails at once)."""
+    if math.isfinite(value) and value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be {MAX_SECONDS:.0f} seconds (30 days) or less, not {text}")
 
 
 def _timeout(text: str) -> float:
@@ -235,6 +243,7 @@ def _timeout(text: str) -> float:
     try:
         return check_seconds(value, "the timeout")
     except ValueError:
+        _too_long(value, text)
         raise argparse.ArgumentTypeError(f"must be 0 (the host's default) or finite and above 0, not {text}") from None
 
 
@@ -243,8 +252,13 @@ _timeout.__name__ = "float"  # argparse names the type in its errors: "invalid f
 
 def _seconds(text: str) -> float:
     try:
-        return check_seconds(float(text), "the timeout")
-    except ValueError:  # float()'s too
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be finite and above 0, not {text}") from None
+    try:
+        return check_seconds(value, "the timeout")
+    except ValueError:
+        _too_long(value, text)
         raise argparse.ArgumentTypeError(f"must be finite and above 0, not {text}") from None
 
 
@@ -273,7 +287,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     attach.add_argument("--name", default="", help="default: the middleware's key")
     attach.add_argument("--fail-open", action="store_true", help="skip it when it fails instead of failing replies")
     attach.add_argument("--timeout", type=_timeout, default=0.0, help="seconds per message (default: the host's)")
-    attach.add_argument("--position", type=int, help="onion position, 0 = outermost (default: innermost)")
+    attach.add_argument(
+        "--position",
+        type=non_negative(int, INT32_MAX),
+        help="onion position, 0 = outermost (default: innermost)",
+    )
     detach = mw_commands.add_parser("detach", parents=[common], help="detach a middleware by name")
     detach.add_argument("name")
 

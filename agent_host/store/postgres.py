@@ -249,6 +249,8 @@ class PostgresStore(CachedJournals):
             )
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError) as exc:
             raise OSError(f"cannot connect to {redact(dsn)}: {exc}") from None
+        except ValueError as exc:  # asyncpg's DSN parsing: a port that is not a number, ...
+            raise OSError(f"malformed DSN {redact(dsn)}: {exc}") from None
         try:
             await _migrate(pool)
             listener = await asyncpg.connect(dsn, timeout=10)

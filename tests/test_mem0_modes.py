@@ -61,7 +61,7 @@ async def test_each_mode_declares_only_the_hooks_and_tools_it_uses() -> None:
         ("agentmw: [1]\n", "{file}: agentmw: expected a mapping, got list [1]"),
         ("agentmw: {top_k: lots}\n", "{file}: agentmw: top_k must be int, got str 'lots'"),
         ("agentmw: {topk: 3}\n", "{file}: agentmw: unknown option 'topk' (known: mode, user_id, "),
-        ("agentmw: {user_id: ''}\n", "{file}: agentmw: user_id must name a user, got ''"),
+        ("agentmw: {user_id: ''}\n", "{file}: agentmw: user_id must name a user without spaces"),
         ("vectorstore: {provider: qdrant}\n", "{file}: unknown section 'vectorstore' (known: vector_store, llm, "),
         ("embedder: huggingface\n", "{file}: embedder: expected a mapping, got str 'huggingface'"),
     ],

@@ -902,7 +902,8 @@ def test_a_user_known_only_by_certificate_needs_a_client_ca(certs: Pki, tmp_path
     (the second case was docs/security.md's own example); a token as well is enough."""
     path = tmp_path / "host.yaml"
     users = (
-        "  users:\n    - {name: alice, role: user, token_sha256: abc}\n    - {name: ops, role: admin, cert_cn: ops}\n"
+        f"  users:\n    - {{name: alice, role: user, token_sha256: {'ab' * 32}}}\n"
+        "    - {name: ops, role: admin, cert_cn: ops}\n"
     )
     files = f"cert: {certs.server.cert}, key: {certs.server.key}, client_ca: {certs.ca}"
     tls = f"  tls: {{{files}, require_client_cert: false}}\n"
@@ -915,7 +916,7 @@ def test_a_user_known_only_by_certificate_needs_a_client_ca(certs: Pki, tmp_path
             "needs security.tls.client_ca (or --tls-client-ca / AGENTMW_TLS_CLIENT_CA) with require_client_cert: "
             "true to be checked"
         )
-    path.write_text("security:\n  users:\n    - {name: ops, role: admin, cert_cn: ops, token_sha256: abc}\n")
+    path.write_text(f"security:\n  users:\n    - {{name: ops, role: admin, cert_cn: ops, token_sha256: {'ab' * 32}}}\n")
     assert load_config(path, env={}).security.users[0].cert_cn == "ops"
 
 

@@ -689,6 +689,12 @@ def _permissions(raw: Any, where: str) -> Permissions:
     return Permissions(**values)
 
 
+def _unique_name(earlier: list[MiddlewareConfig], name: str, where: str) -> None:
+    """A middleware entry's name (in either form) is not one an earlier entry has."""
+    if name and any(m.name == name for m in earlier):
+        raise ConfigError(f"{where}.name: {name!r} is used twice")
+
+
 def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
     if raw is None:
         return []
@@ -706,8 +712,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
         where = f"{src}: middleware[{i}]"
         if isinstance(entry, str):
             parsed = parse_middleware_arg(entry, where)
-            if parsed.name and any(m.name == parsed.name for m in out):
-                raise ConfigError(f"{where}.name: {parsed.name!r} is used twice")
+            _unique_name(out, parsed.name, where)
             out.append(parsed)
             continue
         if not isinstance(entry, Mapping):
@@ -738,8 +743,7 @@ def _yaml_middleware(raw: Any, src: str) -> list[MiddlewareConfig]:
             raise ConfigError(f"{where}.key: {key!r} is used twice (one key = one middle_context slot)")
         if "permissions" in entry:
             limits["permissions"] = _permissions(entry["permissions"], f"{where}.permissions")
-        if any(m.name and m.name == name for m in out):
-            raise ConfigError(f"{where}.name: {name!r} is used twice")
+        _unique_name(out, name, where)
         out.append(
             MiddlewareConfig(
                 address=address,

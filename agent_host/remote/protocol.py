@@ -663,7 +663,7 @@ class HookCall:
                 raise self._violation(f"malformed item: {exc}") from None
             if type(item) not in EMITTABLE[self.spec.name]:  # e.g. a model chunk in on_reply
                 raise self._violation(f"{self.spec.name} cannot yield {type(item).__name__}")
-            if self.spec.name == "on_acting" and (problem := tool_item_problem(item)) is not None:
+            if (problem := tool_item_problem(item)) is not None:  # only on_acting yields tool items
                 raise self._violation(problem)  # as a tool's own CallTool stream would be refused
             if getattr(item, "id", None) == "":  # the spec lets a middleware leave these to the host
                 item.id = new_id()

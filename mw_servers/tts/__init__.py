@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,8 +119,10 @@ class TTSMiddleware(MiddlewareBase):
                     live = None
                     continue
                 if isinstance(item, TextBlockDeltaEvent) and item.delta:
-                    block = blocks.setdefault(item.block_id, _Block(item.reply_id, spoken=spoken))
-                    block.failed = block.failed or spoken[0] >= self.max_reply_audio
+                    if item.block_id not in blocks:  # made once per block; none spoken past the bound
+                        failed = spoken[0] >= self.max_reply_audio
+                        blocks[item.block_id] = _Block(item.reply_id, failed=failed, spoken=spoken)
+                    block = blocks[item.block_id]
                     block.text.append(item.delta)
                     if self.realtime and not block.failed:
                         if block.utterance is None:
@@ -148,7 +150,8 @@ class TTSMiddleware(MiddlewareBase):
             if block.utterance is not None:
                 if not block.failed:
                     block.utterance.flush()
-                    while (chunk := await self._next_piece(block.utterance)) is not None and not agent.interrupted:
+                    utterance = block.utterance
+                    while (chunk := await self._piece(utterance.next_chunk())) is not None and not agent.interrupted:
                         for out in self._audio(block, chunk):
                             yield out
             elif "".join(block.text).strip() and not block.failed:
@@ -183,11 +186,7 @@ class TTSMiddleware(MiddlewareBase):
         stream = aiter(engine.synthesize(text))
         try:
             while True:
-                try:
-                    async with asyncio.timeout(engine.timeout):
-                        chunk = await anext(stream, None)
-                except TimeoutError:
-                    raise EngineError(f"{engine.where()}: no audio within {engine.timeout:g}s") from None
+                chunk = await self._piece(anext(stream, None))
                 if chunk is None:
                     return
                 yield chunk
@@ -196,12 +195,13 @@ class TTSMiddleware(MiddlewareBase):
             if aclose is not None:
                 await aclose()
 
-    async def _next_piece(self, utterance: Utterance) -> bytes | None:
-        """A realtime utterance's next piece after its block ended, within the engine's timeout, as
-        ``_speech`` reads one (the reply waits for it: a stalled service failed the whole reply)."""
+    async def _piece(self, next_piece: Awaitable[bytes | None]) -> bytes | None:
+        """The engine's next piece of audio (None: no more), within its timeout: the reply waits for
+        it (a whole text's speech, or a realtime block's rest after its end), and a stalled service
+        would otherwise hold the reply past the host's timeout, which fails it."""
         try:
             async with asyncio.timeout(self.engine.timeout):
-                return await utterance.next_chunk()
+                return await next_piece
         except TimeoutError:
             raise EngineError(f"{self.engine.where()}: no audio within {self.engine.timeout:g}s") from None
 

@@ -167,6 +167,29 @@ def test_an_unknown_key_in_models_is_refused(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("models", "error"),
+    [
+        ("default: 1\n  models:\n    a: {provider: offline}\n", "default: expected a model id (a string), got 1"),
+        (
+            "models:\n    1: {provider: offline}\n    b: {provider: offline}\n",
+            "model id 1: expected a string (quote it in YAML)",
+        ),
+        (
+            "models:\n    a: {provider: [offline]}\n",
+            "model 'a': unknown provider ['offline'] (known: ['dashscope', 'offline', 'openai'])",
+        ),
+    ],
+)
+def test_a_model_id_or_provider_that_is_not_a_string_is_named(tmp_path: Path, models: str, error: str) -> None:
+    """Were ``'<' not supported between instances of 'str' and 'int'`` and ``unhashable type: 'list'``."""
+    path = tmp_path / "host.yaml"
+    path.write_text(f"models:\n  {models}")
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, env={}, flags={}).build_models()
+    assert str(raised.value) == f"{path}: models: {error}"
+
+
 @pytest.mark.parametrize("digest", ["not hex", "ab" * 31, "g" * 64, "a" * 65])
 def test_a_token_sha256_must_be_64_hex_digits(tmp_path: Path, digest: str) -> None:
     """Was accepted: a user no token could ever match."""

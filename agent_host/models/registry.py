@@ -266,15 +266,20 @@ class ModelRegistry:
         (or ``api_key_env`` / ``api_key_file``, read here), ``parameters`` (sent with every request,
         e.g. ``temperature``), ``stream``, ``timeout``, ... Every value is checked against the
         constructor's type hints (``_expected``). Each model names its provider."""
-        registry = cls(default=config.get("default"))
+        default = config.get("default")
+        if default is not None and not isinstance(default, str):  # YAML reads `default: 1` as a number
+            raise ValueError(f"default: expected a model id (a string), got {default!r}")
+        registry = cls(default=default)
         for model_id, spec in (config.get("models") or {}).items():
+            if not isinstance(model_id, str):  # ids are sorted and named in errors, and sent as strings
+                raise ValueError(f"model id {model_id!r}: expected a string (quote it in YAML)")
             if not isinstance(spec, Mapping):
                 raise ValueError(f"model {model_id!r}: expected a mapping of settings, got {spec!r}")
             spec = dict(spec)
             if "provider" not in spec:  # a network model's settings on the offline rule model answered for it
                 raise ValueError(f"model {model_id!r}: no provider (one of: {', '.join(sorted(PROVIDERS))})")
             provider = spec.pop("provider")
-            if provider not in PROVIDERS:
+            if not isinstance(provider, str) or provider not in PROVIDERS:
                 raise ValueError(f"model {model_id!r}: unknown provider {provider!r} (known: {sorted(PROVIDERS)})")
             retries = spec.pop("max_retries", 0)
             _check(model_id, "max_retries", retries, int)

@@ -32,7 +32,7 @@ from agentmw.data import (
 )
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Tool, ToolInputError
 
-from .agent_base import AgentBase, ReplyError
+from .agent_base import END, AgentBase, ReplyError
 from .chunk_events import tool_chunk_events, tool_output_events
 from .reply_grammar import blame_of
 
@@ -175,7 +175,8 @@ class Acting(AgentBase):
         response: ToolResponse | None = None
         async with closing(self._acting_chain(self, tool_call=call)) as items:
             try:
-                while (item := await self._interruptible(anext(items, None))) is not None:
+                # The end is a marker of its own: a layer that yields None breaks the contract (below).
+                while (item := await self._interruptible(anext(items, END))) is not END:
                     if isinstance(item, ToolResponse):
                         response = item
                         break

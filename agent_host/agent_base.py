@@ -35,6 +35,10 @@ from .models import ChatModel, ModelRegistry
 from .reply_grammar import blame_of
 from .structured_output import StructuredOutputTool
 
+# The end of a layer's stream, as ``anext``'s default: not None, which a layer may yield by mistake
+# (it must then fail the reply as any item the hook cannot yield, not end the stream quietly).
+END: Any = object()
+
 TRUNCATED_REMINDER = (
     "<<<TRUNCATED>>><system-reminder>The tool result was {size} bytes; only the first {limit} are kept "
     "here. Ask for a narrower result if you need the rest.</system-reminder>"

@@ -28,7 +28,7 @@ from agentmw.data import (
 )
 
 from . import metrics
-from .agent_base import AgentBase, ReplyError
+from .agent_base import END, AgentBase, ReplyError
 from .chunk_events import ChunkConverter
 from .models.retry import Failure, call_with_fallback
 from .reply_grammar import blame_of
@@ -74,7 +74,9 @@ class Reasoning(AgentBase):
             else:
                 async with closing(result) as chunks:
                     count = 0
-                    while (chunk := await self._interruptible(anext(chunks, None))) is not None:
+                    while (chunk := await self._interruptible(anext(chunks, END))) is not END:
+                        if type(chunk) is not ChatResponse:  # None included: the end is END
+                            self.check_yield("on_model_call", "the model call", chunk)
                         if chunk.is_last:
                             completed = chunk
                             continue

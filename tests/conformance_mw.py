@@ -1326,6 +1326,43 @@ class ReasoningYieldsBlock(MiddlewareBase):
 MIDDLEWARE[ReasoningYieldsBlock.__name__] = ReasoningYieldsBlock
 
 
+class YieldsNone(MiddlewareBase):
+    """Yields None (no item at all) first in ``hook``, passing everything else through."""
+
+    def __init__(self, hook: str = "on_reply") -> None:
+        self.hook = hook
+
+    async def _stream(self, hook, next_handler):
+        if hook == self.hook:
+            yield None
+        async for item in next_handler():
+            yield item
+
+    def on_reply(self, agent, input_kwargs, next_handler):
+        return self._stream("on_reply", next_handler)
+
+    def on_reasoning(self, agent, input_kwargs, next_handler):
+        return self._stream("on_reasoning", next_handler)
+
+    def on_acting(self, agent, input_kwargs, next_handler):
+        return self._stream("on_acting", next_handler)
+
+    async def on_model_call(self, agent, input_kwargs, next_handler):
+        inner = await next_handler()
+        if self.hook != "on_model_call":
+            return inner
+
+        async def chunks():
+            yield None
+            async for chunk in inner:
+                yield chunk
+
+        return chunks()
+
+
+MIDDLEWARE[YieldsNone.__name__] = YieldsNone
+
+
 class ColdModel(MiddlewareBase):
     """Asks for a low temperature when the user says "cold": on the ``current_model`` it is given,
     in place (``how`` "in_place"), or by passing an edited copy of it as the override

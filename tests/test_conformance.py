@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import itertools
 import re
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -620,11 +621,22 @@ FIDELITY_CASES: list[tuple[Scenario, Check]] = [
 
 ACTING_YIELDS_CUSTOM = Scenario("acting_yields_custom", [Layer("ActingYieldsCustom")], message="call add a=1 b=2")
 REASONING_YIELDS_BLOCK = Scenario("reasoning_yields_block", [Layer("ReasoningYieldsBlock")])
+YIELDS_NONE = {
+    hook: Scenario(f"yields_none_{hook}", [Layer("YieldsNone", {"hook": hook})], message="call add a=1 b=2")
+    for hook in ("on_reply", "on_reasoning", "on_acting", "on_model_call")
+}
 
 
 @pytest.fixture(scope="module")
 def fidelity_servers():
-    started = Servers([*(scenario for scenario, _ in FIDELITY_CASES), ACTING_YIELDS_CUSTOM, REASONING_YIELDS_BLOCK])
+    started = Servers(
+        [
+            *(scenario for scenario, _ in FIDELITY_CASES),
+            ACTING_YIELDS_CUSTOM,
+            REASONING_YIELDS_BLOCK,
+            *YIELDS_NONE.values(),
+        ]
+    )
     yield started
     started.stop()
 
@@ -652,18 +664,44 @@ async def test_on_reasoning_yielding_a_block_names_the_middleware_in_process_as_
         "ReplyError: the reasoning step broke the hook contract (on_reasoning middleware 'ReasoningYieldsBlock'): "
         "on_reasoning cannot yield TextBlock"
     )
-    # (The SDK cannot send a block as an item at all: the author's yield raises there.)
+    # (The SDK sends nothing a hook cannot yield: the author's yield raises there.)
     assert remote_error == (
-        "CodecError: TextBlock cannot flow through a hook (raised by middleware 'ReasoningYieldsBlock' in on_reasoning)"
+        "TypeError: on_reasoning cannot yield TextBlock (raised by middleware 'ReasoningYieldsBlock' in on_reasoning)"
     )
+
+
+@pytest.mark.parametrize("hook", list(YIELDS_NONE))
+async def test_a_middleware_yielding_none_fails_the_reply_at_once_in_process_as_remotely(
+    hook: str, fidelity_servers: Servers
+) -> None:
+    """None is no item. Remotely the SDK took it for an observed copy (None is the default of its
+    lookup), sent nothing and waited for the host, which waited for it: the reply hung until the
+    host's timeout. In-process, on_acting and on_model_call took None for the stream's end: the
+    tool ran (or the model call had no last chunk)."""
+    scenario = YIELDS_NONE[hook]
+    local_events, _ = await run(scenario, ["local"], None)
+    started = time.monotonic()
+    remote_events, _ = await run(scenario, ["remote"], fidelity_servers)
+    assert time.monotonic() - started < 5  # not the host's timeout (10 s here)
+    if hook == "on_model_call":  # the remote call fails before it answers: no model call events
+        assert [k for k in kinds(local_events) if not k.startswith("ModelCall")] == kinds(remote_events)
+    else:
+        assert kinds(remote_events) == kinds(local_events)
+    assert kinds(local_events)[-2:] == ["ReplyEndEvent", "Msg"]
+    assert "3" not in [e.get("delta") for e in local_events + remote_events]  # add(1, 2) never ran
+    local_error, remote_error = local_events[-2]["error"]["message"], remote_events[-2]["error"]["message"]
+    said = "a NoneType is not an item of a reply" if hook == "on_reply" else f"{hook} cannot yield NoneType"
+    assert said in local_error, local_error
+    assert remote_error == f"TypeError: {hook} cannot yield NoneType (raised by middleware 'YieldsNone' in {hook})"
 
 
 async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_remotely(
     fidelity_servers: Servers,
 ) -> None:
     """on_acting yields only ToolChunks and a ToolResponse: a CustomEvent fails the reply, naming
-    the middleware and the hook, in-process as remotely (a protocol violation). In-process it was
-    dropped and the tool ran."""
+    the middleware and the hook, in-process as remotely (the SDK raises at the author's yield; what
+    another language's middleware sends is a protocol violation: test_isolation_protocol). In-process
+    it was dropped and the tool ran."""
     scenario = ACTING_YIELDS_CUSTOM
     local_events, local_state = await run(scenario, ["local"], None)
     remote_events, remote_state = await run(scenario, ["remote"], fidelity_servers)
@@ -680,15 +718,15 @@ async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_
         "ReplyError: the tool call broke the hook contract (on_acting middleware 'ActingYieldsCustom'): "
         "on_acting cannot yield CustomEvent"
     )
-    assert remote_error.endswith(
-        "middleware 'ActingYieldsCustom' failed in on_acting: protocol violation: on_acting cannot yield CustomEvent"
+    assert remote_error == (
+        "TypeError: on_acting cannot yield CustomEvent (raised by middleware 'ActingYieldsCustom' in on_acting)"
     )
-    # The same stored error but for its type: a protocol violation is the upstream middleware's
-    # failure (a remote-only kind, as unreachable and timeout are), a contract broken in-process
-    # the host program's own (internal).
+    # Stored as the program's own error on both sides (a protocol violation would be "upstream"),
+    # the remote one naming where it was raised.
     local_type, local_text = states_compared(local_state)["context"][-1]["error"]
     remote_type, remote_text = states_compared(remote_state)["context"][-1]["error"]
-    assert (local_type, remote_type, local_text) == ("internal", "upstream", remote_text)
+    assert (local_type, remote_type, local_text) == ("internal", "internal", "on_acting cannot yield CustomEvent")
+    assert remote_text == f"{local_text} (raised by middleware 'ActingYieldsCustom' in on_acting)"
     assert "3" not in [e.get("delta") for e in local_events]  # the tool did not run
 
 

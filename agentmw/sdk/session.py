@@ -33,6 +33,7 @@ from agentmw.hooks import HookSpec, Kind, check_result
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
+    EMITTABLE,
     decode_error_attributes,
     decode_kwarg,
     decode_result,
@@ -296,8 +297,10 @@ class HookSession:
         ``flush``: send it at the end of this loop turn unless a command takes it first (False: the
         caller sends a command right away)."""
         self.sync_state()
-        if self.observed.pop(id(out), None) is out:
+        if out is not None and self.observed.pop(id(out), None) is out:  # None: the pop's default
             return False
+        if type(out) not in EMITTABLE[self.spec.name]:  # as the host checks an in-process layer's
+            raise TypeError(f"{self.spec.name} cannot yield {type(out).__name__}")
         self._refuse(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
         current = self.current

@@ -397,6 +397,10 @@ class Codec:
             try:
                 fns[0](out, obj)
             except AttributeError:  # an object without every field of its class: anew, field by field
+                if isinstance(obj, _NOT_OBJECTS):  # no duck type: its fields would all read as unset
+                    text = repr(obj)
+                    text = text if len(text) <= 80 else f"{text[:77]}..."
+                    raise CodecError(f"expected a {out.DESCRIPTOR.name}, got {type(obj).__name__} {text}") from None
                 out.Clear()  # (``out`` is always a fresh message: nothing of the caller's is lost)
                 self._encode_fields(out, obj, get)
         else:
@@ -631,6 +635,11 @@ class Codec:
                 lambda seq: [self.decode_record(m) for m in seq],
             )
         return (lambda out, name, value: self.encode_record(value, getattr(out, name))), self.decode_record
+
+
+# Values that are never a data class's stand-in (a dict with its keys is not one either: in-process
+# its attributes are missing as well).
+_NOT_OBJECTS = (str, bytes, int, float, dict, list, tuple, set, frozenset)
 
 
 def _unknown_enum(msg: Message, exc: KeyError) -> CodecError:

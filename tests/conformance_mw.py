@@ -1363,6 +1363,17 @@ class YieldsNone(MiddlewareBase):
 MIDDLEWARE[YieldsNone.__name__] = YieldsNone
 
 
+class PlainToolChoice(MiddlewareBase):
+    """Overrides tool_choice with a plain string, not a ToolChoice (a mistake)."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        async for item in next_handler(tool_choice="none"):
+            yield item
+
+
+MIDDLEWARE[PlainToolChoice.__name__] = PlainToolChoice
+
+
 class ColdModel(MiddlewareBase):
     """Asks for a low temperature when the user says "cold": on the ``current_model`` it is given,
     in place (``how`` "in_place"), or by passing an edited copy of it as the override

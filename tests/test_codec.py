@@ -144,6 +144,20 @@ def test_generated_code_matches_the_plan_and_reads_objects_without_every_field()
     assert out.text == "duck" and out.id == "d1" and not out.created_at
 
 
+@pytest.mark.parametrize("value", ["none", {"mode": "none"}, ["none"], 3])
+def test_a_plain_value_where_a_data_class_goes_is_an_error_not_an_empty_message(value: Any) -> None:
+    """A str or a dict has none of ToolChoice's attributes: it was encoded as an empty ToolChoice
+    (mode ''), so ``next_handler(tool_choice="none")`` silently let the model call tools remotely,
+    where in-process it fails (AttributeError)."""
+    with pytest.raises(CodecError) as raised:
+        codec.encode(d.ModelRef(id="m", parameters={}))  # (a data class itself still encodes)
+        codec.encode(value, codec.proto_by_py[d.ToolChoice]())
+    assert str(raised.value) == f"expected a ToolChoice, got {type(value).__name__} {value!r}"
+    reasoning = HOOKS["on_reasoning"]
+    with pytest.raises(CodecError, match="expected a ToolChoice, got str 'none'"):
+        encode_kwargs(reasoning, {"tool_choice": "none"}, hooks_pb2.Kwargs())
+
+
 def test_values_that_do_not_fit_are_clear_errors() -> None:
     with pytest.raises(CodecError, match="cannot flow through a hook"):
         codec.encode_item(object())

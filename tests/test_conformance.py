@@ -621,6 +621,7 @@ FIDELITY_CASES: list[tuple[Scenario, Check]] = [
 
 ACTING_YIELDS_CUSTOM = Scenario("acting_yields_custom", [Layer("ActingYieldsCustom")], message="call add a=1 b=2")
 REASONING_YIELDS_BLOCK = Scenario("reasoning_yields_block", [Layer("ReasoningYieldsBlock")])
+PLAIN_TOOL_CHOICE = Scenario("plain_tool_choice", [Layer("PlainToolChoice")], message="call add a=1 b=2")
 YIELDS_NONE = {
     hook: Scenario(f"yields_none_{hook}", [Layer("YieldsNone", {"hook": hook})], message="call add a=1 b=2")
     for hook in ("on_reply", "on_reasoning", "on_acting", "on_model_call")
@@ -634,6 +635,7 @@ def fidelity_servers():
             *(scenario for scenario, _ in FIDELITY_CASES),
             ACTING_YIELDS_CUSTOM,
             REASONING_YIELDS_BLOCK,
+            PLAIN_TOOL_CHOICE,
             *YIELDS_NONE.values(),
         ]
     )
@@ -693,6 +695,20 @@ async def test_a_middleware_yielding_none_fails_the_reply_at_once_in_process_as_
     said = "a NoneType is not an item of a reply" if hook == "on_reply" else f"{hook} cannot yield NoneType"
     assert said in local_error, local_error
     assert remote_error == f"TypeError: {hook} cannot yield NoneType (raised by middleware 'YieldsNone' in {hook})"
+
+
+async def test_an_override_of_the_wrong_type_fails_the_reply_in_process_as_remotely(fidelity_servers: Servers) -> None:
+    """``next_handler(tool_choice="none")``: in-process the reasoning step fails (a str has no
+    ``tools``). Remotely the SDK encoded the str as an empty ToolChoice: the model called the tool
+    and the reply completed."""
+    local_events, _ = await run(PLAIN_TOOL_CHOICE, ["local"], None)
+    remote_events, _ = await run(PLAIN_TOOL_CHOICE, ["remote"], fidelity_servers)
+    assert kinds(remote_events) == kinds(local_events) == ["ReplyStartEvent", "ReplyEndEvent", "Msg"]
+    local_error, remote_error = local_events[-2]["error"]["message"], remote_events[-2]["error"]["message"]
+    assert local_error == "AttributeError: 'str' object has no attribute 'tools'"
+    assert remote_error == (
+        "CodecError: expected a ToolChoice, got str 'none' (raised by middleware 'PlainToolChoice' in on_reasoning)"
+    )
 
 
 async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_remotely(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
-from .hooks import HOOKS, HookSpec, Kind, check_result
+from .hooks import HOOKS, HookSpec, Kind, check_next_kwargs, check_result
 
 
 class Layer(Protocol):
@@ -73,9 +73,7 @@ class Chain:
         spec = self.spec
 
         def next_handler(**overrides: Any) -> Any:
-            unknown = overrides.keys() - spec.params
-            if unknown:
-                raise TypeError(f"{spec.name}: next_handler() got unexpected kwargs {sorted(unknown)}")
+            check_next_kwargs(spec, overrides, input_kwargs)
             inner = {**input_kwargs, **overrides}
             return self._run(agent, index + 1, inner if self.adapt is None else self.adapt(inner, params))
 

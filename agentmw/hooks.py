@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -63,6 +64,19 @@ HOOKS: dict[str, HookSpec] = {
     )
 }
 HOOKS_BY_NUMBER: dict[int, HookSpec] = {s.number: s for s in HOOKS.values()}
+
+
+def check_next_kwargs(spec: HookSpec, overrides: Mapping[str, Any], input_kwargs: Iterable[str]) -> None:
+    """A next_handler call passes on only what the hook takes: its overrides, and the keys of its
+    ``input_kwargs`` as the layer left them (a key added in place would reach the inner layers, or
+    fail the agent's own function with Python's TypeError, as in AgentScope). The chain checks
+    each in-process layer's calls with it and the SDK its author's, alike."""
+    unknown = overrides.keys() - spec.params
+    if unknown:
+        raise TypeError(f"{spec.name}: next_handler() got unexpected kwargs {sorted(unknown)}")
+    added = set(input_kwargs) - spec.params
+    if added:
+        raise TypeError(f"{spec.name}: input_kwargs has keys the hook does not take: {sorted(added)}")
 
 
 def check_result(spec: HookSpec, value: Any) -> Any:

@@ -1374,6 +1374,18 @@ class PlainToolChoice(MiddlewareBase):
 MIDDLEWARE[PlainToolChoice.__name__] = PlainToolChoice
 
 
+class AddsKwarg(MiddlewareBase):
+    """Adds a key on_reasoning does not take to its input_kwargs, in place, then calls next."""
+
+    async def on_reasoning(self, agent, input_kwargs, next_handler):
+        input_kwargs["bogus"] = 1
+        async for item in next_handler():
+            yield item
+
+
+MIDDLEWARE[AddsKwarg.__name__] = AddsKwarg
+
+
 class ColdModel(MiddlewareBase):
     """Asks for a low temperature when the user says "cold": on the ``current_model`` it is given,
     in place (``how`` "in_place"), or by passing an edited copy of it as the override

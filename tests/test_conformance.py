@@ -622,6 +622,7 @@ FIDELITY_CASES: list[tuple[Scenario, Check]] = [
 ACTING_YIELDS_CUSTOM = Scenario("acting_yields_custom", [Layer("ActingYieldsCustom")], message="call add a=1 b=2")
 REASONING_YIELDS_BLOCK = Scenario("reasoning_yields_block", [Layer("ReasoningYieldsBlock")])
 PLAIN_TOOL_CHOICE = Scenario("plain_tool_choice", [Layer("PlainToolChoice")], message="call add a=1 b=2")
+ADDS_KWARG = Scenario("adds_kwarg", [Layer("AddsKwarg")])
 YIELDS_NONE = {
     hook: Scenario(f"yields_none_{hook}", [Layer("YieldsNone", {"hook": hook})], message="call add a=1 b=2")
     for hook in ("on_reply", "on_reasoning", "on_acting", "on_model_call")
@@ -636,6 +637,7 @@ def fidelity_servers():
             ACTING_YIELDS_CUSTOM,
             REASONING_YIELDS_BLOCK,
             PLAIN_TOOL_CHOICE,
+            ADDS_KWARG,
             *YIELDS_NONE.values(),
         ]
     )
@@ -709,6 +711,19 @@ async def test_an_override_of_the_wrong_type_fails_the_reply_in_process_as_remot
     assert remote_error == (
         "CodecError: expected a ToolChoice, got str 'none' (raised by middleware 'PlainToolChoice' in on_reasoning)"
     )
+
+
+async def test_a_key_added_to_input_kwargs_in_place_fails_the_reply_in_process_as_remotely(
+    fidelity_servers: Servers,
+) -> None:
+    """Remotely the SDK dropped a key the hook does not take: the reply went on. In-process it
+    failed the agent's own function (Python's TypeError, as in AgentScope). Both now say which."""
+    local_events, _ = await run(ADDS_KWARG, ["local"], None)
+    remote_events, _ = await run(ADDS_KWARG, ["remote"], fidelity_servers)
+    assert kinds(remote_events) == kinds(local_events) == ["ReplyStartEvent", "ReplyEndEvent", "Msg"]
+    said = "TypeError: on_reasoning: input_kwargs has keys the hook does not take: ['bogus']"
+    assert local_events[-2]["error"]["message"] == said
+    assert remote_events[-2]["error"]["message"] == f"{said} (raised by middleware 'AddsKwarg' in on_reasoning)"
 
 
 async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_remotely(

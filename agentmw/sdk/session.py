@@ -29,7 +29,7 @@ from agentmw.chain import prepend
 from agentmw.codec import CodecError, codec, json_to_value
 from agentmw.data import ChatResponse, ErrorType
 from agentmw.errors import MAX_TEXT, own_cancellation
-from agentmw.hooks import HookSpec, Kind, check_result
+from agentmw.hooks import HookSpec, Kind, check_next_kwargs, check_result
 from agentmw.v1 import hooks_pb2
 from agentmw.wire import (
     DEFAULT_CREDITS,
@@ -226,9 +226,7 @@ class HookSession:
                 await self.fetch(_inbox_or_end)
 
     def next_handler(self, **overrides: Any) -> Any:
-        unknown = overrides.keys() - self.spec.params
-        if unknown:
-            raise TypeError(f"{self.spec.name}: next_handler() got unexpected kwargs {sorted(unknown)}")
+        check_next_kwargs(self.spec, overrides, dict.keys(self.kwargs))  # keys only: nothing decoded
         if self.spec.kind is Kind.STREAM:
             return InnerStream(self, overrides)
         return self._call_next_value(overrides)

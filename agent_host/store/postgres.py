@@ -226,6 +226,7 @@ class PostgresStore(CachedJournals):
         self._closing = False
         self.host_id = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"
         self._held: dict[str, Hold] = {}
+        self._releasing: set[asyncio.Task[None]] = set()  # leases a cancelled acquire took (_try_acquire)
         self._waiters: dict[str, set[asyncio.Event]] = collections.defaultdict(set)
         CachedJournals.__init__(self)
         self._renewer: asyncio.Task[None] | None = None
@@ -279,8 +280,30 @@ class PostgresStore(CachedJournals):
             if self._held.get(session_id) is hold:
                 del self._held[session_id]
             # Shielded: a cancelled reply still hands the session on at once, not at the expiry.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.pool.fetch(_RELEASE, session_id, fence, self.host_id))
+            await asyncio.shield(self._release(session_id, fence))
+
+    async def _release(self, session_id: str, fence: int | None) -> None:
+        with contextlib.suppress(Exception):  # else the lease runs out: the session is free then
+            await self.pool.fetch(_RELEASE, session_id, fence, self.host_id)
+
+    async def _try_acquire(self, session_id: str) -> Any:
+        """One acquire statement. Shielded: a reply cancelled while it runs (its client gave up, the
+        host stops) may find the statement already committed on the server, a lease with no hold
+        behind it, which held the session on every host for a whole lease; so it runs to its end,
+        and the lease it took is released."""
+        attempt = asyncio.ensure_future(self.pool.fetchrow(_ACQUIRE, session_id, self.host_id, self.lease))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            attempt.add_done_callback(lambda done: self._release_untaken(session_id, done))
+            raise
+
+    def _release_untaken(self, session_id: str, attempt: asyncio.Future[Any]) -> None:
+        if attempt.cancelled() or attempt.exception() is not None or attempt.result()["fence"] is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._release(session_id, int(attempt.result()["fence"])))
+        self._releasing.add(task)  # a reference until it is done (the loop keeps only weak ones)
+        task.add_done_callback(self._releasing.discard)
 
     async def _acquire(self, session_id: str, wait: bool) -> int:
         released = asyncio.Event()
@@ -288,7 +311,7 @@ class PostgresStore(CachedJournals):
         try:
             while True:
                 try:
-                    row = await self.pool.fetchrow(_ACQUIRE, session_id, self.host_id, self.lease)
+                    row = await self._try_acquire(session_id)
                 except asyncpg.LockNotAvailableError:  # the lease row stayed locked (lock_timeout): busy
                     row = {"fence": None, "holder": None, "remaining": POLL}
                 if row["fence"] is not None:
@@ -535,9 +558,10 @@ class PostgresStore(CachedJournals):
             if task is not None:
                 task.cancel()
         for hold in list(self._held.values()):  # normally none: each reply releases its own
-            with contextlib.suppress(Exception):
-                await self.pool.fetch(_RELEASE, hold.session_id, hold.fence, self.host_id)
+            await self._release(hold.session_id, hold.fence)
         self._held.clear()
+        if self._releasing:  # what cancelled acquires took, before the pool goes
+            await asyncio.wait(self._releasing, timeout=5)
         with contextlib.suppress(Exception):
             await self.pool.execute("DELETE FROM agentmw_replies WHERE host = $1", self.host_id)
         with contextlib.suppress(Exception):

@@ -278,6 +278,12 @@ async def test_a_reply_its_client_cancelled_is_continued_by_a_retry_of_its_messa
         assert [m.id for m in state.context if m.role.value == "user"] == [message.id], "stored once"
         assert state.context[-1].role.value == "assistant"
         assert state.context[-1].finished_reason != ReplyFinishedReason.INTERRUPTED
+        with pytest.raises(grpc.aio.AioRpcError) as again:  # once more: it is answered now (it was
+            await _reply(host.address, session, message)  # "interrupted, and other messages followed")
+        assert again.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert again.value.details().endswith(
+            f"message {message.id} in session {session!r} was already answered: see GetSession"
+        )
 
 
 async def test_a_retry_is_known_by_the_clients_message_id_when_a_middleware_passed_on_a_new_message(

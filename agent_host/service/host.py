@@ -924,7 +924,8 @@ def _is_retry(state: AgentState, inputs: Any) -> bool:
         return False
     answer = None if index is None else next((m for m in state.context[index + 1 :] if m.role == Role.ASSISTANT), None)
     where = f"message {inputs.id} in session {state.session_id!r}"
-    if answer is not None and answer.finished_reason == ReplyFinishedReason.INTERRUPTED:
+    # (The latest message's reply, cut short and then continued by a retry, is answered.)
+    if answer is not None and answer.finished_reason == ReplyFinishedReason.INTERRUPTED and inputs.id not in latest:
         why = f"{where} was interrupted, and other messages followed it: only the latest can be retried"
     else:
         why = f"{where} was already answered" + (": see GetSession" if index is not None else "")

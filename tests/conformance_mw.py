@@ -1386,6 +1386,27 @@ class AddsKwarg(MiddlewareBase):
 MIDDLEWARE[AddsKwarg.__name__] = AddsKwarg
 
 
+class SetInSlot(MiddlewareBase):
+    """Puts a set (not JSON) into its slot at the reply's start; ``then_raise``: raises after."""
+
+    def __init__(self, then_raise: bool = False) -> None:
+        self.then_raise = then_raise
+
+    async def get_middleware_key(self) -> str:
+        return "set_in_slot"
+
+    async def on_reply(self, agent, input_kwargs, next_handler):
+        async for item in next_handler():
+            if isinstance(item, ReplyStartEvent):
+                agent.state.middle_context["set_in_slot"] = {"seen": {1, 2}}
+                if self.then_raise:
+                    raise ValueError("my own error")
+            yield item
+
+
+MIDDLEWARE[SetInSlot.__name__] = SetInSlot
+
+
 class ColdModel(MiddlewareBase):
     """Asks for a low temperature when the user says "cold": on the ``current_model`` it is given,
     in place (``how`` "in_place"), or by passing an edited copy of it as the override

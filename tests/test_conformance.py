@@ -623,6 +623,10 @@ ACTING_YIELDS_CUSTOM = Scenario("acting_yields_custom", [Layer("ActingYieldsCust
 REASONING_YIELDS_BLOCK = Scenario("reasoning_yields_block", [Layer("ReasoningYieldsBlock")])
 PLAIN_TOOL_CHOICE = Scenario("plain_tool_choice", [Layer("PlainToolChoice")], message="call add a=1 b=2")
 ADDS_KWARG = Scenario("adds_kwarg", [Layer("AddsKwarg")])
+SET_IN_SLOT = {
+    then_raise: Scenario(f"set_in_slot_{then_raise}", [Layer("SetInSlot", {"then_raise": then_raise})])
+    for then_raise in (False, True)
+}
 YIELDS_NONE = {
     hook: Scenario(f"yields_none_{hook}", [Layer("YieldsNone", {"hook": hook})], message="call add a=1 b=2")
     for hook in ("on_reply", "on_reasoning", "on_acting", "on_model_call")
@@ -638,6 +642,7 @@ def fidelity_servers():
             REASONING_YIELDS_BLOCK,
             PLAIN_TOOL_CHOICE,
             ADDS_KWARG,
+            *SET_IN_SLOT.values(),
             *YIELDS_NONE.values(),
         ]
     )
@@ -724,6 +729,26 @@ async def test_a_key_added_to_input_kwargs_in_place_fails_the_reply_in_process_a
     said = "TypeError: on_reasoning: input_kwargs has keys the hook does not take: ['bogus']"
     assert local_events[-2]["error"]["message"] == said
     assert remote_events[-2]["error"]["message"] == f"{said} (raised by middleware 'AddsKwarg' in on_reasoning)"
+
+
+@pytest.mark.parametrize("then_raise", [False, True], ids=["set", "set_then_raise"])
+async def test_a_slot_that_is_not_json_is_the_middlewares_own_error(
+    then_raise: bool, fidelity_servers: Servers
+) -> None:
+    """A set in a remote middleware's slot ended its stream UNKNOWN (a TypeError in the SDK's own
+    code), a failure of the middleware ("upstream": fail_open skipped it); its own error raised
+    after setting it was lost the same way. Now it is the author's error, at its next step."""
+    events, state = await run(SET_IN_SLOT[then_raise], ["remote"], fidelity_servers)
+    assert kinds(events) == ["ReplyStartEvent", "ReplyEndEvent", "Msg"]
+    where = " (raised by middleware 'set_in_slot' in on_reply)"  # (named by its key)
+    said = (
+        "ValueError: my own error"
+        if then_raise
+        else "TypeError: middle_context['set_in_slot'] must hold JSON (objects with str keys, lists, str, "
+        "numbers, bools, None): Object of type set is not JSON serializable"
+    )
+    assert events[-2]["error"] == {"class": "ErrorInfo", "type": "internal", "message": said + where}
+    assert "set_in_slot" not in state["middle_context"]
 
 
 async def test_on_acting_yielding_a_non_tool_item_fails_the_reply_in_process_as_remotely(

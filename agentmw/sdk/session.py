@@ -119,6 +119,7 @@ class HookSession:
         self.unanswered = 0  # seq of the intercepted item handed to the author, not answered yet
         self.answered = 0  # seq of the last intercepted item answered (Pull.answers_seq of a refill)
         self.suspended = False  # sent suspend, waiting for resume
+        self.unsent_slot: Exception | None = None  # why the slot could not be sent (_sync_slot_unchecked)
         self.read_lock = asyncio.Lock()
         # The intercepted item held now: (item, its proto, seq, its fields when all are scalars).
         self.current: tuple[Any, Any, int, tuple[Any, ...] | None] | None = None
@@ -327,6 +328,9 @@ class HookSession:
         """Turn in-place changes of the view (context edits, the slot) into mutations, in order.
         It runs twice per intercepted item: the checks that find nothing to do are made here, not
         by a call each (a context not sent, a slot neither used nor a dict or list)."""
+        if self.unsent_slot is not None:
+            exc, self.unsent_slot = self.unsent_slot, None
+            raise exc
         state = self.view.state
         if state.context.visible:
             state.context.sync()
@@ -336,13 +340,28 @@ class HookSession:
 
     def sync_slot(self) -> None:
         slot = self.view.state.middle_context
-        changed, value = slot.changed()
-        if changed:
-            self._refuse("change its slot")
-            action = hooks_pb2.Action()
-            json_to_value(value, action.mutate.set_slot)
-            self.actions.append(action)
-            slot.pending_message = self.sent + 1  # the next message written carries it
+        try:
+            changed, value = slot.changed()
+            if changed:
+                self._refuse("change its slot")
+                action = hooks_pb2.Action()
+                json_to_value(value, action.mutate.set_slot)
+                self.actions.append(action)
+                slot.pending_message = self.sent + 1  # the next message written carries it
+        except (TypeError, ValueError, RecursionError) as exc:  # a set, a non-str key, a cycle...
+            raise TypeError(
+                f"middle_context[{slot.key!r}] must hold JSON (objects with str keys, lists, str, numbers, "
+                f"bools, None): {exc}"
+            ) from None
+
+    def _sync_slot_unchecked(self) -> None:
+        """``sync_slot`` where no author code is on the stack (a flush, the fail): what cannot be
+        carried is raised in the author's code at its next step (sync_state), not here, where it
+        ended the stream with UNKNOWN and the host took the middleware for broken."""
+        try:
+            self.sync_slot()
+        except (TypeError, RuntimeError) as exc:
+            self.unsent_slot = exc
 
     def host_violation(self, what: str) -> HostProtocolError:
         """``what`` came from the host: kept, so that the invocation ends saying so (run)."""
@@ -389,7 +408,7 @@ class HookSession:
             if check:
                 self.sync_state()
             else:
-                self.sync_slot()
+                self._sync_slot_unchecked()
         msg.invocation = self.invocation
         # acquire/release, not ``async with``: two Python calls fewer, twice per item.
         lock = self.write_lock

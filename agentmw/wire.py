@@ -196,8 +196,10 @@ def rebuilt_error(
     would make of its args; its ``args`` are that message (a KeyError's: its key, read back from
     the repr ``str(KeyError)`` is)."""
     known, sample = None, None
-    for name in (type_name, *bases):
+    for i, name in enumerate((type_name, *bases)):
         known = KNOWN_ERRORS.get(name)
+        if known is not None and bases and not _lineage(known) <= set(bases[i:]):
+            known = None  # a class of its own with a known one's name (a library's ConnectionError)
         if known is not None:
             try:  # a class that needs more than a message (UnicodeDecodeError, ExceptionGroup): next
                 sample = known(message)
@@ -230,6 +232,11 @@ def rebuilt_error(
         _sent_text=message, _sent_type=type_name, _sent_bases=list(bases), _sent_attributes=tuple(attributes)
     )
     return exc
+
+
+def _lineage(cls: type[BaseException]) -> set[str]:
+    """The names of a known class's bases, as ``encode_error`` sends an exception's."""
+    return {c.__name__ for c in cls.__mro__[1:] if c not in (BaseException, object)}
 
 
 def _instance(base: type[_E], type_name: str, known: type[BaseException] | None) -> _E:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 from typing import Any
 
@@ -11,7 +12,7 @@ from agentmw import data as d
 from agentmw.codec import CodecError, codec
 from agentmw.hooks import HOOKS
 from agentmw.v1 import hooks_pb2
-from agentmw.wire import decode_kwargs, encode_kwargs
+from agentmw.wire import decode_kwargs, encode_error, encode_kwargs
 
 CALL = d.ToolCallBlock(
     id="c1",
@@ -285,6 +286,24 @@ def test_timestamps_are_what_datetime_now_astimezone_isoformat_gives(monkeypatch
 
 
 # -- exceptions across the wire: rebuilt by name (agentmw.wire.rebuilt_error) -------------------------
+
+
+def test_a_class_of_its_own_with_a_builtins_name_is_not_rebuilt_as_the_builtin() -> None:
+    """A library's ``class ConnectionError(Exception)`` (requests has one) was rebuilt as the
+    builtin ConnectionError, an OSError: ``except OSError`` caught it remotely, not in-process.
+    Its bases, sent with it, say which it is; without bases (another language) the name decides."""
+    from agent_host.remote.errors import remote_error
+
+    class ConnectionError(Exception):  # a library's own, as requests has
+        pass
+
+    encoded = encode_error(ConnectionError("refused"), hooks_pb2.Fail())
+    own = remote_error("mw", "on_reply", encoded.type, encoded.message, bases=list(encoded.bases))
+    assert type(own).__name__ == "ConnectionError" and not isinstance(own, OSError) and str(own) == "refused"
+    encoded = encode_error(builtins.ConnectionError("refused"), hooks_pb2.Fail())
+    real = remote_error("mw", "on_reply", encoded.type, encoded.message, bases=list(encoded.bases))
+    assert isinstance(real, builtins.ConnectionError) and isinstance(real, OSError)
+    assert isinstance(remote_error("mw", "on_reply", "ConnectionError", "refused"), builtins.ConnectionError)
 
 
 @pytest.mark.parametrize(

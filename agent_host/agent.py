@@ -47,7 +47,7 @@ from agentmw.data import (
     new_id,
 )
 from agentmw.data.state import AgentState, checked_max_iters
-from agentmw.errors import error_text, own_cancellation
+from agentmw.errors import error_text, exception_error_type, own_cancellation
 from agentmw.hooks import HOOKS
 from agentmw.tools import INTERRUPTED_TOOL_TEXT, Toolkit
 from agentmw.wire import EMITTABLE
@@ -334,7 +334,7 @@ class Agent(Reasoning, Acting, Compression):
         """The end of a failed reply, well formed whatever the client saw so far (a ReplyStartEvent
         if it saw none, its open blocks closed, one ReplyEndEvent(ERROR), the error Msg); the error
         is stored in the reply's message when the reply had begun (its user message is stored)."""
-        error = ErrorInfo(type=getattr(exc, "error_type", ErrorType.INTERNAL), message=error_text(exc))
+        error = ErrorInfo(type=exception_error_type(exc) or ErrorType.INTERNAL, message=error_text(exc))
         state = self.state
         grammar.retract()  # the held end / final Msg are dropped: the clean-up continues the stream
         began = grammar.parked or state.reply_id != grammar.previous_reply_id

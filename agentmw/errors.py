@@ -20,6 +20,16 @@ def clipped(text: str, limit: int = MAX_TEXT, *, tail: bool = False) -> str:
     return f"... {more} {text[-limit:]}" if tail else f"{text[:limit]}... {more}"
 
 
+def exception_error_type(exc: BaseException) -> ErrorType | None:
+    """An exception's ``error_type`` as an ErrorType; None when it has none, or one that is not an
+    ErrorType value (as if it had none: a failed reply's error is then ``internal``)."""
+    value = getattr(exc, "error_type", None)
+    try:
+        return None if value is None else ErrorType(value)
+    except ValueError:
+        return None
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names what and where."""
 

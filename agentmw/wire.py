@@ -22,7 +22,7 @@ from .data import (
     ToolResponse,
     ToolResultState,
 )
-from .errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError
+from .errors import ConfigError, ModelError, ReplyGrammarError, UnknownModelError, exception_error_type
 from .hooks import HookSpec
 from .tools import Tool, ToolInputError
 
@@ -132,18 +132,26 @@ def encode_error(exc: BaseException, out: _Encoded) -> _Encoded:
     retryable = getattr(exc, "retryable", None)
     if retryable is not None:
         out.retryable = bool(retryable)
-    error_type = getattr(exc, "error_type", None)
+    error_type = exception_error_type(exc)
     if error_type is not None:
-        with contextlib.suppress(ValueError):  # not an ErrorType value: as if it had none
-            out.error_type = _ERROR_TYPES.to_number[ErrorType(error_type)]
+        out.error_type = _ERROR_TYPES.to_number[error_type]
     bases = own.get("_sent_bases")
     if bases is None:
         bases = [cls.__name__ for cls in type(exc).__mro__[1:] if cls not in (BaseException, object)]
     out.bases.extend(bases)
     sent = own.get("_sent_attributes")
     attributes = {}
-    for name, value in own.items():
-        if name in sent if sent is not None else _public(name):
+    values = list(own.items())
+    if sent is None:  # then its class's plain values (a class-level ``status = 429``), not descriptors
+        values += [
+            (name, value)
+            for cls in type(exc).__mro__
+            if cls.__module__ != "builtins"
+            for name, value in vars(cls).items()
+            if name not in own and not hasattr(value, "__get__")
+        ]
+    for name, value in values:
+        if name not in attributes and (name in sent if sent is not None else _public(name)):
             with contextlib.suppress(ValueError, TypeError, RecursionError):  # not JSON (a partial response)
                 json.dumps(value, allow_nan=False)
                 attributes[name] = value

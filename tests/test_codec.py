@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import dataclasses
+import json
 from typing import Any
 
 import pytest
@@ -286,6 +288,45 @@ def test_timestamps_are_what_datetime_now_astimezone_isoformat_gives(monkeypatch
 
 
 # -- exceptions across the wire: rebuilt by name (agentmw.wire.rebuilt_error) -------------------------
+
+
+def test_an_exceptions_class_level_values_cross_and_a_bad_error_type_is_internal() -> None:
+    """A class-level ``status = 429`` (or ``retry_after``, which the host's retry waits) was
+    missing remotely: only the instance's own attributes crossed. An ``error_type`` that is no
+    ErrorType is ``internal`` in-process as remotely (in-process a failed reply's error had the
+    bogus type, which its client's encoding then refused)."""
+    from agent_host.agent import Agent
+    from agent_host.models import OfflineRuleModel
+    from agent_host.remote.errors import remote_error
+    from agentmw.middleware import MiddlewareBase
+
+    class Throttled(Exception):
+        status, code, retry_after, error_type = 429, "slow_down", 2.5, "bogus"
+
+        @property
+        def detail(self) -> str:  # a property is not a value: not called, not sent
+            raise AssertionError("read")
+
+    exc = Throttled("later")
+    exc.code = "mine"  # the instance's own wins
+    encoded = encode_error(exc, hooks_pb2.Fail())
+    rebuilt = remote_error(
+        "mw", "on_reply", encoded.type, encoded.message, attributes=json.loads(encoded.attributes_json)
+    )
+    assert (rebuilt.status, rebuilt.code, rebuilt.retry_after) == (429, "mine", 2.5)
+    assert encoded.error_type == 0  # unset: as if it had none
+
+    class Raises(MiddlewareBase):
+        async def on_reply(self, agent, input_kwargs, next_handler):
+            raise exc
+            yield
+
+    async def reply() -> list[Any]:
+        return [e async for e in Agent(model=OfflineRuleModel(), middlewares=[Raises()]).reply_stream(d.UserMsg("hi"))]
+
+    end = next(e for e in asyncio.run(reply()) if isinstance(e, d.ReplyEndEvent))
+    assert end.error is not None and end.error.type is d.ErrorType.INTERNAL
+    codec.encode_item(end)  # a client can be sent it
 
 
 def test_a_class_of_its_own_with_a_builtins_name_is_not_rebuilt_as_the_builtin() -> None:

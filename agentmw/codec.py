@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # a message's DESCRIPTOR is the C (upb) one at run time
     from google._upb._message import Descriptor as UpbDescriptor
 
 from . import data as d
+from .errors import clipped
 
 _PROTO_MODULES = (types_pb2, events_pb2, hooks_pb2)
 _ENUMS: tuple[type[Enum], ...] = (
@@ -398,8 +399,7 @@ class Codec:
                 fns[0](out, obj)
             except AttributeError:  # an object without every field of its class: anew, field by field
                 if isinstance(obj, _NOT_OBJECTS):  # no duck type: its fields would all read as unset
-                    text = repr(obj)
-                    text = text if len(text) <= 80 else f"{text[:77]}..."
+                    text = clipped(repr(obj), 80)
                     raise CodecError(f"expected a {out.DESCRIPTOR.name}, got {type(obj).__name__} {text}") from None
                 out.Clear()  # (``out`` is always a fresh message: nothing of the caller's is lost)
                 self._encode_fields(out, obj, get)

@@ -71,12 +71,12 @@ def check_next_kwargs(spec: HookSpec, overrides: Mapping[str, Any], input_kwargs
     ``input_kwargs`` as the layer left them (a key added in place would reach the inner layers, or
     fail the agent's own function with Python's TypeError, as in AgentScope). The chain checks
     each in-process layer's calls with it and the SDK its author's, alike."""
-    unknown = overrides.keys() - spec.params
-    if unknown:
-        raise TypeError(f"{spec.name}: next_handler() got unexpected kwargs {sorted(unknown)}")
-    added = set(input_kwargs) - spec.params
-    if added:
-        raise TypeError(f"{spec.name}: input_kwargs has keys the hook does not take: {sorted(added)}")
+    params = spec.params  # issuperset first: no set made on the usual call, which passes
+    if not params.issuperset(overrides):
+        raise TypeError(f"{spec.name}: next_handler() got unexpected kwargs {sorted(overrides.keys() - params)}")
+    if not params.issuperset(input_kwargs):
+        added = sorted(set(input_kwargs) - params)
+        raise TypeError(f"{spec.name}: input_kwargs has keys the hook does not take: {added}")
 
 
 def check_result(spec: HookSpec, value: Any) -> Any:

@@ -552,6 +552,8 @@ class Relay:
         self.server: asyncio.Server | None = None
         self.writers: list[asyncio.StreamWriter] = []
         self.stalled = False  # a database that stops answering, its connections open (a black hole)
+        self.answering = asyncio.Event()  # cleared: the server's answers wait (a slow network)
+        self.answering.set()
 
     @classmethod
     async def in_front_of(cls, dsn: str) -> tuple[Relay, str]:
@@ -583,15 +585,17 @@ class Relay:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
         self.writers.append(up_writer)
 
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, answers: bool) -> None:
             with contextlib.suppress(OSError):
                 while data := await r.read(65536):
+                    if answers:
+                        await self.answering.wait()
                     if not self.stalled:  # else swallowed
                         w.write(data)
                         await w.drain()
             w.transport.abort()
 
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
 
 
 async def store_lost_during_a_tool(
@@ -1120,57 +1124,13 @@ def test_the_store_settings_come_from_yaml_environment_and_flags(tmp_path: Path)
     assert cfg.security.tls.cert == server.cert
 
 
-class HeldAnswers:
-    """A TCP relay to PostgreSQL that can hold back the server's answers: a statement the server
-    has committed is not answered yet, as on a slow network."""
-
-    def __init__(self, dsn: str) -> None:
-        self.target = urlsplit(dsn)
-        self.dsn = dsn
-        self.flowing = asyncio.Event()
-        self.flowing.set()
-        self.tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> str:
-        """The DSN through the relay."""
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-        return self.dsn.replace(f"{self.target.hostname}:{self.target.port}", f"127.0.0.1:{port}", 1)
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(self.target.hostname, self.target.port)
-        for src, dst, held in ((reader, up_writer, False), (up_reader, writer, True)):
-            task = asyncio.create_task(self._pump(src, dst, held))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
-
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, held: bool) -> None:
-        try:
-            while data := await src.read(65536):
-                if held:
-                    await self.flowing.wait()
-                dst.write(data)
-                await dst.drain()
-        except ConnectionError:
-            pass
-        finally:
-            dst.close()
-
-    async def aclose(self) -> None:
-        self.flowing.set()
-        self.server.close()
-        for task in list(self.tasks):
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-
-
 async def test_a_reply_cancelled_while_its_lease_is_being_taken_leaves_the_session_free(dsn: str) -> None:
     """A reply cancelled (its client gave up, the host stopping) while it waits for the session,
     just as the server commits its acquire: the lease was taken with no hold behind it, and every
     host waited a whole lease (here 30 s) for a session no reply used. Now the acquire runs to its
     end and what it took is released."""
-    relay = HeldAnswers(dsn)
-    store = await PostgresStore.connect(await relay.start(), lease=30)
+    relay, relayed = await Relay.in_front_of(dsn)
+    store = await PostgresStore.connect(relayed, lease=30)
     conn = await asyncpg.connect(dsn)
     owners: list[str | None] = []
 
@@ -1185,14 +1145,14 @@ async def test_a_reply_cancelled_while_its_lease_is_being_taken_leaves_the_sessi
     try:
         async with store.hold("warm"):  # the statements prepared: one acquire is one round trip
             pass
-        relay.flowing.clear()  # the server's answers wait from here
+        relay.answering.clear()  # the server's answers wait from here
         waiting = asyncio.create_task(reply())
         async with asyncio.timeout(10):
             while await owner() != store.host_id:  # the server took the lease; the host has no answer yet
                 await asyncio.sleep(0.02)
         waiting.cancel()
         await asyncio.sleep(0.2)  # the cancellation is seen before the answer comes
-        relay.flowing.set()
+        relay.answering.set()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         async with asyncio.timeout(5):  # not the lease's 30 s
@@ -1203,4 +1163,4 @@ async def test_a_reply_cancelled_while_its_lease_is_being_taken_leaves_the_sessi
     finally:
         await conn.close()
         await store.aclose()
-        await relay.aclose()
+        await relay.cut()

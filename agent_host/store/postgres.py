@@ -299,9 +299,12 @@ class PostgresStore(CachedJournals):
             raise
 
     def _release_untaken(self, session_id: str, attempt: asyncio.Future[Any]) -> None:
-        if attempt.cancelled() or attempt.exception() is not None or attempt.result()["fence"] is None:
+        if attempt.cancelled() or attempt.exception() is not None:
             return
-        task = asyncio.get_running_loop().create_task(self._release(session_id, int(attempt.result()["fence"])))
+        fence = attempt.result()["fence"]
+        if fence is None:  # it found the session busy: took nothing
+            return
+        task = asyncio.get_running_loop().create_task(self._release(session_id, int(fence)))
         self._releasing.add(task)  # a reference until it is done (the loop keeps only weak ones)
         task.add_done_callback(self._releasing.discard)
 

@@ -120,6 +120,7 @@ class HookSession:
         self.answered = 0  # seq of the last intercepted item answered (Pull.answers_seq of a refill)
         self.suspended = False  # sent suspend, waiting for resume
         self.unsent_slot: Exception | None = None  # why the slot could not be sent (_sync_slot_unchecked)
+        self.emittable = EMITTABLE.get(spec.name, frozenset())  # what emit() sends (read per item)
         self.read_lock = asyncio.Lock()
         # The intercepted item held now: (item, its proto, seq, its fields when all are scalars).
         self.current: tuple[Any, Any, int, tuple[Any, ...] | None] | None = None
@@ -298,7 +299,7 @@ class HookSession:
         self.sync_state()
         if out is not None and self.observed.pop(id(out), None) is out:  # None: the pop's default
             return False
-        if type(out) not in EMITTABLE[self.spec.name]:  # as the host checks an in-process layer's
+        if type(out) not in self.emittable:  # as the host checks an in-process layer's
             raise TypeError(f"{self.spec.name} cannot yield {type(out).__name__}")
         self._refuse(f"emit {type(out).__name__}")
         action = hooks_pb2.Action()
